@@ -1,0 +1,35 @@
+"""Tessera: a declarative model compiler. Spec files in, fast reproducible JAX programs out.
+
+    import tessera
+    exp = tessera.load("specs/gpt_oss_tiny.yaml", overrides={"model.args.layers": 2})
+    prog = tessera.compile(exp)
+    params = prog.init(seed=0)
+    logits = prog.forward(params, tokens)
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["load", "compile", "save_weights", "__version__"]
+
+
+def load(path, overrides=None):
+    """Load and validate an experiment spec (YAML), applying `overrides` ({"a.b": value} or ["a.b=v"])."""
+    from tessera.spec import load_experiment
+
+    return load_experiment(path, overrides=overrides or ())
+
+
+def compile(exp):  # noqa: A001 - the public name is the verb users expect
+    """Compile an experiment into a program (Graph IR → JAX) on the experiment's mesh."""
+    from tessera.lower.program import compile_experiment
+
+    return compile_experiment(exp)
+
+
+def save_weights(params, directory, exp=None):
+    """Write parameters as a Hugging Face checkpoint (config.json + safetensors)."""
+    from tessera.lower.weights import save_weights as _save
+
+    return _save(params, directory, exp=exp)
