@@ -1,0 +1,1 @@
+"""Reference semantics of Tessera's ops in plain `jax.numpy`/`lax`. Kernels must match these."""
