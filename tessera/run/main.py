@@ -1,0 +1,149 @@
+"""`tessera run`: pick the run directory, compile, run the task, and keep the manifest true throughout.
+
+    result = run_experiment(exp, out="runs/x")      # Python
+    tessera run specs/x.yaml --set task.steps=100   # command line → run_command
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence, TextIO
+
+import yaml
+
+from tessera.diagnostics import RunError, TesseraError
+from tessera.run.checkpoint import check_compatible
+from tessera.run.context import Interrupt, RunContext
+from tessera.run.manifest import MANIFEST, Manifest, load_manifest, now
+from tessera.run.metrics import MetricsLog
+
+RUNS_DIR = Path("runs")
+SPEC_FILE = "spec.yaml"
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run left behind: its directory, final manifest record and exit code."""
+
+    run_dir: Path
+    manifest: dict[str, Any]
+    exit_code: int
+
+    @property
+    def metrics(self) -> list[dict]:
+        return self.manifest["metrics"]
+
+    @property
+    def params_checksum(self) -> str | None:
+        return self.manifest["params_checksum"]
+
+    @property
+    def status(self) -> str:
+        return self.manifest["status"]
+
+
+def default_compile(exp):
+    """The program for `exp`, compiled by Tessera with the optimizer `tessera.run.optim` builds."""
+    import tessera
+
+    return tessera.compile(exp)
+
+
+def default_run_dir(exp, when: _dt.datetime | None = None) -> Path:
+    """runs/<name>-<YYYYmmdd-HHMMSS>-<first 8 of the spec hash>/ under the working directory."""
+    when = when or _dt.datetime.now()
+    return RUNS_DIR / f"{exp.name}-{when:%Y%m%d-%H%M%S}-{exp.spec_hash[:8]}"
+
+
+def latest_run_dir(exp) -> Path | None:
+    """The newest run directory of this spec (same name and hash) that holds a manifest, if any."""
+    found = sorted(RUNS_DIR.glob(f"{exp.name}-*-{exp.spec_hash[:8]}/{MANIFEST}"))
+    return found[-1].parent if found else None
+
+
+def _choose_dir(exp, out, resume: bool) -> tuple[Path, bool]:
+    """(run directory, whether to continue from its checkpoints)."""
+    if out is not None:
+        out = Path(out)
+        return out, resume or (out / MANIFEST).exists()  # re-running into the same --out continues
+    if resume:
+        prev = latest_run_dir(exp)
+        if prev is not None:
+            return prev, True
+    return default_run_dir(exp), False
+
+
+def _start_manifest(ctx_dir: Path, exp, prog, overrides, spec_file, weights, resuming: bool) -> Manifest:
+    """Continue the directory's manifest when resuming into it, else start a new one."""
+    seed = int(exp.task.seed)
+    extra = {"run_dir": str(ctx_dir), "weights": str(weights) if weights else None}
+    if resuming and (ctx_dir / MANIFEST).exists():
+        record = load_manifest(ctx_dir)
+        record.update(spec=exp.resolved(), spec_hash=exp.spec_hash, ir_hash=prog.ir_hash, status="running",
+                      error=None, ended_at=None, **extra)
+        record.setdefault("resumed", [])
+        manifest = Manifest(ctx_dir, record)
+        manifest.flush()
+        return manifest
+    return Manifest.start(ctx_dir, exp, ir_hash=prog.ir_hash, seed=seed, overrides=overrides,
+                          spec_file=spec_file, extra=extra)
+
+
+def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | None = None, resume: bool = False,
+                   overrides: Any = None, spec_file: str | Path | None = None,
+                   compile_fn: Callable[[Any], Any] | None = None, stream: TextIO | None = None,
+                   tensorboard: bool = True) -> RunResult:
+    """Run `exp`'s task into a run directory (default runs/<name>-<time>-<hash>/) and return what it left."""
+    from tessera.run.tasks import TASKS
+
+    run_dir, resuming = _choose_dir(exp, out, resume)
+    if resuming and (run_dir / MANIFEST).exists():  # refuse before touching another spec's run directory
+        check_compatible(exp, load_manifest(run_dir)["spec"], exp.resolved(), run_dir / MANIFEST)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / SPEC_FILE).write_text(yaml.safe_dump(exp.resolved(), sort_keys=False))
+    spec_file = Path(spec_file).resolve() if spec_file else None
+    prog = (compile_fn or default_compile)(exp)
+    manifest = _start_manifest(run_dir, exp, prog, overrides, spec_file, weights, resuming)
+    ctx = RunContext(exp=exp, prog=prog, run_dir=run_dir, manifest=manifest,
+                     metrics=MetricsLog(run_dir, tensorboard=tensorboard), stream=stream or sys.stdout,
+                     weights=Path(weights) if weights else None, resume=resuming,
+                     spec_dir=spec_file.parent if spec_file else None)
+    try:
+        with Interrupt() as ctx.interrupt:
+            code = TASKS[exp.task.kind](ctx)
+        if manifest.record["status"] == "running":
+            manifest.finish("completed")
+    except (TesseraError, RunError) as exc:
+        manifest.finish("failed", error=str(exc))
+        raise
+    except KeyboardInterrupt:
+        manifest.finish("interrupted", error="interrupted")
+        raise
+    except Exception as exc:  # a runtime failure of a valid spec: OOM gets a plain message
+        manifest.finish("failed", error=f"{type(exc).__name__}: {exc}")
+        if any(m in str(exc) for m in OOM_MARKERS):
+            raise RunError(f"out of memory on {manifest.record['backend']}: {str(exc).splitlines()[0][:300]}; "
+                           "reduce task.batch or task.seq_len, raise task.microbatches, or use more devices") from None
+        raise
+    finally:
+        ctx.metrics.close()
+    ctx.say(f"manifest: {run_dir / MANIFEST}")
+    return RunResult(run_dir, manifest.record, code)
+
+
+def run_command(spec: str, overrides: Sequence[str] = (), out: str | None = None, weights: str | None = None,
+                resume: bool = False) -> int:
+    """The `tessera run` command: load the spec, run it, print where the manifest is; returns the exit code."""
+    from tessera.spec import load_experiment
+
+    exp = load_experiment(spec, overrides=list(overrides or ()))
+    result = run_experiment(exp, out=out, weights=weights, resume=resume, overrides=list(overrides or ()),
+                            spec_file=spec)
+    return result.exit_code
+
+
+__all__ = ["RunResult", "run_experiment", "run_command", "default_run_dir", "now"]

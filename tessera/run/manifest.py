@@ -1,0 +1,147 @@
+"""`manifest.json`: everything needed to see what a run did and to reproduce it bit for bit.
+
+The manifest is rewritten as the run goes (write to a temporary file, then `os.replace`), so a run
+that is killed still leaves a valid manifest up to its last flushed step. Other tools read these
+fixed top-level keys: `spec` (the resolved spec, itself a valid spec), `spec_hash`, `ir_hash`,
+`versions`, `devices`, `seed`, `metrics` (records with `step`, and `loss` when training) and
+`params_checksum` (sha256 over the final parameters' bytes in sorted path order).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+MANIFEST = "manifest.json"
+FIXED_KEYS = ("spec", "spec_hash", "ir_hash", "versions", "devices", "seed", "metrics", "params_checksum")
+PACKAGES = ("tessera", "jax", "jaxlib", "numpy", "optax", "orbax-checkpoint")
+
+
+def now() -> str:
+    """UTC time as ISO 8601 with seconds."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to `path` so readers only ever see the old or the new complete file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=False, default=_jsonable)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, (np.generic,)):
+        return obj.item()
+    if isinstance(obj, (Path,)):
+        return str(obj)
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def params_checksum(params: dict[str, Any]) -> str:
+    """sha256 hex digest of the parameters' bytes (C order, as stored), concatenated in sorted path order."""
+    h = hashlib.sha256()
+    for path in sorted(params):
+        h.update(np.ascontiguousarray(np.asarray(params[path])).tobytes())
+    return h.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    """Versions of Python and the packages that decide the numbers."""
+    out = {"python": platform.python_version()}
+    for pkg in PACKAGES:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+def devices() -> list[dict[str, Any]]:
+    """The devices the run used: id, platform, kind, process."""
+    return [{"id": d.id, "platform": d.platform, "kind": d.device_kind, "process": d.process_index}
+            for d in jax.devices()]
+
+
+def git_state(path: Path) -> dict[str, Any] | None:
+    """Commit and dirty flag of the git repository holding `path`, or None outside one."""
+    cwd = path if path.is_dir() else path.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                                timeout=10)
+        if commit.returncode != 0:
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+class Manifest:
+    """The manifest of one run directory, held in memory and flushed atomically on every change."""
+
+    def __init__(self, run_dir: Path, record: dict[str, Any]):
+        self.path = Path(run_dir) / MANIFEST
+        self.record = record
+
+    @classmethod
+    def start(cls, run_dir: Path, exp, *, ir_hash: str, seed: int, overrides, spec_file: Path | None,
+              extra: dict | None = None) -> "Manifest":
+        """A fresh manifest for `exp` with status `running`, written at once."""
+        record = {
+            "spec": exp.resolved(), "spec_hash": exp.spec_hash, "ir_hash": ir_hash, "versions": versions(),
+            "devices": devices(), "seed": seed, "metrics": [], "params_checksum": None,
+            "name": exp.name, "task": exp.task.kind, "backend": jax.default_backend(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": _overrides(overrides),
+            "git": git_state(spec_file) if spec_file else None, "data_fingerprint": None,
+            "started_at": now(), "ended_at": None, "status": "running", "error": None, "resumed": [],
+        }
+        record.update(extra or {})
+        manifest = cls(run_dir, record)
+        manifest.flush()
+        return manifest
+
+    def update(self, **fields: Any) -> None:
+        """Set top-level fields and flush."""
+        self.record.update(fields)
+        self.flush()
+
+    def flush(self) -> None:
+        write_json_atomic(self.path, self.record)
+
+    def finish(self, status: str, error: str | None = None, **fields: Any) -> None:
+        """Record the end: status (completed | failed | interrupted), the error if any, the end time."""
+        self.update(status=status, error=error, ended_at=now(), **fields)
+
+
+def _overrides(overrides) -> Any:
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        return {str(k): v for k, v in overrides.items()}
+    return list(overrides)
+
+
+def load_manifest(path: str | Path) -> dict[str, Any]:
+    """Read a manifest file, or the manifest of a run directory."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)

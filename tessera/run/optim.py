@@ -1,0 +1,95 @@
+"""The training optimizer built from `exp.task`: AdamW, a learning-rate schedule, clipping, weight decay.
+
+`tessera.compile(exp)` hands `build_optimizer(exp)` to the program, whose `train_step` applies it.
+The learning rate is an injected hyperparameter, so the current value can be read back from the
+optimizer state (`current_lr`) for the step's metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Schedule = Callable[[Any], Any]
+
+
+def _warmup(lr: float, warmup: int, after: optax.Schedule) -> optax.Schedule:
+    """Linear warmup from 0 to `lr` over `warmup` steps, then `after` (counted from the warmup's end)."""
+    if warmup <= 0:
+        return after
+    ramp = optax.linear_schedule(0.0, lr, warmup)
+    return optax.join_schedules([ramp, after], boundaries=[warmup])
+
+
+def _cosine(lr: float, steps: int, warmup: int, min_ratio: float) -> optax.Schedule:
+    decay = optax.cosine_decay_schedule(lr, max(steps - warmup, 1), alpha=min_ratio)
+    return _warmup(lr, warmup, decay)
+
+
+def _linear(lr: float, steps: int, warmup: int, min_ratio: float) -> optax.Schedule:
+    decay = optax.linear_schedule(lr, lr * min_ratio, max(steps - warmup, 1))
+    return _warmup(lr, warmup, decay)
+
+
+def _constant(lr: float, steps: int, warmup: int, min_ratio: float) -> optax.Schedule:
+    return _warmup(lr, warmup, optax.constant_schedule(lr))
+
+
+# schedule kind -> builder(lr, total_steps, warmup_steps, min_lr_ratio)
+SCHEDULES: dict[str, Callable[[float, int, int, float], optax.Schedule]] = {
+    "cosine": _cosine,
+    "warmup_cosine": _cosine,
+    "linear": _linear,
+    "constant": _constant,
+}
+
+
+def build_schedule(exp) -> optax.Schedule:
+    """The learning rate as a function of the optimizer step, from exp.task.{optimizer.lr, schedule, steps}."""
+    task, sched = exp.task, exp.task.schedule
+    kind = getattr(sched, "kind", "cosine")
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {sorted(SCHEDULES)}")
+    warmup = int(getattr(sched, "warmup_steps", 0) or 0)
+    min_ratio = float(getattr(sched, "min_lr_ratio", 0.0) or 0.0)
+    return SCHEDULES[kind](float(task.optimizer.lr), int(task.steps), warmup, min_ratio)
+
+
+def decay_mask(params: dict[str, jax.Array]) -> dict[str, bool]:
+    """Weight decay applies to matrices only: not to norms' scales, biases or sinks (ndim < 2)."""
+    return {path: jnp.ndim(value) >= 2 for path, value in params.items()}
+
+
+def _adamw(learning_rate, b1, b2, eps, weight_decay) -> optax.GradientTransformation:
+    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+
+
+def _adam(learning_rate, b1, b2, eps, weight_decay) -> optax.GradientTransformation:
+    return optax.adam(learning_rate, b1=b1, b2=b2, eps=eps)
+
+
+# optimizer name -> builder(learning_rate, b1, b2, eps, weight_decay)
+OPTIMIZERS = {"adamw": _adamw, "adam": _adam}
+
+
+def build_optimizer(exp) -> optax.GradientTransformation:
+    """AdamW (or as exp.task.optimizer.name says) with the schedule, global-norm clipping and weight decay."""
+    opt = exp.task.optimizer
+    name = getattr(opt, "name", "adamw")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}")
+    inner = optax.inject_hyperparams(OPTIMIZERS[name], static_args=("b1", "b2", "eps", "weight_decay"))(
+        learning_rate=build_schedule(exp), b1=float(opt.b1), b2=float(opt.b2), eps=float(opt.eps),
+        weight_decay=float(getattr(opt, "weight_decay", 0.0) or 0.0))
+    clip = getattr(opt, "clip_norm", None)
+    if clip:
+        return optax.chain(optax.clip_by_global_norm(float(clip)), inner)
+    return optax.chain(optax.identity(), inner)  # same state structure with or without clipping
+
+
+def current_lr(opt_state) -> jax.Array:
+    """The learning rate the last update used, read from the state `build_optimizer`'s optimizer keeps."""
+    return opt_state[1].hyperparams["learning_rate"]

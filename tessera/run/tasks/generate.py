@@ -1,0 +1,94 @@
+"""The `generate` task: complete a batch of prompts and report prefill and decode speed."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import jax
+import numpy as np
+
+from tessera.diagnostics import RunError
+from tessera.run.context import RunContext
+from tessera.run.manifest import params_checksum
+
+
+def encode_prompts(prompts, tokenizer: str | None, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts (strings through the byte tokenizer, or token-id lists) → (ids int32[B, P] right-padded, lengths int32[B])."""
+    rows = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer != "bytes":
+                raise RunError(f"prompt {i} is text but task.tokenizer is {tokenizer!r}; use `bytes` or token ids")
+            p = list(p.encode("utf-8"))
+        rows.append([int(t) for t in p])
+    if not rows or not all(rows):
+        raise RunError("every prompt needs at least one token")
+    bad = [(i, t) for i, r in enumerate(rows) for t in r if not 0 <= t < vocab]
+    if bad:
+        raise RunError(f"prompt {bad[0][0]} has token id {bad[0][1]} outside the vocabulary of {vocab}")
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    return ids, np.asarray([len(r) for r in rows], np.int32)
+
+
+def decode(tokens: list[int], tokenizer: str | None) -> str | None:
+    """Token ids back to text with the byte tokenizer (None without a tokenizer)."""
+    if tokenizer != "bytes":
+        return None
+    return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t
+
+
+def completions(out: np.ndarray, lengths: np.ndarray, width: int, stop_tokens) -> list[list[int]]:
+    """New tokens per row, cut after the first stop token (kept)."""
+    stops, result = set(int(t) for t in stop_tokens or ()), []
+    for row in np.asarray(out)[:, width:]:
+        new = []
+        for t in row.tolist():
+            new.append(t)
+            if t in stops:
+                break
+        result.append(new)
+    return result
+
+
+def run(ctx: RunContext) -> int:
+    """Generate, print completions and tokens/s, record them (and a digest of the output) in the manifest."""
+    task, prog = ctx.exp.task, ctx.prog
+    tokenizer = getattr(task, "tokenizer", None)
+    ids, lengths = encode_prompts(task.prompts, tokenizer, int(ctx.exp.model.args["vocab"]))
+    s = task.sampling
+    params = ctx.initial_params()
+    kw = dict(temperature=float(s.temperature), top_k=s.top_k, top_p=s.top_p,
+              stop_tokens=tuple(task.stop_tokens or ()), seed=int(task.seed),
+              prompt_lengths=None if (lengths == ids.shape[1]).all() else lengths)
+    n = int(task.max_new_tokens)
+    gen = lambda k: prog.generate(params, ids, max_new_tokens=k, **kw)
+    _, compile_s = _timed(lambda: gen(n))  # first call compiles
+    out, full_s = _timed(lambda: gen(n))
+    _timed(lambda: gen(1))
+    _, prefill_s = _timed(lambda: gen(1))
+    out = np.asarray(out)
+    b, p = ids.shape
+    speed = {"prefill_tokens_per_s": b * p / max(prefill_s, 1e-9),
+             "decode_tokens_per_s": b * max(n - 1, 0) / max(full_s - prefill_s, 1e-9),
+             "first_call_s": compile_s}
+    rows = completions(out, lengths, p, task.stop_tokens)
+    outputs = [{"prompt": ids[i, :lengths[i]].tolist(), "tokens": r, "text": decode(r, tokenizer)}
+               for i, r in enumerate(rows)]
+    for o in outputs:
+        ctx.say(repr(o["text"]) if o["text"] is not None else str(o["tokens"]))
+    ctx.say(f"prefill {speed['prefill_tokens_per_s']:.1f} tokens/s, decode {speed['decode_tokens_per_s']:.1f} tokens/s")
+    digest = hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
+    np.save(ctx.run_dir / "tokens.npy", out)
+    ctx.manifest.update(outputs=outputs, speed=speed, metrics=[{"step": 0, "tokens_sha256": digest}],
+                        params_checksum=params_checksum(params))
+    return 0

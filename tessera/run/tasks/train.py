@@ -1,0 +1,190 @@
+"""The `train` task: optimizer steps over a data source, with eval, checkpoints and exact resume.
+
+Step numbering: the record with `step = n` describes the n-th optimizer step (1-based), which
+consumed data batch n-1; a checkpoint at step n holds the state after n steps and resumes with
+batch n. Losses stay on the device between flushes (every `log_every` steps) so the host does
+not stall the accelerator each step; every step's numbers are still recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from tessera.diagnostics import RunError
+from tessera.run.checkpoint import Checkpoints, check_compatible
+from tessera.run.context import RunContext
+from tessera.run.data import STREAM_EVAL, SyntheticSource, build_source
+from tessera.run.manifest import now, params_checksum
+from tessera.run.progress import Progress
+
+EXIT_INTERRUPTED = 130
+
+
+def _params(state) -> dict:
+    return state["params"] if isinstance(state, dict) else state.params
+
+
+def _to_float(x) -> float:
+    return float(np.asarray(x))
+
+
+def first_nonfinite(tree: dict[str, Any]) -> str | None:
+    """The first path (sorted order) whose tensor holds a NaN or Inf, or None."""
+    for path in sorted(tree):
+        arr = np.asarray(tree[path])
+        if arr.dtype.kind in "fc" and not np.isfinite(arr.astype(np.float32)).all():
+            return path
+    return None
+
+
+class Trainer:
+    """Runs one train task inside a RunContext."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx, self.exp, self.prog, self.task = ctx, ctx.exp, ctx.prog, ctx.exp.task
+        vocab = int(self.exp.model.args["vocab"])
+        self.source = build_source(self.task, vocab, base_dir=ctx.spec_dir)
+        ck = getattr(self.exp, "checkpoint", None)
+        self.every = int(getattr(ck, "every", 0) or 0)
+        self.ckpts = Checkpoints(ctx.resolve(getattr(ck, "dir", None) or "ckpt"), getattr(ck, "keep", None))
+        self.steps = int(self.task.steps)
+        self.log_every = max(int(getattr(self.task, "log_every", 0) or 10), 1)
+        self.eval_every = int(getattr(self.task, "eval_every", 0) or 0)
+        self.records: list[dict] = []
+        self.pending: list[tuple[int, dict]] = []  # (step, device metrics) not yet on the host
+        self.tokens_per_step = int(self.task.batch) * int(self.task.seq_len)
+
+    def start(self) -> int:
+        """Initialise, or restore the latest compatible checkpoint; returns the first data step to run."""
+        state = self.prog.init_train_state(self.ctx.initial_params())
+        latest = self.ckpts.latest_step() if self.ctx.resume else None
+        if latest is None:
+            self.state = state
+            return 0
+        meta = self.ckpts.read_meta(latest)
+        check_compatible(self.exp, meta["spec"], self.exp.resolved(), self.ckpts.directory / str(latest))
+        self.state, meta = self.ckpts.restore(latest, state)
+        self.records = list(meta["metrics"])
+        self.ctx.metrics.truncate_after(latest)
+        self.ctx.manifest.record["resumed"].append({"from_step": latest, "at": now()})
+        self.ctx.say(f"resuming from checkpoint at step {latest} in {self.ckpts.directory}")
+        return int(meta["data_step"])
+
+    def flush(self, eval_loss: float | None = None) -> list[dict]:
+        """Bring pending metrics to the host, stop on a non-finite loss, record them (eval loss on the last)."""
+        if not self.pending:
+            return []
+        host = jax.device_get([m for _, m in self.pending])
+        new = [{"step": s, **{k: _to_float(v) for k, v in m.items()}} for (s, _), m in zip(self.pending, host)]
+        self.pending = []
+        for rec in new:
+            if not math.isfinite(rec["loss"]):
+                self._fail_nonfinite(rec)
+        if eval_loss is not None:
+            new[-1]["eval_loss"] = eval_loss
+        self.records.extend(new)
+        self.ctx.metrics.append(new)
+        self.ctx.manifest.update(metrics=self.records)
+        return new
+
+    def _fail_nonfinite(self, rec: dict) -> None:
+        bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+        tensor = first_nonfinite(_params(self.state))
+        where = f"parameter `{tensor}` is non-finite" if tensor else f"non-finite: {', '.join(bad)}"
+        kept = self.ckpts.latest_step()
+        msg = (f"loss became {rec['loss']} at step {rec['step']} ({where}); "
+               + (f"last good checkpoint: step {kept} in {self.ckpts.directory}" if kept is not None
+                  else "no checkpoint was saved before it"))
+        raise RunError(msg)
+
+    def evaluate(self) -> float:
+        """Mean eval loss over `eval_batches` batches of the eval stream (the same ones every time)."""
+        n = max(int(getattr(self.task, "eval_batches", 0) or 1), 1)
+        params = _params(self.state)
+        losses = [self.prog.eval_loss(params, self.source.batch(i, STREAM_EVAL)) for i in range(n)]
+        return float(np.mean([_to_float(x) for x in jax.device_get(losses)], dtype=np.float64))
+
+    def save(self, step: int) -> None:
+        """Checkpoint the state after `step` steps with everything needed to continue exactly."""
+        meta = {"step": step, "data_step": step, "seed": int(self.task.seed), "spec": self.exp.resolved(),
+                "spec_hash": self.exp.spec_hash, "metrics": self.records}
+        self.ckpts.save(step, self.state, meta)
+
+    def loop(self, start: int, progress: Progress) -> bool:
+        """Run steps start..steps-1; returns False if interrupted (after checkpointing)."""
+        t0, last = time.perf_counter(), start
+        for n in range(start, self.steps):
+            if self.ctx.interrupt is not None and self.ctx.interrupt.requested:
+                self.flush()
+                self.save(n)
+                return False
+            self.state, m = self.prog.train_step(self.state, self.source.batch(n))
+            done = n + 1
+            self.pending.append((done, m))
+            evaluate = self.eval_every and (done % self.eval_every == 0 or done == self.steps)
+            checkpoint = self.every and done % self.every == 0
+            if done % self.log_every == 0 or done == self.steps or evaluate or checkpoint:
+                new = self.flush(self.evaluate() if evaluate else None)
+                rate = (done - last) * self.tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+                t0, last = time.perf_counter(), done
+                progress.update(done, {**new[-1], "tok/s": rate})
+                self.ctx.manifest.record["tokens_per_s"] = rate
+            if checkpoint:
+                self.save(done)
+        return True
+
+    def sample(self) -> None:
+        """Generate from the trained model as task.sample asks, and record it in the manifest."""
+        spec = getattr(self.task, "sample", None)
+        if not spec or not int(getattr(spec, "max_new_tokens", 0) or 0):
+            return
+        prompt, expected = getattr(spec, "prompt", None), None
+        if prompt is None and isinstance(self.source, SyntheticSource):
+            prompt, expected = (list(map(int, a)) for a in self.source.example())
+        elif isinstance(prompt, str):
+            prompt = list(prompt.encode("utf-8"))
+        if not prompt:
+            return
+        n = int(spec.max_new_tokens)
+        out = self.prog.generate(_params(self.state), np.asarray([prompt], np.int32), max_new_tokens=n)
+        new = [int(t) for t in np.asarray(out)[0, len(prompt):]]
+        rec = {"prompt": prompt, "output": new}
+        if expected is not None:
+            got = new[:len(expected)]
+            rec.update(expected=expected, correct=sum(int(a == b) for a, b in zip(got, expected)) / len(expected))
+        self.ctx.manifest.update(sample=rec)
+        self.ctx.say(f"sample: prompt {prompt} -> {new}"
+                     + (f" (expected {expected}, {rec['correct']:.0%} right)" if expected is not None else ""))
+
+
+def run(ctx: RunContext) -> int:
+    """Train as exp.task says; checkpoints every N steps and at the end; returns the exit code."""
+    tr = Trainer(ctx)
+    try:
+        start = tr.start()
+        ctx.manifest.update(data_fingerprint=tr.source.fingerprint, metrics=tr.records,
+                            checkpoint_dir=str(tr.ckpts.directory))
+        if isinstance(tr.source, SyntheticSource):
+            ctx.manifest.update(chance_loss=tr.source.chance_loss())
+        with Progress(tr.steps, start, stream=ctx.stream) as progress:
+            finished = tr.loop(start, progress)
+        if not finished:
+            tr.ckpts.wait()
+            step = tr.ckpts.latest_step()
+            ctx.manifest.finish("interrupted", params_checksum=params_checksum(_params(tr.state)))
+            ctx.say(f"interrupted: checkpoint at step {step} in {tr.ckpts.directory}; "
+                    f"continue with --resume --out {ctx.run_dir}")
+            return EXIT_INTERRUPTED
+        tr.save(tr.steps)
+        tr.ckpts.wait()
+        ctx.manifest.update(params_checksum=params_checksum(_params(tr.state)))
+        tr.sample()
+        return 0
+    finally:
+        tr.ckpts.close()
