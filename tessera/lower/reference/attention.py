@@ -10,6 +10,8 @@ when decoding against a KV cache), key j at j. Key j is visible to query positio
   causal:  j <= p
   window:  p - j < window          (the mask (window - 1, 0): `window` keys including p itself)
   kv_len:  j < kv_len              (per-batch valid cache length, for decode with a padded cache)
+A KV cache kept as a ring buffer passes `kv_positions` [B, T] instead: key j then sits at
+kv_positions[b, j], and a negative position marks an empty slot.
 A sink is one extra logit per head that joins the softmax denominator and contributes no value:
   out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)),  m = max(max_j s_j, sink).
 Scores and softmax statistics are fp32; the product with v accumulates in fp32.
@@ -23,11 +25,17 @@ import jax.numpy as jnp
 _MASKED = -jnp.inf
 
 
-def attention_mask(s: int, t: int, *, causal: bool, window: int | None, q_offset=0, kv_len=None):
+def attention_mask(s: int, t: int, *, causal: bool, window: int | None, q_offset=0, kv_len=None,
+                   kv_positions=None):
     """Boolean mask [B or 1, S, T] of visible (query, key) pairs, positions as in the module doc."""
     q_pos = jnp.asarray(q_offset).reshape(-1, 1, 1) + jnp.arange(s)[None, :, None]  # [B|1, S, 1]
-    k_pos = jnp.arange(t)[None, None, :]  # [1, 1, T]
+    if kv_positions is None:
+        k_pos = jnp.arange(t)[None, None, :]  # [1, 1, T]
+    else:
+        k_pos = jnp.asarray(kv_positions)[:, None, :]  # [B, 1, T]
     visible = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=bool)
+    if kv_positions is not None:
+        visible &= k_pos >= 0
     if causal:
         visible &= k_pos <= q_pos
     if window is not None:
@@ -38,7 +46,7 @@ def attention_mask(s: int, t: int, *, causal: bool, window: int | None, q_offset
 
 
 def attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = None,
-              scale: float | None = None, q_offset=0, kv_len=None):
+              scale: float | None = None, q_offset=0, kv_len=None, kv_positions=None):
     """Reference attention (see module doc); returns [B, S, Hq, D] in q's dtype."""
     b, s, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
@@ -48,7 +56,8 @@ def attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = 
     scale = d ** -0.5 if scale is None else scale
     qg = q.reshape(b, s, hkv, group, d)
     scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = attention_mask(s, t, causal=causal, window=window, q_offset=q_offset, kv_len=kv_len)
+    mask = attention_mask(s, t, causal=causal, window=window, q_offset=q_offset, kv_len=kv_len,
+                          kv_positions=kv_positions)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)  # [B, Hkv, G, S, T]
     m = jnp.max(scores, axis=-1, keepdims=True)
     if sinks is not None:
