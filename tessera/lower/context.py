@@ -1,0 +1,40 @@
+"""The lowering context: the few facts a lowering may depend on, typed and immutable."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "f64": jnp.float64,
+           "i32": jnp.int32, "i64": jnp.int64, "i8": jnp.int8, "u8": jnp.uint8, "bool": jnp.bool_,
+           "c64": jnp.complex64, "c128": jnp.complex128}
+
+
+def jnp_dtype(name: str):
+    """The jax dtype of an IR element type (`bf16` → jnp.bfloat16)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise NotImplementedError(f"element type `{name}` has no jax array type yet") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LowerCtx:
+    """What a lowering may read besides its op: numerics, mode, positions, kernel policy.
+
+    mode: "train" (full sequence, no cache), "prefill" (full prompt, fills the cache) or
+    "decode" (new tokens against the cache). positions: int32 [batch, seq] absolute positions of the
+    tokens being processed.
+    """
+
+    accum_dtype: Any = jnp.float32
+    mode: str = "train"
+    positions: Any = None
+    kernels: str = "reference"  # "auto" lets lowerings pick a kernel where the backend and shapes allow
+    backend: str = "cpu"
+    deterministic: bool = True
+
+    def replace(self, **changes) -> "LowerCtx":
+        return dataclasses.replace(self, **changes)

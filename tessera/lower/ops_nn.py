@@ -1,0 +1,222 @@
+"""Reference lowerings of the neural-network ops (tessera/ir/ops_nn.py).
+
+Parameters arrive in their storage type and are cast to the op's compute type at use (fp32 master
+weights, bf16 compute). Attention is stateful: while generating, each attention op keeps a KV cache
+(a ring buffer of its window for sliding-window layers) and positions are absolute.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tessera.lower.context import jnp_dtype
+from tessera.lower.named import align, einsum, move_last, names
+from tessera.lower.reference import activations, moe as moe_ref, rope as rope_ref
+from tessera.lower.reference.attention import attention as attention_ref
+from tessera.lower.reference.norms import layer_norm, rms_norm
+from tessera.lower.table import lowers
+
+BSE = ("batch", "seq", "embed")
+
+
+def _dtype(op, i: int = 0):
+    return jnp_dtype(op.results[i].type.dtype)
+
+
+def _cast(params: dict, dtype) -> dict:
+    return {k: (v.astype(dtype) if v is not None and jnp.issubdtype(v.dtype, jnp.floating) else v)
+            for k, v in params.items()}
+
+
+@lowers("embed")
+def _embed(ctx, op, attrs, ins, params):
+    return [params["table"][ins[0]].astype(_dtype(op))]
+
+
+@lowers("unembed")
+def _unembed(ctx, op, attrs, ins, params):
+    x, dt = ins[0], _dtype(op)
+    have = names(op.values[0])
+    out = names(op.results[0])
+    if attrs["tied"]:
+        table = params["table"].astype(x.dtype)  # [vocab, embed]
+        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype).astype(dt)]
+    w = params["weight"].astype(x.dtype)
+    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype).astype(dt)]
+
+
+def _norm(fn):
+    def lower(ctx, op, attrs, ins, params):
+        have, dim = names(op.values[0]), attrs["dim"].name
+        x, _ = move_last(ins[0], have, dim)
+        y = fn(x, attrs, params)
+        return [jnp.moveaxis(y, -1, have.index(dim)).astype(_dtype(op))]
+
+    return lower
+
+
+lowers("rmsnorm")(_norm(lambda x, a, p: rms_norm(x, scale=p["scale"], eps=a["eps"])))
+lowers("layernorm")(_norm(lambda x, a, p: layer_norm(x, scale=p["scale"], bias=p["bias"], eps=a["eps"])))
+
+
+@lowers("linear")
+def _linear(ctx, op, attrs, ins, params):
+    x, dt = ins[0], _dtype(op)
+    over = tuple(d.name for d in attrs["over"])
+    out_dims = tuple(d.name for d in attrs["out"])
+    y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
+               params["weight"].astype(x.dtype), accum=ctx.accum_dtype)
+    if "bias" in params:
+        y = y + align(params["bias"].astype(jnp.float32), out_dims, names(op.results[0]))
+    return [y.astype(dt)]
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_tables(rope, head_dim: int):
+    """(inv_freq, scaling) of a rope attribute (`rotary{theta}` or `yarn{...}`)."""
+    f = dict(rope.fields)
+    if rope.kind == "rotary":
+        return rope_ref.rope_inv_freq(head_dim=head_dim, theta=f["theta"]), 1.0
+    return rope_ref.yarn_inv_freq(head_dim=head_dim, theta=f["theta"], factor=f["factor"],
+                                  original=f["original"], beta_fast=f["beta_fast"], beta_slow=f["beta_slow"])
+
+
+def _positions(ctx, batch: int, seq: int):
+    if ctx.positions is not None:
+        return ctx.positions
+    return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+
+
+def apply_rope(ctx, rope, x):
+    """x [B, S, H, D] rotated at the context's absolute positions."""
+    inv_freq, scaling = _rope_tables(rope, x.shape[-1])
+    cos, sin = rope_ref.rope_cos_sin(_positions(ctx, x.shape[0], x.shape[1]), inv_freq=inv_freq, scaling=scaling)
+    return rope_ref.apply_rope(x, cos=cos, sin=sin)
+
+
+@lowers("rope")
+def _rope(ctx, op, attrs, ins, params):
+    have = names(op.values[0])
+    heads = "heads" if "heads" in have else "kv_heads"
+    want = ("batch", "seq", heads, "head_dim")
+    y = apply_rope(ctx, attrs["rope"], align(ins[0], have, want))
+    return [align(y, want, have).astype(_dtype(op))]
+
+
+def _act(act, gate, up):
+    f = dict(act.fields)
+    if f.get("alpha") is None:
+        return activations.swiglu(gate, up)
+    return activations.clamped_swiglu(gate, up, alpha=f["alpha"], limit=f.get("limit"))
+
+
+@lowers("swiglu")
+def _swiglu(ctx, op, attrs, ins, params):
+    gate, up = ins[0], align(ins[1], names(op.values[1]), names(op.values[0]))
+    if attrs["alpha"] is None:
+        return [activations.swiglu(gate, up).astype(_dtype(op))]
+    return [activations.clamped_swiglu(gate, up, alpha=attrs["alpha"], limit=attrs["limit"]).astype(_dtype(op))]
+
+
+@lowers("sdpa")
+def _sdpa(ctx, op, attrs, ins, params):
+    q = align(ins[0], names(op.values[0]), ("batch", "seq", "heads", "head_dim"))
+    k = align(ins[1], names(op.values[1]), ("batch", "seq", "kv_heads", "head_dim"))
+    v = align(ins[2], names(op.values[2]), ("batch", "seq", "kv_heads", "head_dim"))
+    sinks = ins[3] if len(ins) == 4 else None
+    pos = _positions(ctx, q.shape[0], q.shape[1])
+    out = attention_ref(q, k, v, sinks=sinks, causal=attrs["causal"], window=attrs["window"],
+                        scale=attrs["scale"], q_offset=pos[:, 0])
+    return [align(out, ("batch", "seq", "heads", "head_dim"), names(op.results[0])).astype(_dtype(op))]
+
+
+def _project(x, w, b, accum):
+    # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
+    y = jnp.einsum("bse,ehd->bshd", x, w.astype(x.dtype), preferred_element_type=accum)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
+    """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = window or max_len."""
+    c = max_len if attrs["window"] is None else min(attrs["window"], max_len)
+    dt = _dtype(op)
+    shape = (batch, c, attrs["kv_heads"], attrs["head_dim"])
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt), "pos": jnp.full((batch, c), -1, jnp.int32)}
+
+
+def _cache_write(cache, k, v, pos):
+    """Write k, v [B, S, Hkv, D] at absolute positions pos [B, S] into the ring buffer (last C tokens)."""
+    c = cache["pos"].shape[1]
+    if k.shape[1] > c:  # a prompt longer than a sliding window: only its last C tokens stay
+        k, v, pos = k[:, -c:], v[:, -c:], pos[:, -c:]
+    rows = jnp.arange(k.shape[0])[:, None]
+    slots = pos % c
+    return {"k": cache["k"].at[rows, slots].set(k.astype(cache["k"].dtype)),
+            "v": cache["v"].at[rows, slots].set(v.astype(cache["v"].dtype)),
+            "pos": cache["pos"].at[rows, slots].set(pos)}
+
+
+@lowers("attention", stateful=True, init_state=attention_cache_init)
+def _attention(ctx, op, attrs, ins, params, cache):
+    have = names(op.values[0])
+    x = align(ins[0], have, BSE)
+    p = _cast(params, x.dtype)
+    q = _project(x, p["q"], p.get("q_bias"), ctx.accum_dtype)
+    k = _project(x, p["k"], p.get("k_bias"), ctx.accum_dtype)
+    v = _project(x, p["v"], p.get("v_bias"), ctx.accum_dtype)
+    if attrs["rope"] is not None:
+        q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
+    pos = _positions(ctx, x.shape[0], x.shape[1])
+    core = functools.partial(attention_ref, sinks=params.get("sinks"), causal=attrs["causal"],
+                             window=attrs["window"], scale=attrs["scale"], q_offset=pos[:, 0])
+    if cache is None:
+        out, new_cache = core(q, k, v), None
+    elif ctx.mode == "prefill":
+        out, new_cache = core(q, k, v), _cache_write(cache, k, v, pos)
+    else:  # decode: the new tokens join the cache, then attend over it
+        new_cache = _cache_write(cache, k, v, pos)
+        out = core(q, new_cache["k"], new_cache["v"], kv_positions=new_cache["pos"])
+    y = jnp.einsum("bshd,hde->bse", out, p["o"], preferred_element_type=ctx.accum_dtype)
+    if "o_bias" in p:
+        y = y + p["o_bias"].astype(jnp.float32)
+    return [align(y.astype(_dtype(op)), BSE, have)], new_cache
+
+
+@lowers("mlp")
+def _mlp(ctx, op, attrs, ins, params):
+    have = names(op.values[0])
+    x = align(ins[0], have, BSE)
+    p = _cast(params, x.dtype)
+    f32 = dict(preferred_element_type=ctx.accum_dtype)
+    g = jnp.einsum("bse,ef->bsf", x, p["gate"], **f32)
+    u = jnp.einsum("bse,ef->bsf", x, p["up"], **f32)
+    if "gate_bias" in p:
+        g, u = g + p["gate_bias"], u + p["up_bias"]
+    h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
+    y = jnp.einsum("bsf,fe->bse", h, p["down"], **f32)
+    if "down_bias" in p:
+        y = y + p["down_bias"]
+    return [align(y.astype(_dtype(op)), BSE, have)]
+
+
+@lowers("moe")
+def _moe(ctx, op, attrs, ins, params):
+    have = names(op.values[0])
+    x = align(ins[0], have, BSE)
+    b, s, e = x.shape
+    p = _cast(params, x.dtype)
+    zeros = functools.partial(jnp.zeros, dtype=x.dtype)
+    n_exp, d_ff = p["experts/gate"].shape[0], p["experts/gate"].shape[-1]
+    y = moe_ref.moe(
+        x.reshape(b * s, e), router=p["router"], router_bias=p.get("router_bias"),
+        gate=p["experts/gate"], up=p["experts/up"], down=p["experts/down"],
+        gate_bias=p.get("experts/gate_bias", zeros((n_exp, d_ff))),
+        up_bias=p.get("experts/up_bias", zeros((n_exp, d_ff))),
+        down_bias=p.get("experts/down_bias", zeros((n_exp, e))),
+        top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]))
+    return [align(y.reshape(b, s, e).astype(_dtype(op)), BSE, have)]

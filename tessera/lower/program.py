@@ -1,0 +1,234 @@
+"""`tessera.compile(exp)`: the Graph IR of an experiment as a JAX program.
+
+The program owns the jitted functions (forward, loss, train step, generate) over a flat parameter
+dict keyed by parameter path. Programs are cached on the hash of everything that changes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import zlib
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tessera.ir.types import Graph
+from tessera.lower.context import LowerCtx, jnp_dtype
+from tessera.lower.interpret import eval_region, init_state
+from tessera.lower.reference.losses import cross_entropy
+from tessera.lower import sampling
+
+Params = dict[str, jax.Array]
+
+
+class TrainState(NamedTuple):
+    """What a training step carries: the step count, parameters and optimizer state."""
+
+    step: jax.Array
+    params: Params
+    opt_state: Any
+
+
+def storage_dtype(ir_dtype: str):
+    """The jax dtype parameters of an IR element type are stored in (block formats: bf16 until packed storage)."""
+    if ir_dtype in ("mxfp4", "fp8", "fp4_e2m1", "fp6_e2m3", "fp6_e3m2"):
+        return jnp.bfloat16
+    return jnp_dtype(ir_dtype)
+
+
+@dataclasses.dataclass
+class Program:
+    """A compiled experiment: jitted forward / loss / train_step / generate over flat params."""
+
+    exp: Any
+    graph: Graph
+    ir_hash: str
+    optimizer: optax.GradientTransformation | None = None
+    lr_fn: Callable[[Any], jax.Array] | None = None
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    # ---- parameters ----------------------------------------------------------------------------
+    def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Every parameter's shape and storage dtype, by path."""
+        return {path: jax.ShapeDtypeStruct(tuple(d.size for d in p.type.dims), storage_dtype(p.type.dtype))
+                for path, p in self.graph.params.items()}
+
+    def init(self, seed: int = 0) -> Params:
+        """Fresh parameters from each one's initializer; a parameter's values depend only on (seed, path)."""
+        return self._jit("init", lambda: jax.jit(self._init))(jnp.asarray(seed, jnp.uint32))
+
+    def _init(self, seed):
+        key = jax.random.key(seed)
+        params = {}
+        for path, p in self.graph.params.items():
+            shape = tuple(d.size for d in p.type.dims)
+            dt = storage_dtype(p.type.dtype)
+            if p.init.kind == "normal":
+                k = jax.random.fold_in(key, zlib.crc32(path.encode()))
+                params[path] = (jax.random.normal(k, shape, jnp.float32) * p.init.std).astype(dt)
+            elif p.init.kind == "ones":
+                params[path] = jnp.ones(shape, dt)
+            else:
+                params[path] = jnp.zeros(shape, dt)
+        return params
+
+    def load_weights(self, directory) -> Params:
+        """Parameters from a Hugging Face checkpoint directory (config.json + safetensors)."""
+        from tessera.lower.weights import load_hf_weights
+
+        shapes = self.param_shapes()
+        params = load_hf_weights(directory, family=self.exp.model.file.stem, args=dict(self.exp.model.args),
+                                 dtypes=lambda path: shapes[path].dtype)
+        missing = sorted(set(shapes) - set(params))
+        if missing:
+            raise ValueError(f"checkpoint lacks parameters {missing}")
+        return {path: jnp.asarray(params[path], shapes[path].dtype) for path in shapes}
+
+    # ---- forward and loss ----------------------------------------------------------------------
+    def _ctx(self, **kw) -> LowerCtx:
+        exp = self.exp
+        return LowerCtx(kernels=getattr(exp, "kernels", "reference"), backend=jax.default_backend(),
+                        deterministic=exp.parallel.deterministic, **kw)
+
+    def _forward(self, params, tokens, mode: str = "train"):
+        (logits,), _ = eval_region(self.graph.body, [tokens], params, self._ctx(mode=mode),
+                                   remat=self.exp.parallel.remat)
+        return logits
+
+    def forward(self, params: Params, tokens) -> jax.Array:
+        """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
+        fn = self._jit("forward", lambda: jax.jit(lambda p, t: self._forward(p, t, "forward")))
+        return fn(params, jnp.asarray(tokens, jnp.int32))
+
+    def _loss(self, params, batch):
+        logits = self._forward(params, batch["tokens"])
+        return cross_entropy(logits, batch["targets"], mask=batch.get("mask"))
+
+    def loss(self, params: Params, batch: dict) -> jax.Array:
+        """Mean next-token cross-entropy; batch = {tokens, targets, mask} each [batch, seq]."""
+        return self._jit("loss", lambda: jax.jit(self._loss))(params, batch)
+
+    eval_loss = loss
+
+    # ---- training ------------------------------------------------------------------------------
+    def init_train_state(self, params: Params) -> TrainState:
+        """Step 0 with fresh optimizer state."""
+        if self.optimizer is None:
+            raise ValueError("this program was compiled without an optimizer (task is not `train`)")
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def _train_step(self, state: TrainState, batch):
+        m = int(getattr(self.exp.task, "microbatches", 1) or 1)
+        micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
+
+        def accumulate(carry, mb):  # microbatches summed in a fixed order
+            loss, grads = jax.value_and_grad(self._loss)(state.params, mb)
+            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+        (loss, grads), _ = jax.lax.scan(accumulate, zero, micro)
+        grads = jax.tree.map(lambda g: g / m, grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
+        metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads)}
+        if self.lr_fn is not None:
+            metrics["lr"] = self.lr_fn(opt_state)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def train_step(self, state: TrainState, batch: dict):
+        """One optimizer step over the batch (gradient accumulation over task.microbatches)."""
+        return self._jit("train_step", lambda: jax.jit(self._train_step))(state, batch)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, params: Params, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, stop_tokens=(), seed: int = 0,
+                 prompt_lengths=None) -> jax.Array:
+        """Prompts [B, P] followed by max_new_tokens new tokens (greedy unless temperature > 0), KV-cached."""
+        prompts = jnp.asarray(prompts, jnp.int32)
+        if prompt_lengths is not None and len(set(np.asarray(prompt_lengths).tolist())) > 1:
+            raise ValueError("prompts of different lengths must be generated in separate batches")
+        if max_new_tokens <= 0:
+            return prompts
+        rule = sampling.SamplingRule(temperature=float(temperature), top_k=top_k, top_p=top_p)
+        key = ("generate", max_new_tokens, rule, tuple(int(t) for t in stop_tokens))
+        fn = self._jit(key, lambda: jax.jit(lambda p, x, s: self._generate(p, x, s, max_new_tokens, rule,
+                                                                             tuple(stop_tokens))))
+        return fn(params, prompts, jnp.asarray(seed, jnp.uint32))
+
+    def _generate(self, params, prompts, seed, max_new: int, rule, stop_tokens):
+        b, p = prompts.shape
+        body = self.graph.body
+        state = init_state(body, self._ctx(mode="prefill"), b, p + max_new)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        (logits,), state = eval_region(body, [prompts], params, self._ctx(mode="prefill", positions=positions),
+                                       state)
+        key = jax.random.key(seed)
+        first = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, 0))
+        done = sampling.is_stop(first, stop_tokens)
+
+        def step(carry, i):
+            token, done, state = carry
+            pos = jnp.full((b, 1), p + i, jnp.int32)
+            (logits,), state = eval_region(body, [token[:, None]], params,
+                                           self._ctx(mode="decode", positions=pos), state)
+            nxt = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, i + 1))
+            nxt = jnp.where(done, token, nxt)  # a finished row repeats its stop token
+            return (nxt, done | sampling.is_stop(nxt, stop_tokens), state), nxt
+
+        _, rest = jax.lax.scan(step, (first, done, state), jnp.arange(max_new - 1, dtype=jnp.int32))
+        return jnp.concatenate([prompts, first[:, None], rest.T], axis=1)
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def flops_per_token(self) -> dict[str, float]:
+        """Forward and training-step FLOPs per token, counted from the Graph IR at the task's shapes."""
+        from tessera.ir.flops import graph_flops_per_token
+
+        fwd = graph_flops_per_token(self.graph, self.exp)
+        return {"forward": fwd, "train_step": 3.0 * fwd}
+
+    def _jit(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+_PROGRAMS: dict[str, Program] = {}
+
+
+def program_hash(exp, graph: Graph) -> str:
+    """Hash of everything that changes the compiled program: the graph and the spec's program fields."""
+    from tessera.ir.printer import print_graph
+
+    spec = exp.resolved()
+    relevant = {k: spec.get(k) for k in ("model", "mesh", "parallel", "numerics", "kernels")}
+    relevant["task"] = {k: v for k, v in spec.get("task", {}).items()
+                        if k in ("kind", "optimizer", "schedule", "microbatches")}
+    text = print_graph(graph) + "\n" + repr(sorted(_flatten(relevant).items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = repr(v)
+    return out
+
+
+def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
+    """Build, check and lower the experiment's graph; cached on the program hash."""
+    from tessera.ir.build import build_experiment_graph
+
+    graph = build_experiment_graph(exp, upto="numerics")
+    h = program_hash(exp, graph)
+    if h not in _PROGRAMS:
+        _PROGRAMS[h] = Program(exp, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
+                               optimizer=optimizer, lr_fn=lr_fn)
+    return _PROGRAMS[h]
