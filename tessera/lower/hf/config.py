@@ -1,0 +1,168 @@
+"""Model families: how `model.args` correspond to Hugging Face `config.json`, and the checks between them.
+
+Each family is a table of fields (arg name, config key, the dimension it sizes, HF's default when
+the key is absent) plus its tensor rules; `FAMILIES` is the registry, keyed by the model file's stem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from tessera.diagnostics import Diagnostic, Span, TesseraError, relpath
+from tessera.lower.hf import mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One model argument and the config.json key that holds it."""
+
+    arg: str
+    hf: str
+    dim: str | None = None  # the size letter the mapping table uses ("D", "H", ...)
+    required: bool = True  # needed to know tensor shapes
+    default: Callable[[dict], Any] | None = None  # HF's value when config.json omits the key
+    arg_default: Any = None  # the value model.args implies when it omits the arg (None: not checked)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family: config fields, base config.json, and its rule table (by tied embeddings)."""
+
+    name: str
+    model_type: str
+    architecture: str
+    fields: tuple[Field, ...]
+    base_config: dict
+    rules: Callable[[bool], tuple[mapping.Rule, ...]]
+    derived: Callable[[dict], dict] = lambda config: {}  # config keys computed from the others
+
+
+_COMMON = (
+    Field("vocab", "vocab_size", "V"),
+    Field("d_model", "hidden_size", "D"),
+    Field("layers", "num_hidden_layers", "L"),
+    Field("heads", "num_attention_heads", "H"),
+    Field("kv_heads", "num_key_value_heads", "KV", default=lambda c: c.get("num_attention_heads")),
+    Field("d_ff", "intermediate_size", "F"),
+)
+
+GPT_OSS = Family(
+    name="gpt_oss", model_type="gpt_oss", architecture="GptOssForCausalLM",
+    fields=_COMMON + (
+        Field("head_dim", "head_dim", "hd", default=lambda c: 64),
+        Field("experts", "num_local_experts", "E"),
+        Field("top_k", "num_experts_per_tok", required=False, default=lambda c: 4),
+        Field("window", "sliding_window", required=False, default=lambda c: 128),
+    ),
+    base_config={
+        "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
+    },
+    rules=lambda tied: mapping.GPT_OSS_RULES,
+    # HF's own default pattern: even layers slide, odd layers attend fully
+    derived=lambda c: {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(c["num_hidden_layers"])]},
+)
+
+LLAMA = Family(
+    name="llama", model_type="llama", architecture="LlamaForCausalLM",
+    fields=_COMMON + (
+        Field("head_dim", "head_dim", "hd", required=False,
+              default=lambda c: c["hidden_size"] // c["num_attention_heads"]),
+        Field("tie_embeddings", "tie_word_embeddings", "tied", required=False, default=lambda c: False,
+              arg_default=False),
+    ),
+    base_config={
+        "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+        "max_position_embeddings": 131072, "mlp_bias": False, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "use_cache": True,
+    },
+    rules=lambda tied: mapping.LLAMA_RULES if tied else mapping.LLAMA_UNTIED_RULES,
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPT_OSS, LLAMA)}
+
+
+def family(name: str) -> Family:
+    """The registered family called `name`, or a TesseraError listing the known ones."""
+    if name not in FAMILIES:
+        raise TesseraError(Diagnostic(f"no Hugging Face mapping for model family `{name}`",
+                                      hint=f"known families: {', '.join(sorted(FAMILIES))}"))
+    return FAMILIES[name]
+
+
+def dims_from_args(fam: Family, args: dict) -> dict:
+    """The size letters of the mapping table from model.args; a missing required arg is an error."""
+    missing = [f.arg for f in fam.fields if f.required and f.arg not in args]
+    if missing:
+        raise TesseraError([Diagnostic(f"model.args has no `{a}`, which a {fam.name} checkpoint needs",
+                                       key=f"model.args.{a}") for a in missing])
+    dims = {}
+    for f in fam.fields:
+        if f.dim is not None and args.get(f.arg, f.arg_default) is not None:
+            dims[f.dim] = args.get(f.arg, f.arg_default)
+    dims.setdefault("tied", False)
+    dims.setdefault("hd", dims["D"] // dims["H"])  # Llama's head_dim defaults to d_model / heads
+    return dims
+
+
+def hf_config_from_args(family_name: str, args: dict, extra: dict | None = None) -> dict:
+    """A config.json dict that `transformers` opens, from model.args (plus `extra` keys, which win)."""
+    fam = family(family_name)
+    config = {"architectures": [fam.architecture], "model_type": fam.model_type, **fam.base_config}
+    for f in fam.fields:
+        if f.arg in args:
+            config[f.hf] = args[f.arg]
+    config.update(fam.derived(config))
+    config.update(extra or {})
+    return config
+
+
+def read_config(directory: Path) -> tuple[dict, Path]:
+    """config.json of a checkpoint directory as a dict, and its path."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise TesseraError(Diagnostic(f"no config.json in {relpath(directory)}",
+                                      hint="a Hugging Face checkpoint directory holds config.json and *.safetensors"))
+    try:
+        return json.loads(path.read_text()), path
+    except json.JSONDecodeError as exc:
+        raise TesseraError(Diagnostic(f"config.json is not valid JSON: {exc.msg}",
+                                      span=Span(relpath(path), exc.lineno, exc.colno))) from None
+
+
+def check_config(fam: Family, config: dict, args: dict, path: Path) -> None:
+    """Raise one TesseraError naming every field where config.json disagrees with model.args."""
+    text = path.read_text()
+    problems = []
+    if config.get("model_type") != fam.model_type:
+        problems.append(Diagnostic(
+            f"config.json has model_type = {config.get('model_type')!r}, expected {fam.model_type!r}",
+            span=_key_span(text, "model_type", path)))
+    for f in fam.fields:
+        want = args.get(f.arg, f.arg_default)
+        if want is None:
+            continue
+        got = config.get(f.hf, f.default(config) if f.default else None)
+        if got != want:
+            problems.append(Diagnostic(
+                f"config.json has {f.hf} = {got!r} but model.args.{f.arg} = {want!r}",
+                span=_key_span(text, f.hf, path), key=f"model.args.{f.arg}"))
+    if problems:
+        raise TesseraError(problems)
+
+
+def _key_span(text: str, key: str, path: Path) -> Span | None:
+    # where `"key":` is written in config.json (1-based), so the message points at it
+    at = text.find(f'"{key}"')
+    if at < 0:
+        return None
+    line = text.count("\n", 0, at) + 1
+    col = at - (text.rfind("\n", 0, at) + 1) + 1
+    return Span(relpath(path), line, col, col + len(key) + 2)

@@ -1,0 +1,136 @@
+"""Hugging Face checkpoints in and out: `load_hf_weights`, `save_hf_weights`, `save_weights`.
+
+Parameters are a flat dict keyed by the paths of docs/contracts.md, per-layer ones stacked on axis 0.
+The name/layout table lives in `tessera/lower/hf/mapping.py`, the arg ↔ config.json fields in
+`tessera/lower/hf/config.py`. Every problem found in a checkpoint (config mismatch, missing,
+unexpected or mis-shaped tensor) is reported at once, in one TesseraError.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from tessera.diagnostics import Diagnostic, TesseraError, did_you_mean, relpath
+from tessera.lower.hf import mapping
+from tessera.lower.hf import config as hf_config
+from tessera.lower.hf.config import check_config, dims_from_args, hf_config_from_args, read_config
+from tessera.lower.hf.io import SINGLE, TensorSource
+
+__all__ = ["load_hf_weights", "save_hf_weights", "save_weights", "hf_config_from_args", "expected_params"]
+
+DtypeFn = Callable[[str], Any]
+
+
+def expected_params(family_name: str, args: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter path a family's checkpoint holds, with its (stacked) Tessera shape."""
+    fam = hf_config.family(family_name)
+    dims = dims_from_args(fam, args)
+    shapes = {}
+    for rule in fam.rules(dims["tied"]):
+        outs = rule.transform.load(np.zeros(rule.hf_shape(dims), np.float32), dims)
+        for path, arr in zip(rule.paths, outs):
+            shapes[path] = ((dims["L"],) if rule.per_layer else ()) + arr.shape
+    return shapes
+
+
+def load_hf_weights(directory: str | Path, *, family: str, args: dict,
+                    dtypes: DtypeFn | None = None) -> dict[str, jax.Array]:
+    """Read config.json + *.safetensors of an HF checkpoint into Tessera parameters {path: array}."""
+    directory = Path(directory)
+    fam = hf_config.family(family)
+    config, config_path = read_config(directory)
+    check_config(fam, config, args, config_path)
+    dims = dims_from_args(fam, args)
+    dtypes = dtypes or (lambda path: np.float32)
+    source = TensorSource(directory)
+    params, problems, consumed = {}, [], set()
+    rules = fam.rules(dims["tied"])
+    for rule in rules:
+        names = mapping.expand(rule, dims["L"])
+        arrays = [_read(source, name, rule, dims, directory, problems) for name in names]
+        consumed.update(names)
+        if any(a is None for a in arrays):
+            continue
+        for j, path in enumerate(rule.paths):
+            parts = [a[j] for a in arrays]
+            value = np.stack(parts) if rule.per_layer else parts[0]
+            params[path] = jnp.asarray(np.asarray(value, dtype=dtypes(path)))
+    known = [n for rule in rules for n in mapping.expand(rule, dims["L"])]
+    for name in sorted(source.names() - consumed):
+        if _tolerated(name, dims):
+            continue
+        problems.append(Diagnostic(f"unexpected tensor `{name}` in {relpath(source.where(name))}",
+                                   hint=did_you_mean(name, known)))
+    if problems:
+        raise TesseraError(problems)
+    return params
+
+
+def _read(source: TensorSource, name: str, rule: mapping.Rule, dims: dict, directory: Path,
+          problems: list) -> tuple[np.ndarray, ...] | None:
+    # one HF tensor -> its Tessera array(s), or None after recording what is wrong with it
+    want = rule.hf_shape(dims)
+    if name not in source:
+        problems.append(Diagnostic(f"missing tensor `{name}` (shape {list(want)}, for "
+                                   f"{' and '.join(f'`{p}`' for p in rule.paths)}) in {relpath(directory)}"))
+        return None
+    got = source.shape(name)
+    if got != want:
+        problems.append(Diagnostic(f"tensor `{name}` in {relpath(source.where(name))} has shape {list(got)}, "
+                                   f"expected {list(want)} from model.args"))
+        return None
+    return rule.transform.load(source.get(name), dims)
+
+
+def _tolerated(name: str, dims: dict) -> bool:
+    # buffers that hold no parameter, and a copy of the embedding in tied checkpoints (HF ignores both)
+    if any(p.search(name) for p in mapping.IGNORED):
+        return True
+    return dims["tied"] and name == "lm_head.weight"
+
+
+def save_hf_weights(params: dict[str, jax.Array], directory: str | Path, *, family: str, args: dict,
+                    extra_config: dict | None = None) -> Path:
+    """Write config.json + model.safetensors in HF format (opens with `from_pretrained`); returns the dir."""
+    directory = Path(directory)
+    fam = hf_config.family(family)
+    dims = dims_from_args(fam, args)
+    expected = expected_params(fam.name, args)
+    _check_params(params, expected)
+    tensors = {}
+    for rule in fam.rules(dims["tied"]):
+        arrays = [np.asarray(jax.device_get(params[p])) for p in rule.paths]
+        names = mapping.expand(rule, dims["L"])
+        for i, name in enumerate(names):
+            parts = tuple(a[i] for a in arrays) if rule.per_layer else tuple(arrays)
+            tensors[name] = np.ascontiguousarray(rule.transform.save(parts, dims))
+    directory.mkdir(parents=True, exist_ok=True)
+    config = hf_config_from_args(fam.name, args, extra_config)
+    config.setdefault("dtype", str(np.asarray(params["embed/table"]).dtype))
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(directory / SINGLE), metadata={"format": "pt"})
+    return directory
+
+
+def _check_params(params: dict, expected: dict[str, tuple[int, ...]]) -> None:
+    # every expected parameter present with its shape, nothing else
+    problems = [Diagnostic(f"parameter `{p}` is missing (shape {list(s)})") for p, s in expected.items()
+                if p not in params]
+    problems += [Diagnostic(f"parameter `{p}` has shape {list(params[p].shape)}, expected {list(s)}")
+                 for p, s in expected.items() if p in params and tuple(params[p].shape) != s]
+    problems += [Diagnostic(f"parameter `{p}` has no place in a Hugging Face checkpoint",
+                            hint=did_you_mean(p, expected)) for p in sorted(set(params) - set(expected))]
+    if problems:
+        raise TesseraError(problems)
+
+
+def save_weights(params: dict[str, jax.Array], directory: str | Path, *, exp) -> Path:
+    """Save in HF format for an experiment: the family is the model file's stem, sizes its model.args."""
+    return save_hf_weights(params, directory, family=Path(exp.model.file).stem, args=dict(exp.model.args))
