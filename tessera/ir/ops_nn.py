@@ -1,0 +1,284 @@
+"""Neural-network ops: embeddings, norms, rope, swiglu, attention, mlp, moe, repeat.
+
+Ops that own parameters declare them here (names and layouts are the contract in docs/contracts.md).
+Composite ops (attention, mlp, moe) have decompositions into primitives in passes/decompose.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tessera.ir.ops_core import need_dim, need_float, same_size, tokens
+from tessera.ir.registry import AttrDef, OpDef, OpError, ParamDecl, layer_values, register
+from tessera.ir.types import Dim, DimName, Init, PerLayer, Struct, TensorType, is_float
+
+NORMAL, ONES, ZEROS = Init("normal", 0.02), Init("ones"), Init("zeros")
+
+
+def _sized(t: TensorType, name: str) -> Dim:
+    d = need_dim(t, name)
+    if d.size is None:
+        raise OpError(f"the size of dimension `{name}` of {t} is unknown here")
+    return d
+
+
+# ---- embeddings ----------------------------------------------------------------------------------
+
+def _embed_rule(ins, attrs):
+    if is_float(ins[0].dtype):
+        raise OpError(f"token ids must be integers, got {ins[0]}")
+    return [TensorType(attrs["dtype"], ins[0].dims + (Dim("embed", attrs["dim"]),))]
+
+
+register(OpDef("embed", (1, 1), (AttrDef("vocab", "int"), AttrDef("dim", "int"), AttrDef("dtype", "str", "f32")),
+               _embed_rule,
+               params=lambda a, t: [ParamDecl("table", (Dim("vocab", a["vocab"]), Dim("embed", a["dim"])), NORMAL)],
+               doc="table[tokens]; results have element type `dtype` (set by the numerics pass)"))
+
+
+def _unembed_rule(ins, attrs):
+    x = ins[0]
+    need_float(x)
+    _sized(x, "embed")
+    return [x.with_dims(tuple(d for d in x.dims if d.name != "embed") + (Dim("vocab", attrs["vocab"]),))]
+
+
+def _unembed_params(a, types):
+    d = _sized(types[0], "embed")
+    if a["tied"]:  # reads the embedding table, [vocab, embed]
+        return [ParamDecl("embed/table", (Dim("vocab", a["vocab"]), d), NORMAL, absolute=True)]
+    return [ParamDecl("weight", (d, Dim("vocab", a["vocab"])), NORMAL)]
+
+
+register(OpDef("unembed", (1, 1), (AttrDef("vocab", "int"), AttrDef("tied", "bool", False)), _unembed_rule,
+               params=_unembed_params,
+               flops=lambda i, o, a: 2.0 * tokens(i[0], "embed") * i[0].dim("embed").size * a["vocab"],
+               doc="logits = x @ weight [embed, vocab], or x @ embed/table^T when tied"))
+
+
+# ---- norms, linear -------------------------------------------------------------------------------
+
+def _norm_rule(ins, attrs):
+    need_float(ins[0])
+    _sized(ins[0], attrs["dim"].name)
+    return [ins[0]]
+
+
+def _norm_flops(ins, outs, attrs):
+    return 4.0 * math.prod(d.size for d in ins[0].dims)
+
+
+_NORM_ATTRS = (AttrDef("eps", "float", 1e-5), AttrDef("dim", "dim", DimName("embed")))
+register(OpDef("rmsnorm", (1, 1), _NORM_ATTRS, _norm_rule,
+               params=lambda a, t: [ParamDecl("scale", (t[0].dim(a["dim"].name),), ONES)], flops=_norm_flops,
+               doc="x * rsqrt(mean(x^2 over dim) + eps) * scale, computed in fp32, cast back to x's type"))
+register(OpDef("layernorm", (1, 1), _NORM_ATTRS, _norm_rule,
+               params=lambda a, t: [ParamDecl("scale", (t[0].dim(a["dim"].name),), ONES),
+                                    ParamDecl("bias", (t[0].dim(a["dim"].name),), ZEROS)], flops=_norm_flops,
+               doc="(x - mean) * rsqrt(var + eps) * scale + bias over dim, in fp32"))
+
+
+def _linear_rule(ins, attrs):
+    x, over = ins[0], [d.name for d in attrs["over"]]
+    for n in over:
+        _sized(x, n)
+    return [x.with_dims(tuple(d for d in x.dims if d.name not in over) + attrs["out"])]
+
+
+def _linear_params(a, types):
+    over = tuple(types[0].dim(d.name) for d in a["over"])
+    decls = [ParamDecl("weight", over + a["out"], NORMAL)]
+    return decls + ([ParamDecl("bias", a["out"], ZEROS)] if a["bias"] else [])
+
+
+register(OpDef("linear", (1, 1), (AttrDef("out", "shape"), AttrDef("over", "dims", (DimName("embed"),)),
+                                  AttrDef("bias", "bool", False)),
+               _linear_rule, params=_linear_params,
+               flops=lambda i, o, a: 2.0 * math.prod(d.size for d in o[0].dims)
+               * math.prod(i[0].dim(d.name).size for d in a["over"]),
+               doc="x contracted over `over` with weight [over..., out...] (+ bias [out...])"))
+
+
+# ---- rope, swiglu --------------------------------------------------------------------------------
+
+def _rope_rule(ins, attrs):
+    x = ins[0]
+    need_float(x)
+    need_dim(x, "seq")
+    hd = _sized(x, "head_dim")
+    if hd.size % 2:
+        raise OpError(f"rope needs an even head_dim, got {hd.size}")
+    return [x]
+
+
+register(OpDef("rope", (1, 1), (AttrDef("rope", "struct:rope"),), _rope_rule,
+               doc="rotate-half rotary embedding over head_dim at positions 0..seq-1 (absolute when decoding). "
+                   "rotary{theta}: inv_freq = theta^(-2j/head_dim). yarn{theta, factor, original, beta_fast, "
+                   "beta_slow, truncate}: HF `_compute_yarn_parameters` inv_freq, and cos/sin multiplied "
+                   "by the concentration 0.1 * ln(factor) + 1. llama3{...}: HF llama3 scaling. "
+                   "= tessera/lower/reference/rope.py"))
+
+
+def _swiglu_rule(ins, attrs):
+    gate, up = ins
+    need_float(gate, "gate")
+    if gate.names != up.names:
+        raise OpError(f"gate {gate} and up {up} must have the same dims")
+    for a, b in zip(gate.dims, up.dims):
+        same_size(a, b)
+    return [gate]
+
+
+register(OpDef("swiglu", (2, 2), (AttrDef("alpha", "float?", None), AttrDef("limit", "float?", None)),
+               _swiglu_rule, flops=lambda i, o, a: 6.0 * math.prod(d.size for d in o[0].dims),
+               doc="alpha none: silu(gate) * up. alpha set (GPT-OSS): g = min(gate, limit), "
+                   "u = clip(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha * g)"))
+
+
+# ---- attention -----------------------------------------------------------------------------------
+
+def attention_pairs(s: int, window, causal: bool) -> float:
+    """Visible (query, key) pairs for self-attention over s positions (mean over per-layer windows)."""
+    counts = []
+    for w in layer_values(window) if not isinstance(window, PerLayer) else window.values:
+        if not causal:
+            counts.append(float(s * s))
+        elif w is None or w >= s:
+            counts.append(s * (s + 1) / 2.0)
+        else:  # query p sees min(p + 1, w) keys
+            counts.append(w * (w + 1) / 2.0 + (s - w) * float(w))
+    return sum(counts) / len(counts)
+
+
+def _sdpa_rule(ins, attrs):
+    q, k, v = ins[:3]
+    for t, heads, what in [(q, "heads", "q"), (k, "kv_heads", "k"), (v, "kv_heads", "v")]:
+        need_float(t, what)
+        need_dim(t, "seq", what)
+        need_dim(t, heads, what)
+        same_size(need_dim(t, "head_dim", what), q.dim("head_dim"), "q, k, v")
+    hq, hkv = q.dim("heads"), k.dim("kv_heads")
+    if hq.size and hkv.size and hq.size % hkv.size:
+        raise OpError(f"heads ({hq.size}) must be a multiple of kv_heads ({hkv.size})")
+    if attrs["sinks"] != (len(ins) == 4):
+        raise OpError(f"`sinks = {str(attrs['sinks']).lower()}` but {len(ins) - 3} sinks operand(s) given")
+    if len(ins) == 4 and ins[3].names != ("heads",):
+        raise OpError(f"sinks must be [heads], got {ins[3]}")
+    return [q]
+
+
+def _sdpa_flops(ins, outs, attrs):
+    q = ins[0]
+    per_query = math.prod(d.size for d in q.dims if d.name not in ("seq",))  # batch * heads * head_dim
+    return 4.0 * per_query * attention_pairs(q.dim("seq").size, attrs["window"], attrs["causal"])
+
+
+_CORE_ATTRS = (AttrDef("causal", "bool", True), AttrDef("window", "int?", None, per_layer=True),
+               AttrDef("scale", "float?", None), AttrDef("sinks", "bool", False))
+register(OpDef("sdpa", (3, 4), _CORE_ATTRS, _sdpa_rule, flops=_sdpa_flops,
+               doc="scaled dot-product attention core = tessera/lower/reference/attention.py; scale none "
+                   "means head_dim^-0.5"))
+
+
+def _attention_rule(ins, attrs):
+    x = ins[0]
+    need_float(x)
+    need_dim(x, "seq")
+    _sized(x, "embed")
+    if attrs["heads"] % attrs["kv_heads"]:
+        raise OpError(f"heads ({attrs['heads']}) must be a multiple of kv_heads ({attrs['kv_heads']})")
+    return [x]
+
+
+def _attention_params(a, types):
+    e, h, kv, hd = (types[0].dim("embed"), Dim("heads", a["heads"]), Dim("kv_heads", a["kv_heads"]),
+                    Dim("head_dim", a["head_dim"]))
+    decls = []
+    for name, heads in [("q", h), ("k", kv), ("v", kv)]:
+        decls.append(ParamDecl(name, (e, heads, hd), NORMAL))
+        if a["bias"]:
+            decls.append(ParamDecl(f"{name}_bias", (heads, hd), ZEROS))
+    decls.append(ParamDecl("o", (h, hd, e), NORMAL))
+    if a["bias"]:
+        decls.append(ParamDecl("o_bias", (e,), ZEROS))
+    if a["sinks"]:
+        decls.append(ParamDecl("sinks", (h,), ZEROS))
+    return decls
+
+
+def _attention_flops(ins, outs, attrs):
+    x = ins[0]
+    n, d = tokens(x, "embed"), x.dim("embed").size
+    proj = 2.0 * n * d * attrs["head_dim"] * (2 * attrs["heads"] + 2 * attrs["kv_heads"])
+    batch = n / x.dim("seq").size
+    core = 4.0 * batch * attrs["heads"] * attrs["head_dim"] * attention_pairs(
+        x.dim("seq").size, attrs["window"], attrs["causal"])
+    return proj + core
+
+
+register(OpDef("attention", (1, 1), (AttrDef("heads", "int"), AttrDef("kv_heads", "int"),
+                                     AttrDef("head_dim", "int"), AttrDef("rope", "struct:rope?", None))
+               + _CORE_ATTRS + (AttrDef("bias", "bool", False),),
+               _attention_rule, params=_attention_params, flops=_attention_flops, composite=True,
+               doc="q/k/v projections (+bias) → rope on q, k → sdpa (GQA, causal, window, sinks) → o (+bias)"))
+
+
+# ---- feed-forward --------------------------------------------------------------------------------
+
+def _ffn_rule(ins, attrs):
+    need_float(ins[0])
+    _sized(ins[0], "embed")
+    return [ins[0]]
+
+
+def _mlp_params(a, types):
+    e, f = types[0].dim("embed"), Dim("mlp", a["d_ff"])
+    decls = []
+    for name, dims, bias in [("gate", (e, f), (f,)), ("up", (e, f), (f,)), ("down", (f, e), (e,))]:
+        decls.append(ParamDecl(name, dims, NORMAL))
+        if a["bias"]:
+            decls.append(ParamDecl(f"{name}_bias", bias, ZEROS))
+    return decls
+
+
+_ACT = AttrDef("act", "struct:act", Struct("swiglu", ()))
+register(OpDef("mlp", (1, 1), (AttrDef("d_ff", "int"), _ACT, AttrDef("bias", "bool", False)), _ffn_rule,
+               params=_mlp_params, composite=True,
+               flops=lambda i, o, a: 6.0 * tokens(i[0], "embed") * i[0].dim("embed").size * a["d_ff"],
+               doc="down(act(gate(x), up(x))): gate, up [embed, mlp], down [mlp, embed] (+ biases)"))
+
+
+def _moe_rule(ins, attrs):
+    if not 0 < attrs["top_k"] <= attrs["experts"]:
+        raise OpError(f"top_k ({attrs['top_k']}) must be between 1 and experts ({attrs['experts']})")
+    return _ffn_rule(ins, attrs)
+
+
+def _moe_params(a, types):
+    e, x, f = types[0].dim("embed"), Dim("experts", a["experts"]), Dim("mlp", a["d_ff"])
+    decls = [ParamDecl("router", (e, x), NORMAL)] + ([ParamDecl("router_bias", (x,), ZEROS)] if a["bias"] else [])
+    for name, dims, bias in [("gate", (x, e, f), (x, f)), ("up", (x, e, f), (x, f)), ("down", (x, f, e), (x, e))]:
+        decls.append(ParamDecl(f"experts/{name}", dims, NORMAL))
+        if a["bias"]:
+            decls.append(ParamDecl(f"experts/{name}_bias", bias, ZEROS))
+    return decls
+
+
+def _moe_flops(ins, outs, attrs):  # router + top_k experts per token
+    n, d = tokens(ins[0], "embed"), ins[0].dim("embed").size
+    return 2.0 * n * d * attrs["experts"] + attrs["top_k"] * 6.0 * n * d * attrs["d_ff"]
+
+
+register(OpDef("moe", (1, 1), (AttrDef("experts", "int"), AttrDef("top_k", "int"), AttrDef("d_ff", "int"), _ACT,
+                               AttrDef("bias", "bool", True)),
+               _moe_rule, params=_moe_params, flops=_moe_flops, composite=True,
+               doc="router logits = x @ router + bias → top_k → softmax over the k chosen → "
+                   "sum_k w_k * expert_k(x), each expert an mlp with biases"))
+
+
+# ---- repeat --------------------------------------------------------------------------------------
+
+register(OpDef("repeat", (1, 64), (AttrDef("n", "int"), AttrDef("axis", "dim", DimName("layers"))),
+               lambda ins, attrs: list(ins), region=True,
+               doc="run the region n times carrying the operands; params stacked on a leading `axis` "
+                   "(one lax.scan); the region's first argument is the layer index"))
