@@ -21,6 +21,8 @@ class Span:
     line: int
     col: int
     end_col: int | None = None
+    # The source line itself, for spans into text that is not a file (a `--set` override).
+    text: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}:{self.col}"
@@ -50,7 +52,7 @@ class Diagnostic:
     def _excerpt(self) -> str:
         if self.span is None:
             return ""
-        line = self.source_line
+        line = self.source_line if self.source_line is not None else self.span.text
         if line is None:
             line = _read_line(self.span.file, self.span.line)
         if line is None:
