@@ -38,8 +38,6 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(obj, fh, indent=1, sort_keys=False, default=_jsonable)
         fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 

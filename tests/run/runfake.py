@@ -7,6 +7,7 @@ Run as a script it trains one spec into a run directory (used by the kill-and-re
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import sys
@@ -79,12 +80,12 @@ class FakeProgram:
 
     MAX_LEN = 64
 
-    def __init__(self, exp, step_sleep: float = 0.0):
+    def __init__(self, exp, step_sleep: float = 0.0, poison_after: int | None = None):
         self.exp = exp
         args = exp.model.args
         self.vocab, self.d = int(args["vocab"]), int(args["d_model"])
         self.ir_hash = hashlib.sha256(f"fake:{self.vocab}:{self.d}".encode()).hexdigest()
-        self.step_sleep = step_sleep
+        self.step_sleep, self.poison_after = step_sleep, poison_after  # poison: NaN into mlp/up after that step
         if exp.task.kind == "train":
             self.optimizer = build_optimizer(exp)
             self.microbatches = int(exp.task.microbatches)
@@ -94,6 +95,10 @@ class FakeProgram:
         self.eval_loss = self.loss
 
     def init(self, seed: int) -> dict:
+        return self._init(seed)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _init(self, seed) -> dict:
         shapes = {"embed/table": (self.vocab, self.d), "pos/table": (self.MAX_LEN, self.d),
                   "attention/q": (self.d, self.d), "attention/k": (self.d, self.d), "attention/v": (self.d, self.d),
                   "attention/o": (self.d, self.d), "mlp/up": (self.d, 4 * self.d), "mlp/down": (4 * self.d, self.d),
@@ -103,6 +108,9 @@ class FakeProgram:
                   for k, (n, s) in zip(keys, sorted(shapes.items()))}
         params["norm/scale"] = jnp.ones((self.d,), jnp.float32)
         return params
+
+    def __hash__(self):
+        return id(self)
 
     def load_weights(self, directory) -> dict:
         data = np.load(Path(directory) / "params.npz")
@@ -125,6 +133,10 @@ class FakeProgram:
         return jnp.sum(ce * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
 
     def init_train_state(self, params) -> TrainState:
+        return self._init_train_state(params)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _init_train_state(self, params) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
     def _step(self, state: TrainState, batch):
@@ -140,13 +152,17 @@ class FakeProgram:
         grads = jax.tree.map(lambda g: g / m, grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss / m, "grad_norm": optax.global_norm(grads), "lr": current_lr(opt_state)}
+        metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads), "lr": current_lr(opt_state)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def train_step(self, state, batch):
         if self.step_sleep:
             time.sleep(self.step_sleep)
-        return self._train_step(state, batch)
+        state, metrics = self._train_step(state, batch)
+        if self.poison_after is not None and int(state.step) == self.poison_after:
+            params = {**state.params, "mlp/up": state.params["mlp/up"].at[0, 0].set(jnp.nan)}
+            state = state._replace(params=params)
+        return state, metrics
 
     def generate(self, params, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                  stop_tokens=(), seed=0, prompt_lengths=None):
@@ -181,6 +197,10 @@ def main(argv) -> int:
     step_sleep = float(argv[argv.index("--step-sleep") + 1]) if "--step-sleep" in argv else 0.0
     if "--hang-save" in argv:
         _hang_in_save(int(argv[argv.index("--hang-save") + 1]))
+    if "--cache" in argv:  # a compilation cache shared by the test's processes
+        jax.config.update("jax_compilation_cache_dir", argv[argv.index("--cache") + 1])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     exp = FakeExperiment(spec)
     result = run_experiment(exp, out=out, resume="--resume" in argv, tensorboard=False,
                             compile_fn=lambda e: FakeProgram(e, step_sleep))

@@ -94,14 +94,35 @@ class Trainer:
         return new
 
     def _fail_nonfinite(self, rec: dict) -> None:
-        bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
-        tensor = first_nonfinite(_params(self.state))
-        where = f"parameter `{tensor}` is non-finite" if tensor else f"non-finite: {', '.join(bad)}"
-        kept = self.ckpts.latest_step()
-        msg = (f"loss became {rec['loss']} at step {rec['step']} ({where}); "
+        step, kept = rec["step"], self.ckpts.latest_step()
+        culprit = self.diagnose(step)
+        msg = (f"loss became {rec['loss']} at step {step}; first non-finite tensor: {culprit}; "
                + (f"last good checkpoint: step {kept} in {self.ckpts.directory}" if kept is not None
                   else "no checkpoint was saved before it"))
         raise RunError(msg)
+
+    def diagnose(self, step: int, budget: int = 1000) -> str:
+        """Name the first non-finite tensor going into `step`: a parameter, else a gradient, else the loss.
+
+        The state before `step` is rebuilt from the last checkpoint (or the start) by re-running the
+        steps in between, which are deterministic; beyond `budget` steps only the loss is named.
+        """
+        kept = self.ckpts.latest_step()
+        begin = kept if kept is not None else 0
+        if step - 1 - begin > budget:
+            return "loss (too many steps since the last checkpoint to locate the tensor)"
+        state = self.prog.init_train_state(self.ctx.initial_params())
+        if kept is not None:
+            state, _ = self.ckpts.restore(kept, state)
+        for n in range(begin, step - 1):
+            state, _ = self.prog.train_step(state, self.source.batch(n))
+        params = _params(state)
+        bad = first_nonfinite(params)
+        if bad is not None:
+            return f"parameter `{bad}`"
+        grads = jax.grad(self.prog.loss)(params, self.source.batch(step - 1))
+        bad = first_nonfinite(grads)
+        return f"gradient of `{bad}`" if bad is not None else "loss (parameters and gradients are finite)"
 
     def evaluate(self) -> float:
         """Mean eval loss over `eval_batches` batches of the eval stream (the same ones every time)."""

@@ -1,0 +1,102 @@
+"""The train task end to end on the fake program: learning, determinism, the run directory, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from runfake import FakeProgram, train_spec
+
+from tessera.diagnostics import RunError, TesseraError
+from tessera.run.manifest import FIXED_KEYS, params_checksum
+
+
+def test_loss_falls_far_below_chance_and_sample_is_right(run_fake):
+    result = run_fake(train_spec(steps=80))
+    chance = result.manifest["chance_loss"]
+    assert math.isclose(chance, math.log(16))
+    first, last = result.metrics[0], result.metrics[-1]
+    assert first["loss"] > 0.9 * chance
+    assert last["loss"] < 0.05 * chance and last["eval_loss"] < 0.05 * chance
+    assert result.manifest["sample"]["correct"] == 1.0
+    assert result.status == "completed" and result.exit_code == 0
+
+
+def test_two_runs_identical_and_manifest_complete(run_fake, small_spec, tmp_path):
+    a = run_fake(small_spec, out=tmp_path / "a")
+    b = run_fake(small_spec, out=tmp_path / "b")
+    assert a.metrics == b.metrics and len(a.metrics) == 30
+    assert [r["step"] for r in a.metrics] == list(range(1, 31))
+    assert a.params_checksum == b.params_checksum and len(a.params_checksum) == 64
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert all(k in m for k in FIXED_KEYS)
+    assert m["spec"] == small_spec and m["seed"] == 0 and m["status"] == "completed"
+    assert m["data_fingerprint"] and m["versions"]["jax"] and m["devices"][0]["platform"] == "cpu"
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == m["metrics"]
+    steps = sorted(int(p.name) for p in (tmp_path / "a" / "ckpt").iterdir() if p.name.isdigit())
+    assert steps == [20, 30]  # every 10, keep 2
+
+
+def test_checksum_is_sha256_of_sorted_param_bytes(run_fake, small_spec):
+    import hashlib
+
+    prog = FakeProgram(__import__("runfake").FakeExperiment(small_spec))
+    params = prog.init(0)
+    h = hashlib.sha256()
+    for k in sorted(params):
+        h.update(np.asarray(params[k]).tobytes())
+    assert params_checksum(params) == h.hexdigest()
+
+
+def test_resume_with_more_steps_is_bit_identical(run_fake, small_spec, tmp_path):
+    whole = run_fake(small_spec, out=tmp_path / "whole")
+    short = dict(small_spec, task={**small_spec["task"], "steps": 20})
+    run_fake(short, out=tmp_path / "part")
+    resumed = run_fake(small_spec, out=tmp_path / "part")  # same --out: continues from step 20
+    assert resumed.manifest["resumed"][0]["from_step"] == 20
+    assert resumed.metrics == whole.metrics
+    assert resumed.params_checksum == whole.params_checksum
+
+
+def test_incompatible_checkpoint_is_refused_naming_fields(run_fake, small_spec, tmp_path):
+    run_fake(small_spec, out=tmp_path / "r")
+    other = json.loads(json.dumps(small_spec))
+    other["task"]["optimizer"]["lr"] = 0.5
+    other["model"]["args"]["d_model"] = 32
+    with pytest.raises(TesseraError) as err:
+        run_fake(other, out=tmp_path / "r")
+    keys = [d.key for d in err.value.diagnostics]
+    assert keys == ["model.args.d_model", "task.optimizer.lr"]
+    assert "checkpoint has 64, spec has 32" in err.value.diagnostics[0].message
+    assert json.loads((tmp_path / "r" / "manifest.json").read_text())["status"] == "completed"  # untouched
+
+
+def test_nan_names_step_and_tensor_and_keeps_last_checkpoint(run_fake, small_spec, tmp_path):
+    poisoned = lambda exp: FakeProgram(exp, poison_after=25)
+    with pytest.raises(RunError) as err:
+        run_fake(small_spec, out=tmp_path / "nan", program=poisoned)
+    msg = str(err.value)
+    assert "at step 26" in msg and "parameter `mlp/up`" in msg and "last good checkpoint: step 20" in msg
+    m = json.loads((tmp_path / "nan" / "manifest.json").read_text())
+    assert m["status"] == "failed" and "step 26" in m["error"]
+    assert [r["step"] for r in m["metrics"]] == list(range(1, 21))  # flushed records survive; no NaN recorded
+    assert max(int(p.name) for p in (tmp_path / "nan" / "ckpt").iterdir() if p.name.isdigit()) == 20
+
+
+def test_out_of_memory_is_a_plain_run_error(run_fake, small_spec, tmp_path):
+    class Oom(FakeProgram):
+        def train_step(self, state, batch):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
+
+    with pytest.raises(RunError, match="out of memory on cpu: RESOURCE_EXHAUSTED.*reduce task.batch"):
+        run_fake(small_spec, out=tmp_path / "oom", program=Oom)
+    assert json.loads((tmp_path / "oom" / "manifest.json").read_text())["status"] == "failed"
+
+
+def test_tensorboard_events_written(run_fake, small_spec, tmp_path):
+    run_fake(dict(small_spec, task={**small_spec["task"], "steps": 5}), out=tmp_path / "tb", tensorboard=True)
+    events = list((tmp_path / "tb" / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
