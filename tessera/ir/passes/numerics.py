@@ -1,0 +1,63 @@
+"""numerics: element types from the spec's numeric policy.
+
+Params are stored in `params` (master weights), then each rule whose glob matches the param path
+(fnmatch: `*` crosses `/`) sets its type, the last match winning. Activations take the base type of
+`default` (the embedding's output type and float graph inputs), and result types are re-inferred.
+The policy's accumulation type is recorded as the graph attribute `accum`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+from tessera.ir.passes import register_pass
+from tessera.ir.passes.rewrite import regions, retype
+from tessera.ir.types import Graph, canonical_dtype, is_float
+
+
+def numeric(value: Any):
+    """A NumericType from the spec, or parsed from its text (`bf16 @accum(fp32)`)."""
+    if isinstance(value, str):
+        from tessera.grammar.numerics import parse
+
+        return parse(value)
+    return value
+
+
+def _get(policy: Any, key: str, default=None):
+    return policy.get(key, default) if isinstance(policy, dict) else getattr(policy, key, default)
+
+
+def param_dtype(path: str, policy: Any) -> str:
+    """The storage type of the param at `path` under `policy` (last matching rule wins)."""
+    dtype = numeric(_get(policy, "params", "fp32")).base
+    for glob, t in (_get(policy, "rules") or {}).items():
+        if fnmatch.fnmatchcase(path, glob):
+            dtype = numeric(t).base
+    return canonical_dtype(dtype)
+
+
+def apply_numerics(graph: Graph, ctx) -> Graph:
+    """Set param, activation and accumulation types from ctx.numerics (unchanged when None)."""
+    policy = getattr(ctx, "numerics", None)
+    if policy is None:
+        return graph
+    default = numeric(_get(policy, "default", "fp32"))
+    compute = canonical_dtype(default.base)
+    for p in graph.params.values():
+        p.type = p.type.with_dtype(param_dtype(p.path, policy))
+    for v in graph.inputs:
+        if is_float(v.type.dtype):
+            v.type = v.type.with_dtype(compute)
+    for region, _ in regions(graph):
+        for op in region.ops:
+            if "dtype" in op.attrs:
+                op.attrs = {**op.attrs, "dtype": compute}
+    graph.attrs["compute"] = compute
+    if default.accum is not None:
+        graph.attrs["accum"] = canonical_dtype(default.accum)
+    return retype(graph)
+
+
+register_pass("numerics", apply_numerics)
