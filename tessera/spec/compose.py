@@ -64,8 +64,18 @@ def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | str | None) -
     if isinstance(overrides, str):
         overrides = [overrides]
     if isinstance(overrides, Mapping):
-        return [_from_mapping(line, key, value) for line, (key, value) in enumerate(overrides.items(), start=1)]
-    return [_from_text(line, text) for line, text in enumerate(overrides, start=1)]
+        items = [(_from_mapping, (key, value)) for key, value in overrides.items()]
+    else:
+        items = [(_from_text, (text,)) for text in overrides]
+    parsed, problems = [], []
+    for line, (parse, args) in enumerate(items, start=1):
+        try:
+            parsed.append(parse(line, *args))
+        except TesseraError as exc:  # report every bad override, not just the first
+            problems.extend(exc.diagnostics)
+    if problems:
+        raise TesseraError(problems)
+    return parsed
 
 
 def _from_text(line: int, text: Any) -> tuple[list[tuple[str, Span]], Node]:

@@ -119,7 +119,7 @@ def _one(err: dict[str, Any], root: Node, schema: type[BaseModel]) -> Diagnostic
         return Diagnostic(f"missing required key `{name}`", _start(span), key_path(path + (name,)))
     path += tuple(p for p in rest if p != "[key]")
     if kind == "extra_forbidden":
-        choices = sorted(_fields_of(schema, root, path[:-1]) - {"extends"} - set(parents[-1].value if parents else ()))
+        choices = sorted(_fields_of(schema, root, path[:-1]) - {"extends"})
         return Diagnostic(f"unknown key `{path[-1]}`", node.key_span or node.span, key_path(path),
                           hint=did_you_mean(str(path[-1]), choices) or _choices(choices))
     if kind.startswith("union_tag"):
@@ -128,7 +128,9 @@ def _one(err: dict[str, Any], root: Node, schema: type[BaseModel]) -> Diagnostic
         child = _walk(node, (part,), None)
         if not child[3]:
             node, path = child[1], path + child[0]
-    return Diagnostic(_message(kind, err, ctx, node), _value_span(node, ctx), key_path(path),
+    on_key = "[key]" in err["loc"] or isinstance(node.value, dict)  # a bad key, or a check of a whole mapping
+    span = node.key_span if on_key and node.key_span else _value_span(node, ctx)
+    return Diagnostic(_message(kind, err, ctx, node), span, key_path(path),
                       hint=ctx.get("hint") or _literal_hint(kind, ctx, node) or None)
 
 
@@ -138,7 +140,8 @@ def _message(kind: str, err: dict[str, Any], ctx: dict[str, Any], node: Node) ->
     if kind == "literal_error":
         return f"expected one of {_choice_text(ctx)}, got {show(node.value)}"
     if kind in _FRIENDLY:
-        return f"{_FRIENDLY[kind].format(**ctx)}, got {show(node.value)}"
+        got = "" if kind == "too_short" else f", got {show(node.value)}"
+        return _FRIENDLY[kind].format(**ctx) + got
     msg = err["msg"]
     return re.sub(r"^(Value|Assertion) error, ", "", msg)
 

@@ -84,6 +84,16 @@ def _axis_rule(value: Any) -> str | list[str] | None:
 AxisRule = Annotated[Any, PlainValidator(_axis_rule)]
 
 
+def _logical_axis(name: Any) -> str:
+    if name not in LOGICAL_AXES:
+        raise fail("logical_axis", f"unknown logical axis `{name}`; expected one of " + ", ".join(LOGICAL_AXES),
+                   hint=did_you_mean(str(name), LOGICAL_AXES))
+    return name
+
+
+LogicalAxis = Annotated[str, PlainValidator(_logical_axis)]
+
+
 class Pipeline(Section):
     """Pipeline parallelism over the `pp` mesh axis."""
 
@@ -94,7 +104,7 @@ class Pipeline(Section):
 class Parallel(Section):
     """How logical tensor axes map onto mesh axes, and the parallel execution options."""
 
-    rules: dict[str, AxisRule] = Field(
+    rules: dict[LogicalAxis, AxisRule] = Field(
         default_factory=lambda: dict(DEFAULT_RULES),
         description="logical axis -> mesh axis, list of mesh axes, or null (replicated); logical axes not "
                     "listed keep their default mapping")
@@ -103,16 +113,6 @@ class Parallel(Section):
     remat: Literal["none", "dots", "full"] = Field(
         "none", description="rematerialisation: none | dots (save matmul outputs only) | full")
     deterministic: bool = Field(True, description="fixed-order reductions: bitwise-reproducible on any mesh")
-
-    @field_validator("rules", mode="before")
-    @classmethod
-    def _known_axes(cls, rules: Any) -> Any:
-        if isinstance(rules, dict):
-            for name in rules:
-                if name not in LOGICAL_AXES:
-                    raise fail("logical_axis", f"unknown logical axis `{name}`; expected one of "
-                               + ", ".join(LOGICAL_AXES), at=(name,), hint=did_you_mean(name, LOGICAL_AXES))
-        return rules
 
 
 _LOSS_SCALE_HELP = "expected none, dynamic or static(<positive number>), e.g. static(1024)"

@@ -140,7 +140,6 @@ def load_text(text: str, name: str, line_text: str | None = None, origin: tuple[
     except yaml.MarkedYAMLError as exc:
         raise TesseraError(_syntax_diagnostic(pos, exc)) from None
     except yaml.YAMLError as exc:  # reader errors (control characters) carry a character offset
-        pos = getattr(exc, "position", 0) or 0
         at = getattr(exc, "position", 0) or 0
         line, col = text.count("\n", 0, at), at - (text.rfind("\n", 0, at) + 1)
         reason = getattr(exc, "reason", None) or "unreadable character"

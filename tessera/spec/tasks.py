@@ -8,7 +8,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from tessera.spec.fields import FilePath, Prompt, Section, TokenIds, fail
 
-SYNTHETIC_TASKS = ("copy", "reverse", "sort", "modular_sum")
+SYNTHETIC_TASKS = ("copy", "reverse", "sort", "add")
 
 
 class Optimizer(Section):
@@ -34,10 +34,11 @@ class Schedule(Section):
 
 
 class SyntheticData(Section):
-    """Generated sequences for a toy task (copy, reverse, sort, modular_sum); needs no files."""
+    """Generated `question SEP answer` sequences for a toy task; needs no files."""
 
     kind: Literal["synthetic"] = Field("synthetic", description="synthetic (the default when `kind` is omitted)")
-    task: Literal["copy", "reverse", "sort", "modular_sum"] = Field("copy", description="which toy task")
+    task: Literal["copy", "reverse", "sort", "add"] = Field(
+        "copy", description="copy | reverse | sort | add (running sum modulo the alphabet size)")
     seed: int = Field(0, ge=0, description="seed of the data stream (independent of the model seed)")
 
 
@@ -45,7 +46,7 @@ class TokenData(Section):
     """Training sequences cut from a file of token ids."""
 
     kind: Literal["tokens"] = Field(description="tokens")
-    path: FilePath = Field(description="a NumPy .npy file holding a 1-D array of token ids; "
+    path: FilePath = Field(description="a token file: .npy (1-D integer array) or .bin; "
                                        "relative paths resolve against the spec file")
     seed: int = Field(0, ge=0, description="seed of the order in which windows are drawn")
 
