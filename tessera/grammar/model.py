@@ -18,7 +18,9 @@ from tessera.grammar import model_ast as A
 _GRAMMAR = Path(__file__).with_name("model.lark")
 _TOKEN_WORDS = {"NAME": "a name", "INT": "an integer", "FLOAT": "a number", "LPAR": "`(`", "RPAR": "`)`",
                 "LBRACE": "`{`", "RBRACE": "`}`", "LSQB": "`[`", "RSQB": "`]`", "COMMA": "`,`",
-                "EQUAL": "`=`", "COLON": "`:`", "$END": "end of file"}
+                "EQUAL": "`=`", "COLON": "`:`", "$END": "end of file", "MINUS": "`-`",
+                "ESCAPED_STRING": "a string", "QMARK": "`?`", "SLASH": "`/`", "ADDOP": "an operator",
+                "MULOP": "an operator", "COMPOP": "a comparison", "POW": "`**`"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,7 +95,7 @@ class _ToAst(lark.Transformer):
         return A.BinOp("or", c[0], c[1], self._span(meta))
 
     def pow(self, meta, c):
-        return A.BinOp("**", c[0], c[1], self._span(meta))
+        return A.BinOp("**", c[0], c[2], self._span(meta))
 
     def neg(self, meta, c):
         return A.Unary("neg", c[0], self._span(meta))
