@@ -63,6 +63,9 @@ def _walk(root: Node, loc: tuple, schema: type[BaseModel] | None) -> tuple[tuple
             if (schema is not None and kind is not None and kind.value == part
                     and part not in _fields_of(schema, root, path)):
                 continue  # the tag pydantic puts in `loc` for a member of a tagged union
+            if part not in value and schema is not None and i + 1 < len(loc) \
+                    and part not in _fields_of(schema, root, path):
+                continue  # the tag of a union member whose `kind` was left to its default
             if part not in value:
                 return path, node, parents, loc[i:]
             parents.append(node)

@@ -26,6 +26,7 @@ MAX_DEPTH = 100  # nesting of mappings/sequences
 MAX_NODES = 100_000  # nodes after expanding aliases (a billion-laughs bomb expands exponentially)
 
 _TAG = "tag:yaml.org,2002:"
+_COLLECTIONS = (_TAG + "map", _TAG + "seq")
 
 
 @dataclasses.dataclass
@@ -221,6 +222,9 @@ class _Builder:
         if depth > MAX_DEPTH:
             raise TesseraError(Diagnostic(f"nesting deeper than {MAX_DEPTH} levels (through aliases?)",
                                           self.span(node)))
+        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _COLLECTIONS:
+            self.problems.append(Diagnostic(f"unsupported YAML tag `{node.tag}`; only plain values are allowed",
+                                            self.span(node)))
         if isinstance(node, yaml.MappingNode):
             return self.mapping(node, depth)
         if isinstance(node, yaml.SequenceNode):
