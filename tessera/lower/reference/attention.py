@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference._dtypes import wide
+
 _MASKED = -jnp.inf
 
 
@@ -55,13 +57,14 @@ def attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = 
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     qg = q.reshape(b, s, hkv, group, d)
-    scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32) * scale
+    ct = wide(q.dtype)  # fp32 statistics (fp64 when the inputs are, for gradient checks)
+    scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=ct) * scale
     mask = attention_mask(s, t, causal=causal, window=window, q_offset=q_offset, kv_len=kv_len,
                           kv_positions=kv_positions)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)  # [B, Hkv, G, S, T]
     m = jnp.max(scores, axis=-1, keepdims=True)
     if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1)
+        sink = sinks.astype(ct).reshape(1, hkv, group, 1, 1)
         m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # a fully masked row gives zeros, not NaN
     p = jnp.exp(scores - m)
@@ -69,7 +72,7 @@ def attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = 
     if sinks is not None:
         denom = denom + jnp.exp(sink - m)
     p = p / jnp.where(denom == 0, 1.0, denom)
-    out = jnp.einsum("bngst,btnd->bsngd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bngst,btnd->bsngd", p.astype(v.dtype), v, preferred_element_type=ct)
     return out.reshape(b, s, hq, d).astype(q.dtype)
 
 

@@ -9,21 +9,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference._dtypes import wide
+
 
 def linear(x: jax.Array, *, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """x [..., I] @ weight [I, *O] (+ bias [*O]) -> [..., *O] in x's dtype, fp32 accumulation."""
-    y = jnp.tensordot(x, weight.astype(x.dtype), axes=([x.ndim - 1], [0]), preferred_element_type=jnp.float32)
+    y = jnp.tensordot(x, weight.astype(x.dtype), axes=([x.ndim - 1], [0]), preferred_element_type=wide(x.dtype))
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(y.dtype)
     return y.astype(x.dtype)
 
 
 def project_out(x: jax.Array, *, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """x [..., H, Dh] contracted with weight [H, Dh, O] (+ bias [O]) -> [..., O]; attention's output projection."""
     y = jnp.tensordot(x, weight.astype(x.dtype), axes=([x.ndim - 2, x.ndim - 1], [0, 1]),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=wide(x.dtype))
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(y.dtype)
     return y.astype(x.dtype)
 
 
@@ -37,4 +39,4 @@ def unembed(x: jax.Array, *, weight: jax.Array | None = None, table: jax.Array |
     if (weight is None) == (table is None):
         raise ValueError("unembed needs exactly one of weight [D, V] or a tied table [V, D]")
     w = weight if weight is not None else table.T
-    return jnp.einsum("...d,dv->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("...d,dv->...v", x, w.astype(x.dtype), preferred_element_type=wide(x.dtype)).astype(x.dtype)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference._dtypes import wide
+
 
 def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-token -log softmax(logits)[label]: logits [..., V], labels [...] -> fp32 [...]."""
-    lf = logits.astype(jnp.float32)
+    lf = logits.astype(wide(logits.dtype))
     lse = jax.nn.logsumexp(lf, axis=-1)  # [...]
     picked = jnp.take_along_axis(lf, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return lse - picked
@@ -24,5 +26,5 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, mask: jax.Array | Non
     per_token = token_cross_entropy(logits, labels)
     if mask is None:
         return jnp.mean(per_token)
-    m = mask.astype(jnp.float32)
+    m = mask.astype(per_token.dtype)
     return jnp.sum(per_token * m) / jnp.maximum(jnp.sum(m), 1.0)

@@ -1,6 +1,6 @@
 """Mixture of experts, as GPT-OSS computes it in Hugging Face `transformers`.
 
-Tokens x [T, D] (callers flatten batch and sequence). Routing: logits = x @ router [D, E] + router_bias
+Tokens x [T, D] (callers flatten batch and sequence). Routing (fp32): logits = x @ router [D, E] + router_bias
 [E]; the top_k logits per token are chosen (ties to the lower expert id, as torch.topk) and
 softmaxed among themselves (top-k THEN softmax). Expert e applies
     h = act(x @ gate[e] + gate_bias[e], x @ up[e] + up_bias[e])      gate, up [E, D, F]; biases [E, F]
@@ -20,6 +20,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference._dtypes import wide
+
 from tessera.lower.reference.activations import clamped_swiglu
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]
@@ -28,27 +30,28 @@ GPT_OSS_ACT: Activation = functools.partial(clamped_swiglu, alpha=1.702, limit=7
 
 def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int):
     """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k])."""
-    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=wide(x.dtype))
     if router_bias is not None:
-        logits = logits + router_bias.astype(jnp.float32)
+        logits = logits + router_bias.astype(logits.dtype)
     top, experts = jax.lax.top_k(logits, top_k)  # [T, k], sorted descending
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
 
 
 def _expert_ffn_dense(x, gate, up, down, gate_bias, up_bias, down_bias, act):
     # x [T, D] through every expert -> [T, E, D], fp32
-    f32 = dict(preferred_element_type=jnp.float32)
-    g = jnp.einsum("td,edf->tef", x, gate.astype(x.dtype), **f32) + gate_bias.astype(jnp.float32)
-    u = jnp.einsum("td,edf->tef", x, up.astype(x.dtype), **f32) + up_bias.astype(jnp.float32)
+    ct = wide(x.dtype)
+    f32 = dict(preferred_element_type=ct)
+    g = jnp.einsum("td,edf->tef", x, gate.astype(x.dtype), **f32) + gate_bias.astype(ct)
+    u = jnp.einsum("td,edf->tef", x, up.astype(x.dtype), **f32) + up_bias.astype(ct)
     h = act(g.astype(x.dtype), u.astype(x.dtype))
-    return jnp.einsum("tef,efd->ted", h, down.astype(x.dtype), **f32) + down_bias.astype(jnp.float32)
+    return jnp.einsum("tef,efd->ted", h, down.astype(x.dtype), **f32) + down_bias.astype(ct)
 
 
 def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
               act: Activation = GPT_OSS_ACT) -> jax.Array:
     """Every expert on every token, combined with the routing weights: x [T, D] -> [T, D] (test formulation)."""
     weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k)
-    combine = jnp.zeros((x.shape[0], gate.shape[0]), jnp.float32)
+    combine = jnp.zeros((x.shape[0], gate.shape[0]), weights.dtype)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [T, E]
     y = _expert_ffn_dense(x, gate, up, down, gate_bias, up_bias, down_bias, act)  # [T, E, D]
     return jnp.einsum("te,ted->td", combine, y).astype(x.dtype)
@@ -66,10 +69,11 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     token = order // top_k  # [T*k] source token of each sorted copy
     group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)  # [E]
     xs = x[token]  # [T*k, D]
-    rd = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
-    g = rd(xs, gate.astype(x.dtype)) + gate_bias.astype(jnp.float32)[sorted_expert]  # [T*k, F]
-    u = rd(xs, up.astype(x.dtype)) + up_bias.astype(jnp.float32)[sorted_expert]
+    ct = wide(x.dtype)
+    rd = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
+    g = rd(xs, gate.astype(x.dtype)) + gate_bias.astype(ct)[sorted_expert]  # [T*k, F]
+    u = rd(xs, up.astype(x.dtype)) + up_bias.astype(ct)[sorted_expert]
     h = act(g.astype(x.dtype), u.astype(x.dtype))
-    y = rd(h, down.astype(x.dtype)) + down_bias.astype(jnp.float32)[sorted_expert]  # [T*k, D]
+    y = rd(h, down.astype(x.dtype)) + down_bias.astype(ct)[sorted_expert]  # [T*k, D]
     y = y * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=t).astype(x.dtype)

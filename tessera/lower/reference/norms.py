@@ -10,20 +10,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference._dtypes import wide
+
 
 def rms_norm(x: jax.Array, *, scale: jax.Array, eps: float) -> jax.Array:
     """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D], statistics in fp32; returns x's dtype."""
-    xf = x.astype(jnp.float32)
+    ct = wide(x.dtype)
+    xf = x.astype(ct)
     var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)  # [..., 1]
-    return (scale.astype(jnp.float32) * (xf * jax.lax.rsqrt(var + eps))).astype(x.dtype)
+    return (scale.astype(ct) * (xf * jax.lax.rsqrt(var + eps))).astype(x.dtype)
 
 
 def layer_norm(x: jax.Array, *, scale: jax.Array, bias: jax.Array | None = None, eps: float = 1e-5) -> jax.Array:
     """(x [..., D] - mean) * rsqrt(var + eps) * scale [D] + bias [D], statistics in fp32; returns x's dtype."""
-    xf = x.astype(jnp.float32)
+    ct = wide(x.dtype)
+    xf = x.astype(ct)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)  # biased variance, as torch
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(ct)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(ct)
     return y.astype(x.dtype)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera.lower.reference._dtypes import wide
+
 
 def rope_inv_freq(*, head_dim: int, theta: float) -> np.ndarray:
     """Plain RoPE inverse frequencies, fp32 [head_dim // 2]."""
@@ -77,8 +79,8 @@ def rope_cos_sin(positions: jax.Array, *, inv_freq, scaling: float = 1.0) -> tup
 
 def apply_rope(x: jax.Array, *, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on x [B, S, H, D] with cos, sin [B|1, S, D/2]; computed in fp32, returns x's dtype."""
-    xf = x.astype(jnp.float32)
+    xf = x.astype(wide(x.dtype, cos.dtype))
     x1, x2 = jnp.split(xf, 2, axis=-1)  # [B, S, H, D/2] each
-    c = cos[..., :, None, :].astype(jnp.float32)  # [B|1, S, 1, D/2]
-    s = sin[..., :, None, :].astype(jnp.float32)
+    c = cos[..., :, None, :].astype(xf.dtype)  # [B|1, S, 1, D/2]
+    s = sin[..., :, None, :].astype(xf.dtype)
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

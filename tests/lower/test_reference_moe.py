@@ -1,0 +1,95 @@
+"""MoE: top-k-then-softmax routing, interleaved gate/up, per-expert down bias, sorted vs dense formulations."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from tessera.lower.reference import moe
+
+from .conftest import float64
+
+NAMES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+
+
+def _layer(p, i):
+    out = {n: p[f"layers/moe/experts/{n}"][i] for n in NAMES}
+    out.update(router=p["layers/moe/router"][i], router_bias=p["layers/moe/router_bias"][i])
+    return out
+
+
+def _tokens(pieces, i):
+    x = pieces[f"layer{i}.moe.in"]
+    return jnp.asarray(x.reshape(-1, x.shape[-1])), pieces[f"layer{i}.moe.out"].reshape(-1, x.shape[-1])
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_routing_is_top_k_then_softmax(gpt_oss_pieces, gpt_oss_params, layer):
+    x, _ = _tokens(gpt_oss_pieces, layer)
+    w = _layer(gpt_oss_params, layer)
+    weights, experts = moe.route(x, router=w["router"], router_bias=w["router_bias"], top_k=2)
+    np.testing.assert_array_equal(experts, gpt_oss_pieces[f"layer{layer}.router.indices"])
+    np.testing.assert_allclose(weights, gpt_oss_pieces[f"layer{layer}.router.scores"], atol=1e-6)
+    np.testing.assert_allclose(x @ w["router"] + w["router_bias"], gpt_oss_pieces[f"layer{layer}.router.logits"],
+                               atol=1e-5)
+    # softmax over all experts, then top-k, would give weights that do not sum to one
+    full = jax.nn.softmax(gpt_oss_pieces[f"layer{layer}.router.logits"], axis=-1)
+    assert np.abs(np.sort(full, -1)[:, -2:].sum(-1) - 1).max() > 1e-2
+
+
+@pytest.mark.parametrize("formulation", [moe.moe, moe.moe_dense])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_moe_block_matches_transformers(gpt_oss_pieces, gpt_oss_params, formulation, layer):
+    x, want = _tokens(gpt_oss_pieces, layer)
+    got = formulation(x, top_k=2, **_layer(gpt_oss_params, layer))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def _mismatch(pieces, params, **change):
+    x, want = _tokens(pieces, 0)
+    w = dict(_layer(params, 0), **change)
+    return np.abs(np.asarray(moe.moe_dense(x, top_k=2, **w)) - want).max()
+
+
+def test_wrong_semantics_are_caught(gpt_oss_pieces, gpt_oss_params):
+    w = _layer(gpt_oss_params, 0)
+    # gate and up swapped (what a non-interleaved split would confuse)
+    assert _mismatch(gpt_oss_pieces, gpt_oss_params, gate=w["up"], up=w["gate"], gate_bias=w["up_bias"],
+                     up_bias=w["gate_bias"]) > 1e-2
+    # no "+1" on the linear branch
+    plain = functools.partial(lambda g, u: moe.GPT_OSS_ACT(g, u - 1.0))
+    assert _mismatch(gpt_oss_pieces, gpt_oss_params, act=plain) > 1e-2
+    # one down bias shared by all experts instead of per expert
+    assert _mismatch(gpt_oss_pieces, gpt_oss_params, down_bias=jnp.broadcast_to(w["down_bias"][:1],
+                                                                               w["down_bias"].shape)) > 1e-2
+
+
+def _random_moe(r, t=10, d=8, e=4, f=6, dtype=np.float64):
+    w = dict(router=r.standard_normal((d, e)), router_bias=r.standard_normal(e), gate=r.standard_normal((e, d, f)),
+             up=r.standard_normal((e, d, f)), down=r.standard_normal((e, f, d)), gate_bias=r.standard_normal((e, f)),
+             up_bias=r.standard_normal((e, f)), down_bias=r.standard_normal((e, d)))
+    return jnp.asarray(r.standard_normal((t, d)), dtype), {k: jnp.asarray(v, dtype) for k, v in w.items()}
+
+
+def test_sorted_equals_dense_when_an_expert_gets_no_tokens():
+    x, w = _random_moe(np.random.default_rng(0), dtype=np.float32)
+    w["router_bias"] = jnp.array([50.0, 40.0, -50.0, -50.0])  # experts 2 and 3 receive nothing
+    np.testing.assert_allclose(moe.moe(x, top_k=2, **w), moe.moe_dense(x, top_k=2, **w), atol=1e-5)
+
+
+def test_sorted_moe_gradient():
+    with float64():
+        x, w = _random_moe(np.random.default_rng(1))
+        f = lambda x, gate, up, down, down_bias: moe.moe(
+            x, top_k=2, gate=gate, up=up, down=down, down_bias=down_bias,
+            **{k: w[k] for k in ("router", "router_bias", "gate_bias", "up_bias")}, act=moe.GPT_OSS_ACT)
+        check_grads(jax.jit(f), (x, w["gate"], w["up"], w["down"], w["down_bias"]), order=1, modes=("rev",),
+                    atol=1e-5, rtol=1e-5)
+        gs = jax.grad(lambda x: moe.moe(x, top_k=2, **w).sum())(x)
+        gd = jax.grad(lambda x: moe.moe_dense(x, top_k=2, **w).sum())(x)
+        np.testing.assert_allclose(gs, gd, atol=1e-10)
