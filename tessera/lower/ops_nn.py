@@ -81,7 +81,8 @@ def _rope_tables(rope, head_dim: int):
     if rope.kind == "rotary":
         return rope_ref.rope_inv_freq(head_dim=head_dim, theta=f["theta"]), 1.0
     return rope_ref.yarn_inv_freq(head_dim=head_dim, theta=f["theta"], factor=f["factor"],
-                                  original=f["original"], beta_fast=f["beta_fast"], beta_slow=f["beta_slow"])
+                                  original=f["original"], beta_fast=f["beta_fast"], beta_slow=f["beta_slow"],
+                                  truncate=f.get("truncate", True))
 
 
 def _positions(ctx, batch: int, seq: int):

@@ -222,11 +222,18 @@ def _flatten(d, prefix=""):
     return out
 
 
+def program_graph(exp, dims: dict | None = None) -> Graph:
+    """The graph a program runs: elaborated, numeric policy applied, canonicalized; composites kept whole."""
+    from tessera.ir.elaborate import build_graph
+    from tessera.ir.passes import PassContext, run_pass
+
+    graph = build_graph(exp.model.file, dict(exp.model.args), numerics=exp.numerics, dims=dims)
+    return run_pass("canonicalize", graph, PassContext(numerics=exp.numerics, experiment=exp))
+
+
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
     """Build, check and lower the experiment's graph; cached on the program hash."""
-    from tessera.ir.build import build_experiment_graph
-
-    graph = build_experiment_graph(exp, upto="numerics")
+    graph = program_graph(exp)
     h = program_hash(exp, graph)
     if h not in _PROGRAMS:
         _PROGRAMS[h] = Program(exp, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
