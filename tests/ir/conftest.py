@@ -1,0 +1,27 @@
+"""Shared fixtures: small argument sets for the shipped models."""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "models"
+DATA = ROOT / "tests" / "data" / "ir"
+
+GPT_OSS = dict(vocab=256, d_model=64, layers=4, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, d_ff=32,
+               window=8)
+LLAMA = dict(vocab=256, d_model=64, layers=2, heads=4, kv_heads=2, head_dim=16, d_ff=128)
+SHIPPED = {
+    "gpt_oss": ("gpt_oss.tsl", GPT_OSS),
+    "llama": ("llama.tsl", LLAMA),
+    "llama_tied": ("llama.tsl", {**LLAMA, "tie_embeddings": True}),
+}
+POLICY = {"default": "bf16 @accum(fp32)", "params": "fp32",
+          "rules": {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "bf16"}}
+
+
+@pytest.fixture(params=sorted(SHIPPED))
+def shipped(request):
+    """(name, model path, args) for each shipped model configuration."""
+    file, args = SHIPPED[request.param]
+    return request.param, MODELS / file, args
