@@ -13,7 +13,7 @@ VALID = """\
 name: t
 model:
   file: model.tsl
-  args: {vocab: 256, d_model: 64, layers: 2, heads: 4, kv_heads: 2, experts: 4, d_ff: 64}
+  args: {vocab: 256, d_model: 64, layers: 2, heads: 8, kv_heads: 4, experts: 4, d_ff: 64}
 mesh: {dp: 2, tp: 2}
 parallel:
   rules: {batch: [dp, fsdp], heads: tp}
