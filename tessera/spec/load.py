@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -95,12 +96,14 @@ def _sorted(problems: list[Diagnostic]) -> list[Diagnostic]:
 
 def summary(exp: Experiment) -> str:
     """A few lines describing a valid experiment, as `tessera check` prints them."""
-    args = " ".join(f"{k}={v}" for k, v in exp.model.args.items())
+    args = textwrap.fill(" ".join(f"{k}={v}" for k, v in exp.model.args.items()), width=100,
+                         initial_indent="  args      ", subsequent_indent=" " * 12)
     mesh = " ".join(f"{k}={v}" for k, v in exp.mesh.axes.items() if v > 1) or "single device"
     num = exp.numerics
     lines = [
         f"{exp.name}: ok (spec {exp.spec_hash[:12]})",
-        f"  model     {relpath(exp.model.file)}" + (f" ({args})" if args else ""),
+        f"  model     {relpath(exp.model.file)}",
+        *([args] if exp.model.args else []),
         f"  mesh      {mesh} -> {exp.mesh.size} device{'s' if exp.mesh.size > 1 else ''}",
         f"  numerics  {num.default}; params {num.params}" + (f"; {len(num.rules)} rule(s)" if num.rules else "")
         + (f"; loss scale {num.loss_scale}" if num.loss_scale != "none" else ""),
