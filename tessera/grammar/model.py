@@ -178,8 +178,8 @@ def _syntax_error(exc: lark.UnexpectedInput, file: str, text: str) -> TesseraErr
     else:
         tok = getattr(exc, "token", None)
         what = "unexpected end of file" if tok is None or tok.type == "$END" else f"unexpected `{tok}`"
-    expected = sorted(_TOKEN_WORDS.get(e, f"`{e.lower()}`" if e.isalpha() and e.isupper() and len(e) > 4
-                                       else e) for e in (getattr(exc, "expected", None) or []))
+    expected = sorted({_TOKEN_WORDS.get(e, f"`{e.lower()}`" if e.isalpha() and e.isupper() else e)
+                       for e in (getattr(exc, "accepts", None) or getattr(exc, "expected", None) or [])})
     hint = f"expected {', '.join(expected[:6])}" if expected else None
     return TesseraError(Diagnostic(what, span=Span(file, exc.line, exc.column), hint=hint, source_line=line))
 

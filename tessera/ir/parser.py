@@ -60,6 +60,11 @@ COMMENT: "//" /[^\n]*/
 _PARSER = lark.Lark(GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 
+_TOKENS = {"CIRCUMFLEX": "`^`", "COLON": "`:`", "LBRACE": "`{`", "RBRACE": "`}`", "LPAR": "`(`", "RPAR": "`)`",
+           "LSQB": "`[`", "RSQB": "`]`", "COMMA": "`,`", "EQUAL": "`=`", "VAR": "a %value", "PARAM": "a @param",
+           "NAME": "a name", "NUMBER": "a number", "INT": "an integer", "VBAR": "`|`", "$END": "end of input"}
+
+
 def _number(tok: str):
     return int(tok) if tok.lstrip("-").isdigit() else float(tok)
 
@@ -163,7 +168,7 @@ class _Builder:
                 ops.append(self.op(item))
             else:  # ret
                 outputs = [self.use(t, item.meta) for t in item.children if t is not None]
-        return Graph(name, Region(inputs, ops, outputs), params, attrs)
+        return Graph(name, Region(inputs, ops, outputs), params, attrs, "\n".join(self.lines))
 
     def op(self, tree) -> Op:
         c = tree.children
@@ -205,7 +210,7 @@ def parse_graph(text: str, file: str = "<ir>") -> Graph:
         line = lines[exc.line - 1] if 0 < exc.line <= len(lines) else None
         token = getattr(exc, "token", None)
         what = f"unexpected `{token}`" if token else "unexpected input"
-        expected = sorted(getattr(exc, "expected", None) or getattr(exc, "allowed", None) or [])
+        expected = sorted({_TOKENS.get(e, e) for e in getattr(exc, "expected", None) or []})
         hint = f"expected one of {', '.join(expected[:8])}" if expected else None
         raise TesseraError(Diagnostic(what, span=Span(file, exc.line, exc.column), hint=hint,
                                       source_line=line)) from None

@@ -206,6 +206,7 @@ class Graph:
     body: Region
     params: dict[str, Param]
     attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str | None = None  # the IR text it was parsed from, for excerpts in diagnostics
 
     @property
     def inputs(self) -> list[Value]:

@@ -48,7 +48,12 @@ class _Verifier:
 
     def report(self, op: Op | None, label: str, message: str) -> None:
         prefix = f"{label}: " if label else ""
-        self.problems.append(Diagnostic(prefix + message, span=op.span if op else None))
+        span = op.span if op else None
+        line = None
+        if span is not None and self.graph.source is not None:
+            lines = self.graph.source.splitlines()
+            line = lines[span.line - 1] if 0 < span.line <= len(lines) else None
+        self.problems.append(Diagnostic(prefix + message, span=span, source_line=line))
 
     def operand_type(self, o, defined: set[int], axes) -> TensorType:
         if isinstance(o, ParamRef):
@@ -74,9 +79,9 @@ class _Verifier:
         for _ in op.results:  # numbered as printed: results, then the region's ops
             names.append(f"%{self.counter}")
             self.counter += 1
-        if op.region is not None:
-            self.region_op(op, defined, axes)
         label = f"{', '.join(names)} = {op.name}" if names else op.name
+        if op.region is not None:
+            self.region_op(op, label, defined, axes)
         opdef = get_op(op.name)
         if opdef is None:
             hint = did_you_mean(op.name, OPS)
@@ -135,7 +140,7 @@ class _Verifier:
         if len(scopes) > 1:
             raise OpError(f"params of one op must share one scope, got {', '.join(sorted(scopes))}")
 
-    def region_op(self, op: Op, defined: set[int], axes) -> None:
+    def region_op(self, op: Op, label: str, defined: set[int], axes) -> None:
         n = op.attrs.get("n")
         axis = op.attrs.get("axis")
         carried = op.values
@@ -152,7 +157,7 @@ class _Verifier:
             if len(op.region.outputs) != len(carried):
                 raise OpError(f"the region yields {len(op.region.outputs)} value(s), expected {len(carried)}")
         except OpError as exc:
-            self.report(op, f"{op.name}", str(exc))
+            self.report(op, label, str(exc))
         self.region(op.region, defined, axes + [(getattr(axis, "name", "layers"), n if isinstance(n, int) else 0)])
 
     def run(self) -> None:
