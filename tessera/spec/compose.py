@@ -14,14 +14,18 @@ SET_FILE = "<--set>"  # the pseudo-file of command-line overrides; its line N is
 _SEGMENT = re.compile(r"[^.\s=]+")
 
 
-def load_tree(path: Path, root_dir: Path, chain: tuple[Path, ...] = ()) -> Node:
-    """Load `path` and, recursively, what it extends; the merged tree (without `extends`)."""
-    node = load_file(path)
+def load_tree(path: Path, root_dir: Path, chain: tuple[Path, ...] = (),
+              soft: list[Diagnostic] | None = None) -> Node:
+    """Load `path` and, recursively, what it extends; the merged tree (without `extends`).
+
+    Problems that do not stop loading (duplicate keys) go to `soft` when given (see `load_file`).
+    """
+    node = load_file(path, soft=soft)
     ext = node.value.pop("extends", None)
     if ext is None or ext.value is None:
         return node
     base = _extends_target(ext, path, root_dir, chain + (path.resolve(),))
-    return merge(load_tree(base, root_dir, chain + (path.resolve(),)), node)
+    return merge(load_tree(base, root_dir, chain + (path.resolve(),), soft), node)
 
 
 def _extends_target(ext: Node, path: Path, root_dir: Path, chain: tuple[Path, ...]) -> Path:

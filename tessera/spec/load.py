@@ -23,10 +23,14 @@ def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, An
     path = Path(path)
     if not path.is_file():
         raise TesseraError(Diagnostic(f"spec file not found: {path}"))
-    root = load_tree(path, path.resolve().parent)
-    apply_overrides(root, parse_overrides(overrides))
+    soft: list[Diagnostic] = []  # problems that still leave a tree to validate (duplicate keys)
+    root = load_tree(path, path.resolve().parent, soft=soft)
+    try:
+        apply_overrides(root, parse_overrides(overrides))
+    except TesseraError as exc:
+        raise TesseraError(_sorted(soft + exc.diagnostics)) from None
     _fill_derived(root, path)
-    problems = _resolve_files(root)
+    problems = soft + _resolve_files(root)
     try:
         exp = Experiment.model_validate(root.plain())
     except ValidationError as exc:

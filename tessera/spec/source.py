@@ -96,8 +96,12 @@ class _Refused(Exception):
         self.message, self.mark = message, mark
 
 
-def load_file(path: Path, display: str | None = None) -> Node:
-    """Load one YAML spec file into a `Node` tree; every problem is a TesseraError with a position."""
+def load_file(path: Path, display: str | None = None, soft: list[Diagnostic] | None = None) -> Node:
+    """Load one YAML spec file into a `Node` tree; problems are TesseraErrors with a position.
+
+    With `soft`, problems that leave a usable tree (duplicate keys: the first value is kept; bad
+    tags) are appended there instead of raised, so they are reported with everything else.
+    """
     name = display or relpath(path)
     try:
         size = path.stat().st_size
@@ -113,7 +117,7 @@ def load_file(path: Path, display: str | None = None) -> Node:
         line = data.count(b"\n", 0, exc.start) + 1
         col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
         raise TesseraError(Diagnostic("file is not valid UTF-8", Span(name, line, col))) from None
-    root = load_text(text, name)
+    root = load_text(text, name, soft=soft)
     if root is None:
         raise TesseraError(Diagnostic("the spec is empty; expected a mapping such as `name: ...`",
                                       Span(name, 1, 1), source_line=""))
@@ -123,11 +127,13 @@ def load_file(path: Path, display: str | None = None) -> Node:
     return root
 
 
-def load_text(text: str, name: str, line_text: str | None = None, origin: tuple[int, int] = (1, 0)) -> Node | None:
+def load_text(text: str, name: str, line_text: str | None = None, origin: tuple[int, int] = (1, 0),
+              soft: list[Diagnostic] | None = None) -> Node | None:
     """Load YAML text (a file's content or a `--set` value); None for an empty document.
 
     `origin` = (line of the text's first line, columns before its first character), for text cut
     out of a longer line such as the value of `--set key=value`; `line_text` is that whole line.
+    `soft` collects the problems that leave a usable tree, as in `load_file`.
     """
     pos = _Positions(name, line_text, origin)
     if len(text) > MAX_BYTES:
@@ -152,8 +158,10 @@ def load_text(text: str, name: str, line_text: str | None = None, origin: tuple[
         return None
     builder = _Builder(pos)
     root = builder.build(node, 0)
-    if builder.problems:
+    if builder.problems and soft is None:
         raise TesseraError(builder.problems)
+    if soft is not None:
+        soft.extend(builder.problems)
     return root
 
 

@@ -216,3 +216,17 @@ def test_extends_through_symlink_is_refused(spec_dir: Path, tmp_path_factory: py
 
 def test_enough_broken_specs() -> None:
     assert len(CASES) >= 40
+
+
+def test_console_entry_point_in_a_subprocess(spec_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    (spec_dir / "s.yaml").write_text(MINI + "  steps: 11\nmesh: {tp: -2}\n")
+    proc = subprocess.run([sys.executable, "-m", "tessera.cli", "check", "s.yaml", "--set", "kernels=fast"],
+                          capture_output=True, text=True, cwd=spec_dir, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    headers = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert headers == ["s.yaml:8:3: error: duplicate key `steps`; first given at line 7, column 3",
+                       "s.yaml:9:12: error: mesh.tp: must be >= 1, got -2",
+                       '<--set>:1:9: error: kernels: expected one of auto, reference, got "fast"']
