@@ -12,7 +12,7 @@ from pathlib import Path
 import lark
 from lark import v_args
 
-from tessera.diagnostics import Diagnostic, Span, TesseraError
+from tessera.diagnostics import Diagnostic, Span, TesseraError, relpath
 from tessera.grammar import model_ast as A
 
 _GRAMMAR = Path(__file__).with_name("model.lark")
@@ -205,4 +205,4 @@ def parse_model_file(path: str | Path) -> A.Model:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TesseraError(Diagnostic(f"cannot read model file: {exc.strerror}", span=None)) from None
-    return parse_model(text, str(path))
+    return parse_model(text, relpath(path))

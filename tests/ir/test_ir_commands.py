@@ -1,0 +1,68 @@
+"""`tessera ir` and the model-level part of `tessera check`, through the command line entry point."""
+
+import types
+
+import pytest
+
+from tessera.cli import main
+from tessera.diagnostics import Span, relpath
+from tessera.ir import build_graph
+from tessera.ir.check import check_mesh_divides
+from tests.ir.conftest import LLAMA, MODELS, ROOT
+
+SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+
+
+def test_ir_after_fuse_prints_the_fused_graph(capsys):
+    assert main(["ir", str(ROOT / "specs" / "llama_tiny.yaml"), "--after", "fuse"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("graph llama {\n") and out.endswith("}\n")
+    assert "= attention(" in out and "= mlp(" in out and "= softmax(" not in out
+
+
+def test_ir_after_decompose_with_an_override(capsys):
+    assert main(["ir", str(ROOT / "specs" / "llama_tiny.yaml"), "--after", "decompose",
+                 "--set", "model.args.layers=3"]) == 0
+    out = capsys.readouterr().out
+    assert "= softmax(" in out and "{n = 3, axis = layers}" in out
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.stem for s in SPECS])
+def test_every_shipped_spec_round_trips_after_every_pass(spec, capsys):
+    assert main(["ir", str(spec), "--roundtrip"]) == 0
+    assert capsys.readouterr().out.split() == ["verify:", "ok", "canonicalize:", "ok", "decompose:", "ok",
+                                               "fuse:", "ok", "numerics:", "ok"]
+
+
+def test_unknown_pass_exits_2(capsys):
+    assert main(["ir", str(ROOT / "specs" / "llama_tiny.yaml"), "--after", "fusion"]) == 2
+    assert "error: unknown pass `fusion`; did you mean `fuse`?" in capsys.readouterr().err
+
+
+def test_check_reports_a_numeric_rule_that_matches_nothing(tmp_path, capsys):
+    base = (ROOT / "specs" / "llama_tiny.yaml").read_text().replace("../models/llama.tsl", str(MODELS / "llama.tsl"))
+    (tmp_path / "base.yaml").write_text(base)
+    (tmp_path / "bad.yaml").write_text('extends: base.yaml\nname: bad\nnumerics:\n  rules:\n    "*/mlp/gat": bf16\n')
+    assert main(["check", str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("bad.yaml:5:18: error: numerics.rules: numeric rule `*/mlp/gat` matches no parameter "
+                           "of model `llama`; parameter paths look like embed/table, layers/attn_norm/scale, "
+                           "layers/attention/q")
+
+
+def test_check_accepts_the_shipped_specs(capsys):
+    for spec in SPECS:
+        assert main(["check", str(spec)]) == 0, spec
+
+
+def test_mesh_axis_must_divide_the_dims_it_shards():
+    graph = build_graph(MODELS / "llama.tsl", {**LLAMA, "d_ff": 96})
+    spans = {"parallel.rules.mlp": Span("s.yaml", 7, 12)}
+    exp = types.SimpleNamespace(mesh=types.SimpleNamespace(axes={"tp": 5, "fsdp": 1}),
+                                parallel=types.SimpleNamespace(rules={"mlp": "tp", "embed": "fsdp"}),
+                                span=spans.get)
+    problems = check_mesh_divides(exp, graph)
+    assert [p.render().splitlines()[0] for p in problems] == [
+        "s.yaml:7:12: error: parallel.rules.mlp: tp=5 does not divide `mlp` = 96 (param `layers/mlp/gate`); "
+        "use a mesh size that divides 96: 1, 2, 3, 4, 6, 8 ...",
+        f"{relpath(MODELS / 'llama.tsl')}:11:16: note: `layers/mlp/gate` is declared here with `mlp` = 96"]
