@@ -16,7 +16,7 @@ from typing import Any, Callable
 from tessera.diagnostics import Diagnostic, Span, TesseraError, did_you_mean
 from tessera.grammar import model_ast as A
 from tessera.grammar.model import parse_model_file
-from tessera.ir.types import Dim, Graph, Op, Param, ParamRef, PerLayer, Region, TensorType, Value, canonical_dtype
+from tessera.ir.types import Dim, Graph, Param, ParamRef, PerLayer, Region, TensorType, Value, canonical_dtype
 
 ArgSpan = Callable[[str], "Span | None"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tessera.diagnostics import Diagnostic, TesseraError, did_you_mean
 from tessera.ir.registry import OPS, OpDef, OpError, _no_params, check_attrs, get_op
-from tessera.ir.types import Graph, Op, ParamRef, PerLayer, Region, TensorType, Value
+from tessera.ir.types import Graph, Op, ParamRef, PerLayer, Region, TensorType
 
 
 def owns_params(opdef: OpDef) -> bool:

@@ -114,3 +114,14 @@ def test_registering_an_op_twice_is_an_error():
     with pytest.raises(ValueError, match="op `silu` is registered twice"):
         register(OpDef("silu", (1, 1), (), lambda i, a: i))
     assert "silu" in OPS
+
+
+def test_flops_per_token_counts_attention_at_the_sequence_length():
+    from tessera.ir import build_graph, graph_flops, graph_flops_per_token
+    from tests.ir.conftest import LLAMA, MODELS
+
+    g = build_graph(MODELS / "llama.tsl", LLAMA)
+    one = graph_flops(g, {"batch": 1, "seq": 1})
+    # 2 layers × 4 heads × head_dim 16 × 4 FLOPs per visible pair; 64 positions see 65/2 keys on average
+    attention = 2 * 4 * 16 * 4 * (64 * 65 / 2 - 64) / 64
+    assert graph_flops_per_token(g, seq=64) == pytest.approx(one + attention)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tessera.ir.passes import register_pass
 from tessera.ir.passes.rewrite import Builder, dce, definitions, regions, replace_uses, use_counts
-from tessera.ir.types import DimName, Graph, Op, ParamRef, Struct, Value
+from tessera.ir.types import Graph, Op, ParamRef, Struct, Value
 
 
 class _Match:
