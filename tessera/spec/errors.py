@@ -53,31 +53,28 @@ def from_validation(exc: ValidationError, root: Node, schema: type[BaseModel]) -
     return [_one(err, root, schema) for err in exc.errors(include_url=False)]
 
 
-def _walk(root: Node, loc: tuple, schema: type[BaseModel] | None) -> tuple[tuple, Node, list[Node], tuple]:
-    """Follow `loc` through the tree, skipping union tags; (path, deepest node, its ancestors, rest of loc)."""
-    node, path, parents = root, (), []
+def _walk(root: Node, loc: tuple, schema: type[BaseModel] | None) -> tuple[tuple, Node, tuple]:
+    """Follow `loc` through the tree, skipping union tags: (key path, deepest node reached, rest of loc)."""
+    node, path = root, ()
     for i, part in enumerate(loc):
         value = node.value
+        if part == "[key]":  # pydantic's marker for an error in a mapping's key rather than its value
+            continue
         if isinstance(value, dict) and isinstance(part, str):
-            kind = value.get("kind")
-            if (schema is not None and kind is not None and kind.value == part
-                    and part not in _fields_of(schema, root, path)):
-                continue  # the tag pydantic puts in `loc` for a member of a tagged union
-            if part not in value and schema is not None and i + 1 < len(loc) \
-                    and part not in _fields_of(schema, root, path):
-                continue  # the tag of a union member whose `kind` was left to its default
+            if schema is not None and part not in _fields_of(schema, root, path):
+                kind = value.get("kind")
+                if kind is not None and kind.value == part:
+                    continue  # the tag pydantic puts in `loc` for a member of a tagged union
+                if part not in value and i + 1 < len(loc):
+                    continue  # the same, for a union member whose `kind` was left to its default
             if part not in value:
-                return path, node, parents, loc[i:]
-            parents.append(node)
+                return path, node, loc[i:]
             node, path = value[part], path + (part,)
         elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
-            parents.append(node)
             node, path = value[part], path + (part,)
-        elif part == "[key]":
-            continue
         else:
-            return path, node, parents, loc[i:]
-    return path, node, parents, ()
+            return path, node, loc[i:]
+    return path, node, ()
 
 
 def _fields_of(schema: type[BaseModel], root: Node, path: tuple) -> set[str]:
@@ -115,12 +112,11 @@ def _pick_model(annotation: Any, node: Node) -> type[BaseModel] | None:
 
 def _one(err: dict[str, Any], root: Node, schema: type[BaseModel]) -> Diagnostic:
     kind, ctx = err["type"], err.get("ctx") or {}
-    path, node, parents, rest = _walk(root, tuple(err["loc"]), schema)
+    path, node, rest = _walk(root, tuple(err["loc"]), schema)
     if kind == "missing":
         name = rest[0] if rest else path[-1]
-        span = node.key_span or node.span
-        return Diagnostic(f"missing required key `{name}`", _start(span), key_path(path + (name,)))
-    path += tuple(p for p in rest if p != "[key]")
+        return Diagnostic(f"missing required key `{name}`", node.key_span or node.span, key_path(path + (name,)))
+    path += tuple(p for p in rest if p != "[key]")  # below what the tree holds (not expected in practice)
     if kind == "extra_forbidden":
         choices = sorted(_fields_of(schema, root, path[:-1]) - {"extends"})
         return Diagnostic(f"unknown key `{path[-1]}`", node.key_span or node.span, key_path(path),
@@ -128,9 +124,9 @@ def _one(err: dict[str, Any], root: Node, schema: type[BaseModel]) -> Diagnostic
     if kind.startswith("union_tag"):
         return _union_tag(kind, ctx, path, node)
     for part in ctx.get("at") or ():  # custom errors point below the field (a list item, a rule entry)
-        child = _walk(node, (part,), None)
-        if not child[3]:
-            node, path = child[1], path + child[0]
+        sub_path, sub_node, sub_rest = _walk(node, (part,), None)
+        if not sub_rest:
+            node, path = sub_node, path + sub_path
     on_key = "[key]" in err["loc"] or isinstance(node.value, dict)  # a bad key, or a check of a whole mapping
     span = node.key_span if on_key and node.key_span else _value_span(node, ctx)
     return Diagnostic(_message(kind, err, ctx, node), span, key_path(path),
@@ -154,7 +150,7 @@ def _union_tag(kind: str, ctx: dict[str, Any], path: tuple, node: Node) -> Diagn
     if not isinstance(node.value, dict):
         return Diagnostic(f"expected a mapping, got {show(node.value)}", node.span, key_path(path))
     if kind == "union_tag_not_found" or "kind" not in node.value:
-        return Diagnostic("missing required key `kind`", _start(node.key_span or node.span),
+        return Diagnostic("missing required key `kind`", node.key_span or node.span,
                           key_path(path + ("kind",)), hint=f"one of {', '.join(tags)}" if tags else None)
     tag = node.value["kind"]
     return Diagnostic(f"unknown kind {show(tag.value)}; expected one of {', '.join(tags)}", _value_span(tag, {}),
@@ -173,10 +169,6 @@ def _literal_hint(kind: str, ctx: dict[str, Any], node: Node) -> str | None:
 
 def _choices(choices: list[str]) -> str | None:
     return f"valid keys here: {', '.join(choices)}" if choices else None
-
-
-def _start(span: Span) -> Span:
-    return Span(span.file, span.line, span.col, span.end_col, text=span.text)
 
 
 def _value_span(node: Node, ctx: dict[str, Any]) -> Span:
