@@ -1,0 +1,432 @@
+"""Counting from the Graph IR: parameters (total, active, bytes), FLOPs, activation and KV-cache bytes.
+
+Everything here walks a graph; nothing is a per-model formula. Ops inside `repeat(n, ...)` count n times
+(their params are stored stacked, so a param's numel already includes the layers). Per-device figures take
+a `per_device(type) -> elements` function (a `Layout` from the spec's mesh, see below). Assumptions:
+
+- active parameters: what one token's forward pass multiplies by. The embedding table is a lookup (one
+  row), norm scales are per-channel scales (the published GPT-OSS counts leave both out), a MoE reads
+  top_k of its experts plus its router; every other parameter is read whole.
+- a training step is forward + backward; backward costs 2x forward for contractions (a gradient for the
+  input and one for the weight) and 1x forward for everything else. Rematerialisation recomputes the
+  forward of the repeated block: all of it (`full`) or its non-contraction ops (`dots`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tessera.grammar.numerics import BASE_TYPES, NumericType
+from tessera.ir.flops import op_flops
+from tessera.ir.registry import get_op
+from tessera.ir.types import Dim, Graph, Op, ParamRef, PerLayer, Region, TensorType
+from tessera.ir.verify import owns_params, split_operands
+
+# Ops whose work is contractions with weights or keys (backward = 2x forward; saved under remat `dots`).
+CONTRACTIONS = frozenset({"dot", "linear", "attention", "sdpa", "mlp", "moe", "unembed"})
+
+# ---- element sizes ----------------------------------------------------------------------------------
+
+_IR_TO_NUMERIC = {"f32": "fp32", "f16": "fp16", "fp8": "fp8_e4m3"}
+_PLAIN_BITS = {"f64": 64, "i64": 64, "i32": 32, "i8": 8, "u8": 8, "bool": 8, "c64": 64, "c128": 128}
+
+
+def bits_per_element(dtype: str) -> float:
+    """Storage bits of one element of an IR element type (mxfp4 = 4.25: 4 bits + an 8-bit scale per 32)."""
+    base = _IR_TO_NUMERIC.get(dtype, dtype)
+    if base in BASE_TYPES:
+        return NumericType(base).bits_per_element
+    if dtype in _PLAIN_BITS:
+        return float(_PLAIN_BITS[dtype])
+    raise ValueError(f"element type `{dtype}` has no known size")
+
+
+def nbytes(t: TensorType, numel: float | None = None) -> float:
+    """Bytes of a tensor of type `t` (all dims sized), or of `numel` elements of its element type."""
+    n = t.numel() if numel is None else numel
+    return n * bits_per_element(t.dtype) / 8.0
+
+
+def concrete(t: TensorType, sizes: dict) -> TensorType:
+    """`t` with its run-time dims (batch, seq) sized from `sizes`."""
+    dims = tuple(d if d.size is not None else Dim(d.name, sizes[d.name]) for d in t.dims)
+    return TensorType(t.dtype, dims, t.shard)
+
+
+# ---- task sizes ---------------------------------------------------------------------------------------
+
+def _prompt_len(prompt) -> int:
+    return len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
+
+
+def task_dims(exp) -> dict[str, int]:
+    """The run-time sizes {"batch", "seq"} of the spec's task (generate: prompts + new tokens)."""
+    task = exp.task
+    if task.kind in ("train", "bench"):
+        return {"batch": task.batch, "seq": task.seq_len}
+    if task.kind == "generate":
+        longest = max(_prompt_len(p) for p in task.prompts)
+        return {"batch": len(task.prompts), "seq": longest + task.max_new_tokens}
+    if task.tokens is not None:  # forward
+        return {"batch": len(task.tokens), "seq": len(task.tokens[0])}
+    import numpy as np
+
+    shape = np.load(task.tokens_file, mmap_mode="r").shape
+    return {"batch": int(shape[0]), "seq": int(shape[1])}
+
+
+# ---- walking ------------------------------------------------------------------------------------------
+
+def walk_counted(region: Region, axes=(), times: int = 1):
+    """(op, repeat axes around it, how many times it runs) for every non-repeat op, depth first."""
+    for op in region.ops:
+        if op.region is not None:
+            inner = tuple(axes) + ((op.attrs["axis"].name, op.attrs["n"]),)
+            yield from walk_counted(op.region, inner, times * op.attrs["n"])
+        else:
+            yield op, tuple(axes), times
+
+
+def param_uses(op: Op) -> list[tuple[str, str | None]]:
+    """(path, local name the op declares for it or None) of each param the op reads."""
+    opdef = get_op(op.name)
+    refs = [o for o in op.operands if isinstance(o, ParamRef)]
+    if not refs:
+        return []
+    if not owns_params(opdef):  # a primitive reading a param as data (`dot(%x, @w)`)
+        return [(r.path, None) for r in refs]
+    data, owned = split_operands(op, opdef)
+    decls = opdef.params(op.attrs, [o.type for o in data])
+    names = {id(ref): d.name for d, ref in zip(decls, owned)}
+    return [(r.path, names.get(id(r))) for r in refs]
+
+
+# ---- parameters ---------------------------------------------------------------------------------------
+
+def _moe_active(attrs: dict, name: str | None) -> float:
+    return attrs["top_k"] / attrs["experts"] if name and name.startswith("experts/") else 1.0
+
+
+# op name -> fraction of a param (by local name) one token reads; ops not listed read all of it.
+ACTIVE_FRACTION = {
+    "embed": lambda attrs, name: 0.0,      # a lookup: one row of [vocab, embed]
+    "rmsnorm": lambda attrs, name: 0.0,    # a per-channel scale
+    "layernorm": lambda attrs, name: 0.0,
+    "moe": _moe_active,                    # top_k of the experts, the whole router
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCount:
+    """One parameter: its type (stacked), numel, the fraction a token reads, bytes in its storage type."""
+
+    path: str
+    type: TensorType
+    numel: int
+    active: float  # fraction in [0, 1]
+
+    @property
+    def bytes(self) -> float:
+        return nbytes(self.type)
+
+
+def param_counts(graph: Graph) -> list[ParamCount]:
+    """Every parameter with its active fraction (the largest over the ops that read it)."""
+    fraction: dict[str, float] = {}
+    for op, _, _ in walk_counted(graph.body):
+        rule = ACTIVE_FRACTION.get(op.name, lambda attrs, name: 1.0)
+        for path, name in param_uses(op):
+            fraction[path] = max(fraction.get(path, 0.0), rule(op.attrs, name))
+    return [ParamCount(p.path, p.type, p.type.numel(), fraction.get(p.path, 0.0)) for p in graph.params.values()]
+
+
+def param_summary(graph: Graph) -> dict:
+    """{"total", "active"} parameter counts and {"bytes"} in storage types, plus bytes per element type."""
+    counts = param_counts(graph)
+    by_dtype: dict[str, float] = {}
+    for c in counts:
+        by_dtype[c.type.dtype] = by_dtype.get(c.type.dtype, 0.0) + c.bytes
+    return {"total": sum(c.numel for c in counts), "active": round(sum(c.numel * c.active for c in counts)),
+            "bytes": sum(c.bytes for c in counts), "bytes_by_dtype": by_dtype}
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------------
+
+def flop_counts(graph: Graph, sizes: dict) -> dict[str, float]:
+    """Forward FLOPs split into contractions / other, and in the repeated block (what remat recomputes)."""
+    out = {"contraction": 0.0, "other": 0.0, "block_contraction": 0.0, "block_other": 0.0}
+    for op, axes, times in walk_counted(graph.body):
+        f = times * op_flops(op, graph, sizes, list(axes))
+        kind = "contraction" if op.name in CONTRACTIONS else "other"
+        out[kind] += f
+        if axes:
+            out["block_" + kind] += f
+    return out
+
+
+def train_flops(counts: dict[str, float], remat: str = "none") -> dict[str, float]:
+    """Model FLOPs of forward + backward, and hardware FLOPs including the remat recompute."""
+    fwd = counts["contraction"] + counts["other"]
+    model = fwd + 2.0 * counts["contraction"] + counts["other"]
+    recompute = {"none": 0.0, "dots": counts["block_other"],
+                 "full": counts["block_contraction"] + counts["block_other"]}[remat]
+    return {"forward": fwd, "train_step": model, "train_step_hardware": model + recompute}
+
+
+def graph_flops_per_token(graph: Graph, exp) -> float:
+    """Forward FLOPs per token at the task's batch and sequence length, counted from the graph."""
+    sizes = task_dims(exp)
+    counts = flop_counts(graph, sizes)
+    return (counts["contraction"] + counts["other"]) / (sizes["batch"] * sizes["seq"])
+
+
+# ---- activations saved for backward ---------------------------------------------------------------------
+
+def _t(dtype: str, **dims: int) -> TensorType:
+    return TensorType(dtype, tuple(Dim(n, s) for n, s in dims.items()))
+
+
+def _attention_saved(x: TensorType, attrs: dict) -> list[tuple[TensorType, bool]]:
+    b, s, hd = x.dim("batch").size, x.dim("seq").size, attrs["head_dim"]
+    h, kv = attrs["heads"], attrs["kv_heads"]
+    return [(_t(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), True),        # q projection
+            (_t(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # k projection
+            (_t(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # v projection
+            (_t(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), False),       # attention output before o
+            (_t("f32", batch=b, seq=s, heads=h), False)]                      # softmax log-sum-exp
+
+
+def _mlp_saved(x: TensorType, attrs: dict, k: int | None = None) -> list[tuple[TensorType, bool]]:
+    b, s, f = x.dim("batch").size, x.dim("seq").size, attrs["d_ff"]
+    per = dict(batch=b, seq=s) if k is None else dict(batch=b, seq=s, top_k=k)
+    saved = [(_t(x.dtype, **per, mlp=f), True), (_t(x.dtype, **per, mlp=f), True),  # gate, up
+             (_t(x.dtype, **per, mlp=f), False)]                                       # activation
+    if k is not None:  # routing logits, weights and each expert's output before the weighted sum
+        experts = attrs["experts"]
+        saved += [(_t("f32", batch=b, seq=s, experts=experts), True), (_t("f32", batch=b, seq=s, top_k=k), False),
+                  (_t(x.dtype, **per, embed=x.dim("embed").size), True)]
+    return saved
+
+
+# composite op -> tensors it keeps for its backward besides its result: (type, is a contraction output)
+INTERNAL_SAVED = {
+    "attention": _attention_saved,
+    "mlp": _mlp_saved,
+    "moe": lambda x, attrs: _mlp_saved(x, attrs, attrs["top_k"]),
+}
+
+
+def saved_tensors(op: Op, sizes: dict) -> list[tuple[TensorType, bool]]:
+    """Tensors `op` keeps for backward at `sizes`: its results plus a composite's internals."""
+    contraction = op.name in CONTRACTIONS
+    out = [(concrete(r.type, sizes), contraction) for r in op.results]
+    rule = INTERNAL_SAVED.get(op.name)
+    if rule is not None:
+        out += rule(concrete(op.values[0].type, sizes), op.attrs)
+    return out
+
+
+def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t: t.numel()) -> dict[str, float]:
+    """Bytes of activations held for backward: per layer under `remat`, the block inputs, the rest of the graph.
+
+    none: every saved tensor of every layer. dots: only contraction outputs of each layer. full: each
+    layer's input only, plus one layer's full set while that layer's backward recomputes it.
+    """
+    def size(items):
+        return sum(nbytes(t, per_device(t)) for t, _ in items)
+
+    block_all = block_dots = carry = outside = 0.0
+    layers = 1
+    for op in graph.body.ops:
+        if op.region is None:
+            outside += size(saved_tensors(op, sizes))
+            continue
+        layers = op.attrs["n"]
+        carry += sum(nbytes(t, per_device(t)) for t in (concrete(v.type, sizes) for v in op.values))
+        items = [x for o, _, _ in walk_counted(op.region) for x in saved_tensors(o, sizes)]
+        block_all += size(items)
+        block_dots += size([x for x in items if x[1]])
+    per_layer = {"none": block_all, "dots": block_dots + carry, "full": carry}[remat]
+    peak_extra = block_all if remat == "full" else 0.0
+    return {"per_layer": per_layer, "layers": layers, "outside_block": outside,
+            "total": layers * per_layer + peak_extra + outside}
+
+
+def working_set_bytes(graph: Graph, sizes: dict, per_device=lambda t: t.numel()) -> float:
+    """Inference activations: one layer's tensors live at once, plus the largest tensor outside the block."""
+    layer = outside = 0.0
+    for op in graph.body.ops:
+        if op.region is not None:
+            items = [x for o, _, _ in walk_counted(op.region) for x in saved_tensors(o, sizes)]
+            layer = max(layer, sum(nbytes(t, per_device(t)) for t, _ in items))
+        else:
+            outside = max([outside] + [nbytes(t, per_device(t)) for t, _ in saved_tensors(op, sizes)])
+    return layer + outside
+
+
+# ---- KV cache -----------------------------------------------------------------------------------------
+
+def _windows(window) -> list:
+    return list(window.values) if isinstance(window, PerLayer) else [window]
+
+
+def kv_cache_bytes(graph: Graph, batch: int, max_len: int, per_device=lambda t: t.numel()) -> float:
+    """Bytes of every attention op's KV cache for `batch` sequences of up to `max_len` tokens.
+
+    Each cache holds k and v [batch, C, kv_heads, head_dim] in the op's compute type and int32 positions
+    [batch, C]; C = max_len, or the window (when smaller) for sliding-window layers (a ring buffer).
+    """
+    total = 0.0
+    for op, axes, times in walk_counted(graph.body):
+        if op.name != "attention":
+            continue
+        a, dtype = op.attrs, op.result.type.dtype
+        windows = _windows(a["window"])  # one per layer when they differ
+        for w in windows:
+            c = max_len if w is None else min(w, max_len)
+            kv = _t(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
+            pos = _t("i32", batch=batch, seq=c)
+            total += (2 * nbytes(kv, per_device(kv)) + nbytes(pos, per_device(pos))) * times / len(windows)
+    return total
+
+
+# ---- layout on the mesh ---------------------------------------------------------------------------------
+
+def _axes(rule) -> tuple[str, ...]:
+    return () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How each named dim of a tensor splits over the mesh, from `mesh:` and `parallel.rules`.
+
+    A stand-in until the sharding pass annotates every value: a dim named by a rule is split over the rule's
+    mesh axes (axes of size 1 dropped), each mesh axis at most once per tensor (the first dim wins), and
+    `layers` over `pp` unless a rule says otherwise.
+    """
+
+    mesh: dict[str, int]
+    rules: dict[str, tuple[str, ...]]
+    sequence_parallel: bool = False
+
+    @classmethod
+    def of(cls, exp) -> "Layout":
+        """The layout of an experiment's mesh and rules."""
+        rules = {name: _axes(rule) for name, rule in exp.parallel.rules.items()}
+        rules.setdefault("layers", ("pp",))
+        return cls(dict(exp.mesh.axes), rules, exp.parallel.sequence_parallel)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    def size(self, axes) -> int:
+        """Devices spanned by `axes`."""
+        return math.prod(self.mesh.get(a, 1) for a in axes)
+
+    def split(self, t: TensorType, activation: bool = False) -> dict[str, tuple[str, ...]]:
+        """dim name -> the mesh axes that split it (only dims that are split)."""
+        used: set[str] = set()
+        out: dict[str, tuple[str, ...]] = {}
+        for d in t.dims:
+            axes = tuple(a for a in self.rules.get(d.name, ()) if self.mesh.get(a, 1) > 1 and a not in used)
+            used.update(axes)
+            if axes:
+                out[d.name] = axes
+        if activation and self.sequence_parallel and "tp" not in used and self.mesh.get("tp", 1) > 1 \
+                and t.dim("seq") is not None:
+            out["seq"] = out.get("seq", ()) + ("tp",)
+        return out
+
+    def per_device(self, t: TensorType, activation: bool = False) -> float:
+        """Elements of `t` one device holds."""
+        split = self.split(t, activation)
+        return float(math.prod(-(-d.size // self.size(split.get(d.name, ()))) for d in t.dims))
+
+    def activations(self, t: TensorType) -> float:
+        """Elements of activation `t` one device holds (sequence parallelism applies)."""
+        return self.per_device(t, activation=True)
+
+
+# ---- collectives ----------------------------------------------------------------------------------------
+
+def _ring(kind: str, n: int, full: float) -> float:
+    """Bytes one device sends for a ring collective over n devices on a tensor of `full` bytes."""
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * full
+
+
+def param_collectives(graph: Graph, layout: Layout, train: bool, grad_bits: float = 32.0) -> list[dict]:
+    """Parameter all-gathers over axes that split both params and the batch (fsdp), gradient reductions."""
+    batch_axes = [a for a in layout.rules.get("batch", ()) if layout.mesh.get(a, 1) > 1]
+    rows = []
+    for p in graph.params.values():
+        split = layout.split(p.type)
+        used = {a for axes in split.values() for a in axes}
+        local = layout.per_device(p.type)
+        for a in batch_axes:
+            n = layout.mesh[a]
+            if a in used:  # stored sharded, gathered for use: forward (and again in backward)
+                rows.append((a, "all-gather", "parameters", (2 if train else 1) * _ring("all-gather", n,
+                                                                                          nbytes(p.type, local * n))))
+                if train:
+                    rows.append((a, "reduce-scatter", "gradients", _ring("reduce-scatter", n, local * n * grad_bits / 8)))
+            elif train:
+                rows.append((a, "all-reduce", "gradients", _ring("all-reduce", n, local * grad_bits / 8)))
+    return rows
+
+
+def _op_collectives(op: Op, axes, times: int, graph: Graph, sizes: dict, layout: Layout, passes: float):
+    """Activation collectives of one op: all-reduce of outputs contracted over split dims, expert all-to-all."""
+    from tessera.ir.verify import param_type
+
+    rows = []
+    out = concrete(op.result.type, sizes)
+    skip = set(layout.rules.get("batch", ())) | {"pp"}
+    reduce_dims: dict[str, str] = {}
+    for path, _ in param_uses(op):
+        t = param_type(graph, path, list(axes))
+        for dim, mesh_axes in layout.split(t).items():
+            for a in mesh_axes:
+                if a not in skip and out.dim(dim) is None:
+                    reduce_dims.setdefault(a, dim)
+    for a, dim in reduce_dims.items():
+        n = layout.mesh[a]
+        if dim == "experts":  # each token's top_k copies go to their experts' devices and come back
+            x = concrete(op.values[0].type, sizes)
+            copies = nbytes(x, layout.activations(x)) * op.attrs.get("top_k", 1)
+            rows.append((a, "all-to-all", f"{op.name} tokens", passes * times * 2 * _ring("all-to-all", n, copies)))
+        else:
+            rows.append((a, "all-reduce", f"{op.name} output",
+                         passes * times * _ring("all-reduce", n, nbytes(out, layout.activations(out)))))
+    if op.name in ("attention", "sdpa"):  # keys and values of the whole sequence, gathered over seq shards
+        x = concrete(op.values[0].type, sizes)
+        for a in layout.split(x, activation=True).get("seq", ()):
+            kv = _t(out.dtype, batch=x.dim("batch").size, seq=x.dim("seq").size,
+                    kv_heads=op.attrs.get("kv_heads", 1), head_dim=op.attrs.get("head_dim", 1))
+            rows.append((a, "all-gather", f"{op.name} keys, values",
+                         passes * times * 2 * _ring("all-gather", layout.mesh[a], nbytes(kv, layout.activations(kv)))))
+    return rows
+
+
+def collectives(graph: Graph, sizes: dict, layout: Layout, *, train: bool, remat: str = "none") -> list[dict]:
+    """Bytes each device sends per step, per (mesh axis, collective, what), from the graph at `sizes`.
+
+    Ring algorithms: all-reduce 2(n-1)/n of the tensor, all-gather / reduce-scatter / all-to-all (n-1)/n.
+    Activation collectives run once per forward; a training step has forward + backward (+ the forward
+    again under `full` remat). Pipeline stages pass the block's carry forward (and its gradient back).
+    """
+    passes = (3.0 if remat == "full" else 2.0) if train else 1.0
+    rows = param_collectives(graph, layout, train)
+    for op, axes, times in walk_counted(graph.body):
+        rows += _op_collectives(op, axes, times, graph, sizes, layout, passes)
+    pp = layout.mesh.get("pp", 1)
+    if pp > 1:
+        for op in graph.body.ops:
+            if op.region is not None:
+                carry = sum(nbytes(t, layout.activations(t)) for t in (concrete(v.type, sizes) for v in op.values))
+                rows.append(("pp", "send/recv", "stage activations", (2.0 if train else 1.0) * carry))
+    merged: dict[tuple, float] = {}
+    for axis, kind, what, b in rows:
+        merged[(axis, kind, what)] = merged.get((axis, kind, what), 0.0) + b
+    return [{"axis": a, "kind": k, "what": w, "bytes": b} for (a, k, w), b in merged.items() if b > 0]
