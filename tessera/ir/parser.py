@@ -43,7 +43,7 @@ attr: NAME "=" value
 type: NAME "[" [dim ("," dim)*] "]" [shard]
 dim: NAME ["=" INT]
 shard: "|" "[" SHARD ("," SHARD)* "]"
-SHARD: /[A-Za-z_][A-Za-z0-9_]*|-/
+SHARD: /[A-Za-z_][A-Za-z0-9_]*(\*[A-Za-z_][A-Za-z0-9_]*)*|-/
 
 VAR: /%[A-Za-z0-9_.]+/
 PARAM: /@[A-Za-z0-9_\/.]+/

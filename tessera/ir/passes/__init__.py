@@ -41,13 +41,14 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 
 
 def _load() -> None:
-    from tessera.ir.passes import canonicalize, decompose, fuse, numerics  # noqa: F401
+    from tessera.ir.passes import canonicalize, decompose, fuse, numerics, shard  # noqa: F401
 
 
 register_pass("verify", _verify)
 
 # The pipeline, in order. Later stages (shard, lower) are appended by the layers that own them.
 PIPELINE: list[str] = ["verify", "canonicalize", "decompose", "fuse", "numerics"]
+PIPELINE.append("shard")  # tessera/ir/passes/shard.py: mesh axes per dim from parallel.rules
 
 
 def run_pass(name: str, graph: Graph, ctx: PassContext | None = None) -> Graph:

@@ -1,0 +1,1 @@
+"""Distribution: the mesh, logical→mesh rules, collectives, deterministic reductions and sharded steps."""
