@@ -62,7 +62,7 @@ def test_tiny_specs_train_on_bytes(stem: str) -> None:
     exp = load_experiment(ROOT / "specs" / f"{stem}.yaml")
     assert exp.task.kind == "train" and exp.model.args["vocab"] == 256 and exp.mesh.size == 1
     assert str(exp.numerics.default) == "fp32" and exp.numerics.rules == {}
-    assert exp.task.steps <= 300 and exp.task.sample is not None
+    assert exp.task.steps <= 200 and exp.task.sample is not None
     if stem == "llama_tiny":
         assert set(exp.model.args) == LLAMA_ARGS
     else:
