@@ -29,6 +29,7 @@ def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, An
         apply_overrides(root, parse_overrides(overrides))
     except TesseraError as exc:
         raise TesseraError(_sorted(soft + exc.diagnostics)) from None
+    spans = {p: n.span for p, n in root.walk() if p}  # what was written somewhere; derived values are not
     _fill_derived(root, path)
     problems = soft + _resolve_files(root)
     try:
@@ -41,7 +42,7 @@ def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, An
         problems.append(Diagnostic(message, node.span if node else None, errors.key_path(key), hint))
     if problems:
         raise TesseraError(_sorted(problems))
-    exp._spans = {p: n.span for p, n in root.walk() if p}
+    exp._spans = spans
     return exp
 
 

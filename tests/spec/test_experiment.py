@@ -78,6 +78,7 @@ def test_spans(spec: Path) -> None:
     tp = exp.span("mesh.tp")
     assert (tp.file, tp.line, tp.col, tp.text) == ("<--set>", 1, 9, "mesh.tp=4")
     assert exp.span("task.eval_every") is None  # a default: written nowhere
+    assert exp.span("parallel.rules.vocab") is None and exp.span("parallel.rules.heads") is not None
 
 
 def test_resolved_yaml_is_a_valid_spec(spec: Path, spec_dir: Path) -> None:
@@ -103,7 +104,8 @@ def test_spec_hash_tracks_content(spec: Path) -> None:
 def test_name_defaults_to_file_stem(spec_dir: Path) -> None:
     path = spec_dir / "my_run.yaml"
     path.write_text(VALID.replace("name: t\n", ""))
-    assert load_experiment(path).name == "my_run"
+    exp = load_experiment(path)
+    assert exp.name == "my_run" and exp.span("name") is None
 
 
 def test_extends_deep_merge(spec_dir: Path) -> None:
