@@ -65,12 +65,13 @@ def _resolve_files(root: Node) -> list[Diagnostic]:
         node = _node_at(root, key)
         if node is None or not isinstance(node.value, str) or not node.value:
             continue
-        written = Path(node.value).expanduser()
-        base = Path.cwd() if node.span.file.startswith("<") else Path(node.span.file).parent
+        written, from_set = Path(node.value).expanduser(), node.span.file.startswith("<")
+        base = Path.cwd() if from_set else Path(node.span.file).parent
         resolved = (base / written).resolve() if not written.is_absolute() else written
         if not resolved.is_file():
+            hint = "relative to the working directory" if from_set else "relative to the spec file that names them"
             problems.append(Diagnostic(f"no such file: {relpath(resolved)}", node.span, errors.key_path(key),
-                                       "paths are relative to the spec file that names them"))
+                                       f"paths are {hint}"))
         node.value = str(resolved)
     return problems
 

@@ -108,9 +108,9 @@ def load_file(path: Path, display: str | None = None, soft: list[Diagnostic] | N
         if size > MAX_BYTES:
             raise TesseraError(Diagnostic(f"file is {size} bytes; a spec may be at most {MAX_BYTES} bytes",
                                           Span(name, 1, 1)))
-        data = path.read_bytes()[: MAX_BYTES + 1]
+        data = path.read_bytes()
     except OSError as exc:
-        raise TesseraError(Diagnostic(f"cannot read spec file: {exc.strerror or exc}")) from None
+        raise TesseraError(Diagnostic(f"cannot read {name}: {exc.strerror or exc}")) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
