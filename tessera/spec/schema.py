@@ -6,6 +6,7 @@ check, they never rewrite: the loader (load.py) fills derived values before vali
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 from typing import Annotated, Any, Literal
@@ -140,6 +141,14 @@ class Numerics(Section):
         default_factory=dict, description="glob on parameter/op path -> type; applied in order, last match wins")
     loss_scale: Annotated[str, PlainValidator(_loss_scale)] = Field(
         "none", description="loss scaling for low-precision training: none | dynamic | static(<float>)")
+
+    def match(self, path: str) -> NumericType | None:
+        """The type the LAST rule whose glob matches `path` gives (fnmatch: `*` crosses `/`), or None."""
+        found = None
+        for glob, numeric in self.rules.items():
+            if fnmatch.fnmatchcase(path, glob):
+                found = numeric
+        return found
 
     @field_validator("params")
     @classmethod

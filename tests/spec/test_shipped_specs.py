@@ -47,6 +47,9 @@ def test_gpt_oss_120b() -> None:
     assert {k: str(v) for k, v in exp.numerics.rules.items()} == {"*/moe/experts/*": "mxfp4",
                                                                    "*/moe/experts/*_bias": "bf16"}
     assert list(exp.numerics.rules) == ["*/moe/experts/*", "*/moe/experts/*_bias"]  # order matters: last wins
+    assert str(exp.numerics.match("layers/moe/experts/gate")) == "mxfp4"
+    assert str(exp.numerics.match("layers/moe/experts/gate_bias")) == "bf16"
+    assert exp.numerics.match("layers/attention/q") is None
     assert exp.task.kind == "generate"
 
 
