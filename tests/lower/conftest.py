@@ -50,3 +50,20 @@ def float64():
         yield
     finally:
         jax.config.update("jax_enable_x64", previous)
+
+
+def directional_grad_check(f, args, *, eps: float = 1e-6, rtol: float = 1e-6, seed: int = 0) -> None:
+    """jax.grad of <f(args), ct> along a random direction vs central finite differences (call in float64())."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    out = jax.eval_shape(f, *args)
+    ct = jnp.asarray(rng.standard_normal(out.shape), out.dtype)
+    scalar = jax.jit(lambda *a: jnp.vdot(f(*a), ct))
+    grads = jax.jit(jax.grad(scalar, argnums=tuple(range(len(args)))))(*args)
+    dirs = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in args]
+    analytic = sum(float(jnp.vdot(g, d)) for g, d in zip(grads, dirs))
+    plus = scalar(*(a + eps * d for a, d in zip(args, dirs)))
+    minus = scalar(*(a - eps * d for a, d in zip(args, dirs)))
+    numeric = float(plus - minus) / (2 * eps)
+    assert abs(analytic - numeric) <= rtol * max(1.0, abs(numeric)), (analytic, numeric)
