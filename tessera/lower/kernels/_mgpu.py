@@ -1,0 +1,135 @@
+"""Shared pieces of the Mosaic GPU (Hopper) kernels: backend checks, interpret mode, accumulators."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LOG2E = 1.4426950408889634
+NEG_BIG = -1e30  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) == 1, never NaN
+
+
+@functools.cache
+def on_hopper() -> bool:
+    """True when the default backend is a CUDA GPU of compute capability 9.x (wgmma, TMA)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu":
+        return False
+    return str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def interpret_params():
+    """The Mosaic GPU interpreter's parameters (private in jax 0.10/0.11, public later)."""
+    try:
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # jax >= 0.12
+    except ImportError:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def kernel_call(body, *, interpret: bool, **kwargs):
+    """`plgpu.kernel` with approximate math on the GPU, or the CPU interpreter when `interpret`."""
+    if interpret:
+        return plgpu.kernel(body, interpret=interpret_params(), **kwargs)
+    return plgpu.kernel(body, compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs)
+
+
+def smem_transforms(dtype):
+    """(8, 64) tiling + 128-byte swizzle: the SMEM layout wgmma and TMA both read at full speed."""
+    swizzle_elems = 128 // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+
+
+def mma(a, b, shape, *, acc=None, transpose_b: bool = False, interpret: bool, then=None):
+    """acc + a @ b (b.T if transpose_b) on the tensor cores, fp32 [M, N] = `shape`.
+
+    a is a register array or an SMEM ref, b an SMEM ref. `then()` runs while the product is in
+    flight (e.g. a barrier). On the GPU an existing accumulator is updated in place
+    (`run_state`). The interpreter of jax 0.10/0.11 has neither `run_state` nor transposed wgmma
+    operands, so there the product is a plain fp32 dot of the loaded tiles.
+    """
+    if interpret:
+        av = a if isinstance(a, jax.Array) else a[...]
+        bv = b[...]
+        out = lax.dot_general(av, bv, (((1,), (1 if transpose_b else 0,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+        if then is not None:
+            then()
+        return out if acc is None else acc + out
+    b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+
+    def issue(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        if then is not None:
+            then()
+
+    if acc is not None:
+        return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+    def fresh(acc_ref):
+        issue(acc_ref)
+        return acc_ref[...]
+    return pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
+
+
+def zeros(shape, *, interpret: bool):
+    """fp32 zeros in the wgmma accumulator layout (the interpreter has no layouts)."""
+    x = jnp.full(shape, 0.0, jnp.float32)
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def row_vector(value, n, *, interpret: bool):
+    """A per-row fp32 vector [n] in the layout of a wgmma accumulator's row reductions."""
+    x = jnp.full((n,), value, jnp.float32)
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+
+def iota2d(shape, dim, *, interpret: bool):
+    """int32 iota over `dim` of a [rows, cols] tile in the wgmma accumulator layout."""
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def load_rows(ref, *, interpret: bool, dim: int = 1):
+    """Read an fp32 [n] SMEM vector in the layout of an accumulator's reductions over `dim`."""
+    if interpret:  # the interpreter has no layouts (nor `plgpu.load`)
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(dim))
+
+
+def stream(lo, hi, stages: int, sources):
+    """Producer loop of a memory warpgroup: TMA tiles for steps [lo, hi) through a `stages` ring.
+
+    `sources` lists (src(step) -> GMEM ref view, SMEM ring [stages, ...], full barriers, free
+    barriers). A slot is refilled once the consumers arrive on its free barrier; at the end the
+    last release of every slot is awaited, so each barrier phase is observed (the interpreter checks).
+    """
+    def load(step, slot):
+        for src, ring, full, _ in sources:
+            plgpu.copy_gmem_to_smem(src(step), ring.at[slot], full.at[slot])
+
+    for i in range(stages):
+        pl.when(lo + i < hi)(functools.partial(load, lo + i, i))
+
+    def refill(step, _):
+        slot = lax.rem(step - lo, stages)
+        for src, ring, full, free in sources:
+            plgpu.barrier_wait(free.at[slot])
+            plgpu.copy_gmem_to_smem(src(step), ring.at[slot], full.at[slot])
+    lax.fori_loop(lo + stages, hi, refill, None)
+
+    def drain(step, _):
+        slot = lax.rem(step - lo, stages)
+        for _, _, _, free in sources:
+            plgpu.barrier_wait(free.at[slot])
+    lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)

@@ -1,0 +1,77 @@
+"""Block ranges and tile masks shared by the attention kernels (positions as in reference/attention.py).
+
+Query row i sits at position `q_offset + i`; key j at j. Key j is visible to position p when
+j < kv_len, and (causal) j <= p, and (window) p - j < window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from tessera.lower.kernels import _mgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """Static masking of one attention call: causal, window (None = unbounded), offsets and lengths."""
+    causal: bool
+    window: int | None
+    q_offset: int
+    kv_len: int  # valid keys; keys at or past it are padding
+
+    def key_range(self, p_first, p_last, block: int):
+        """Blocks [lo, hi) of `block` keys holding any key visible to positions p_first..p_last."""
+        lo = jnp.int32(0) if self.window is None else _div(jnp.maximum(p_first - self.window + 1, 0), block)
+        end = jnp.int32(self.kv_len) if not self.causal else jnp.minimum(p_last + 1, self.kv_len)
+        hi = jnp.maximum(_cdiv(end, block), lo)
+        return lo, hi
+
+    def full_range(self, p_first, p_last, block: int, lo, hi):
+        """Blocks [a, b) within [lo, hi) whose every key is visible to every position p_first..p_last."""
+        a = lo if self.window is None else _cdiv(jnp.maximum(p_last - self.window + 1, 0), block)
+        b = jnp.int32(self.kv_len // block)
+        if self.causal:
+            b = jnp.minimum(b, _div(p_first + 1, block))
+        a = jnp.clip(a, lo, hi)
+        return a, jnp.clip(b, a, hi)
+
+    def query_range(self, k_first, k_last, block: int, num_q_blocks: int):
+        """Query blocks [lo, hi) (rows, not positions) that see any key k_first..k_last."""
+        lo = jnp.int32(0)
+        if self.causal:
+            lo = _div(jnp.maximum(k_first - self.q_offset, 0), block)
+        if self.window is None:
+            hi = jnp.int32(num_q_blocks)
+        else:
+            last_row = k_last + self.window - 1 - self.q_offset  # the last row that sees k_last
+            hi = jnp.minimum(_div(jnp.maximum(last_row + block, 0), block), num_q_blocks)
+        return lo, jnp.maximum(hi, lo)
+
+    def visible(self, q_pos, k_pos):
+        """Elementwise visibility of int32 position tiles (same shape)."""
+        ok = k_pos < self.kv_len
+        if self.causal:
+            ok &= k_pos <= q_pos
+        if self.window is not None:
+            ok &= q_pos - k_pos < self.window
+        return ok
+
+    def tile(self, q_first, k_first, shape, *, interpret: bool, transposed: bool = False):
+        """Visibility of a [rows, cols] accumulator tile; rows are queries (keys when transposed)."""
+        rows = _mgpu.iota2d(shape, 0, interpret=interpret)
+        cols = _mgpu.iota2d(shape, 1, interpret=interpret)
+        if transposed:
+            return self.visible(cols + q_first, rows + k_first)
+        return self.visible(rows + q_first, cols + k_first)
+
+
+def _div(a, b: int):
+    """a // b for non-negative int32 a (lax.div truncates, which equals floor here)."""
+    return lax.div(a, jnp.int32(b))
+
+
+def _cdiv(a, b: int):
+    return _div(a + (b - 1), b)

@@ -1,0 +1,304 @@
+"""Flash attention for Hopper (Mosaic GPU): GQA, causal, sliding window, per-head sinks; fwd + bwd.
+
+Forward, FlashAttention-3 style: one CTA = 2 compute warpgroups x `block_q` query rows of one
+query head + 1 memory warpgroup that streams K/V tiles through a `stages`-deep TMA ring. The two
+compute warpgroups ping-pong on a schedule barrier so one's softmax overlaps the other's wgmma.
+Only KV blocks holding a visible key are visited (window: O(window) per row, not O(T)); blocks
+where every key is visible skip the mask. Sinks seed the running max/denominator. Statistics
+are kept in the log2 domain (exp2 with the scale folded in), fp32; the output of a fully
+masked row is 0, as in the reference. Backward: `flash_attention_bwd.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tessera.lower.kernels import _mgpu
+from tessera.lower.kernels.attention_mask import MaskSpec
+from tessera.lower.reference.attention import attention as attention_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tile sizes of the forward and backward kernels; `interpret` runs them on the CPU interpreter."""
+    block_q: int = 64  # query rows per compute warpgroup; a CTA holds 2 warpgroups
+    block_kv: int = 128
+    stages: int = 2  # K/V tiles in flight
+    block_q_bwd: int = 64
+    block_kv_bwd: int = 64
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            if getattr(self, name) % 64:
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 64")
+        if self.stages < 2:
+            raise ValueError(f"{self.stages=} must be at least 2")
+
+
+def default_config(head_dim: int) -> FlashConfig:
+    """Tiles that fit SMEM and registers for head_dim 64 and 128."""
+    return FlashConfig(block_kv=128, stages=3 if head_dim <= 64 else 2)
+
+
+def supported(q, k, v, *, sinks=None, causal=True, window=None, q_offset=0, config=None) -> bool:
+    """Whether the kernel can run these arguments here (Hopper GPU, fp16/bf16, head dim 64/128)."""
+    del sinks, causal
+    cfg = config or default_config(q.shape[-1])
+    if not (cfg.interpret or _mgpu.on_hopper()):
+        return False
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[0] != k.shape[0]:
+        return False
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1] or q.shape[2] % k.shape[2]:
+        return False
+    if not (jnp.dtype(q.dtype) in _mgpu.HALF_DTYPES and q.dtype == k.dtype == v.dtype):
+        return False
+    ok_window = window is None or (isinstance(window, int) and window >= 1)
+    return ok_window and isinstance(q_offset, int) and q_offset >= 0
+
+
+# ----------------------------------------------------------------------------- forward kernel
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars, *,
+                    cfg: FlashConfig, mask: MaskSpec, has_sinks: bool, group: int, qk_scale: float,
+                    n_tiles: int):
+    """One CTA: rows [t*2*block_q, (t+1)*2*block_q) of head h in batch b; wg 0/1 compute, wg 2 loads."""
+    q_smem2, k_smem, v_smem, row_smem2 = smem
+    q_bar, row_bar, k_bar, v_bar, k_free, v_free, sched = bars
+    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    head_dim, dtype = q_smem2.shape[-1], q_smem2.dtype
+    b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+    tile = n_tiles - 1 - lax.axis_index("t")  # heaviest (latest) causal tiles first
+    cta_row = tile * (2 * bq)
+    lo, hi = mask.key_range(cta_row + mask.q_offset, cta_row + 2 * bq - 1 + mask.q_offset, bkv)
+
+    def sched_sync():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        row0 = cta_row + wg * bq
+        p0 = row0 + mask.q_offset
+        q_smem, row_smem = q_smem2.at[wg], row_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(sink_ref.at[h, pl.ds(wg * bq, bq)], row_smem, row_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        plgpu.barrier_wait(row_bar.at[wg])
+        m = _mgpu.load_rows(row_smem, interpret=cfg.interpret)  # sink * log2e, or NEG_BIG
+        interp = cfg.interpret
+        carry = (_mgpu.zeros((bq, head_dim), interpret=interp), m,
+                 _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp))
+
+        @pl.when(hi > lo)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(sched_sync)
+
+        def step(kv, carry, masked):
+            acc, m, l = carry
+            slot = lax.rem(kv - lo, stages)
+
+            # the schedule barrier lets the other warpgroup's softmax start while this wgmma runs
+            s = _mgpu.mma(q_smem, k_smem.at[slot], (bq, bkv), transpose_b=True, interpret=interp,
+                          then=sched_sync)
+            s = s * qk_scale  # [bq, bkv] scores in log2 units
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                s = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            plgpu.barrier_arrive(sched)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)  # tensor cores free again
+
+            def wait_next_k():
+                nxt = kv + 1
+                pl.when(nxt < hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(nxt - lo, stages)]))
+            acc = _mgpu.mma(p16, v_smem.at[slot], acc.shape, acc=acc, interpret=interp,
+                            then=wait_next_k)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+        acc, m, l = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+        pl.when(wg == 0)(sched_sync)
+
+        inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
+        q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+        row_smem[...] = m + jnp.log2(l)  # log2-sum-exp2 of the row (sink included); -inf if empty
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, pl.ds(row0, bq), h])
+        plgpu.copy_smem_to_gmem(row_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(h, jnp.int32(group))
+
+        def load(kv, slot):
+            src = (b, pl.ds(kv * bkv, bkv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+        for i in range(stages):
+            pl.when(lo + i < hi)(functools.partial(load, lo + i, i))
+
+        def refill(kv, _):
+            slot = lax.rem(kv - lo, stages)
+            src = (b, pl.ds(kv * bkv, bkv), kv_head)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+        lax.fori_loop(lo + stages, hi, refill, None)
+
+        def drain(kv, _):  # observe the last release of each slot before the CTA exits
+            slot = lax.rem(kv - lo, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+        lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)
+
+
+# ----------------------------------------------------------------------------- forward driver
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_seq(x, n: int):
+    """Zero-pad axis 1 of [B, S, H, D] to length n."""
+    return x if x.shape[1] == n else jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfig, has_sinks: bool):
+    """(out [B, S, Hq, D], lse [B, Hq, S_pad] log2 units) of the forward kernel."""
+    bsz, s, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
+    rows = 2 * cfg.block_q
+    s_pad, t_pad = _round_up(s, rows), _round_up(t, cfg.block_kv)
+    qp, kp, vp = _pad_seq(q, s_pad), _pad_seq(k, t_pad), _pad_seq(v, t_pad)
+    sink_rows = sinks.astype(jnp.float32) * _mgpu.LOG2E if has_sinks else jnp.full((hq,), _mgpu.NEG_BIG)
+    sink_rows = jnp.broadcast_to(sink_rows[:, None], (hq, rows)).astype(jnp.float32)
+    stages = min(cfg.stages, max(t_pad // cfg.block_kv, 2))
+    cfg = dataclasses.replace(cfg, stages=stages)
+    tf = _mgpu.smem_transforms(q.dtype)
+    smem = (plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=tf),
+            plgpu.SMEM((stages, cfg.block_kv, d), q.dtype, transforms=tf),
+            plgpu.SMEM((stages, cfg.block_kv, d), q.dtype, transforms=tf),
+            plgpu.SMEM((2, cfg.block_q), jnp.float32))
+    bars = (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2))
+    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=t)
+    body = functools.partial(_forward_kernel, cfg=cfg, mask=mask, has_sinks=has_sinks,
+                             group=hq // hkv, qk_scale=scale * _mgpu.LOG2E, n_tiles=s_pad // rows)
+    out, lse = _mgpu.kernel_call(
+        body, interpret=cfg.interpret,
+        out_type=(jax.ShapeDtypeStruct((bsz, s_pad, hq, d), q.dtype),
+                  jax.ShapeDtypeStruct((bsz, hq, s_pad), jnp.float32)),
+        grid=(hq, s_pad // rows, bsz), grid_names=("h", "t", "b"),
+        num_threads=3, thread_name="wg", scratch_types=(smem, bars),
+    )(qp, kp, vp, sink_rows)
+    return out[:, :s], lse
+
+
+# ----------------------------------------------------------------------------- public op
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    causal: bool
+    window: int | None
+    scale: float
+    q_offset: int
+    has_sinks: bool
+    cfg: FlashConfig
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, sinks, st: _Static):
+    out, _ = _forward(q, k, v, sinks, causal=st.causal, window=st.window, scale=st.scale,
+                      q_offset=st.q_offset, cfg=st.cfg, has_sinks=st.has_sinks)
+    return out
+
+
+def _flash_fwd(q, k, v, sinks, st: _Static):
+    out, lse = _forward(q, k, v, sinks, causal=st.causal, window=st.window, scale=st.scale,
+                        q_offset=st.q_offset, cfg=st.cfg, has_sinks=st.has_sinks)
+    return out, (q, k, v, sinks, out, lse)
+
+
+def _flash_bwd(st: _Static, res, d_out):
+    from tessera.lower.kernels.flash_attention_bwd import backward
+    q, k, v, sinks, out, lse = res
+    dq, dk, dv, dsinks = backward(q, k, v, sinks, out, lse, d_out, causal=st.causal, window=st.window,
+                                  scale=st.scale, q_offset=st.q_offset, cfg=st.cfg,
+                                  has_sinks=st.has_sinks)
+    return dq, dk, dv, dsinks.astype(sinks.dtype)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = None,
+                    scale: float | None = None, q_offset: int = 0, config: FlashConfig | None = None):
+    """Attention as `reference.attention` (q [B,S,Hq,D], k/v [B,T,Hkv,D]) with a custom VJP."""
+    cfg = config or default_config(q.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    st = _Static(causal, window, scale, q_offset, sinks is not None, cfg)
+    sinks_arr = jnp.zeros((q.shape[2],), jnp.float32) if sinks is None else sinks
+    return _flash(q, k, v, sinks_arr, st)
+
+
+def flash_attention_reference(q, k, v, *, sinks=None, causal=True, window=None, scale=None, q_offset=0):
+    """The semantics the kernel matches (tessera/lower/reference/attention.py)."""
+    return attention_reference(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale,
+                               q_offset=q_offset)
+
+
+def attention_flops(b, s, t, hq, d, *, causal, window, backward=False) -> float:
+    """FLOPs over visible (query, key) pairs; backward counts 2.5x the forward (5 matmuls vs 2)."""
+    pairs = _visible_pairs(s, t, causal, window)
+    return 4.0 * b * hq * d * pairs * (2.5 if backward else 1.0)
+
+
+def _visible_pairs(s, t, causal, window) -> int:
+    """Number of visible pairs for queries at 0..s-1 (q_offset 0), keys 0..t-1."""
+    total = 0
+    for i in range(s):
+        hi = min(t, i + 1) if causal else t
+        lo = 0 if window is None else max(0, i - window + 1)
+        total += max(0, hi - lo)
+    return total
+
+
+def main():
+    """Times the forward and backward on the GPT-OSS attention shape (run on a Hopper GPU)."""
+    from bench.kernels import run_attention
+    run_attention()
+
+
+if __name__ == "__main__":
+    main()
