@@ -2,7 +2,8 @@
 
 Everything here walks a graph; nothing is a per-model formula. Ops inside `repeat(n, ...)` count n times
 (their params are stored stacked, so a param's numel already includes the layers). Per-device figures take
-a `per_device(type) -> elements` function (a `Layout` from the spec's mesh, see below). Assumptions:
+a `per_device(type) -> elements` function: a `Layout`, the shard pass's AxisRules counted per device.
+Assumptions:
 
 - active parameters: what one token's forward pass multiplies by. The embedding table is a lookup (one
   row), norm scales are per-channel scales (the published GPT-OSS counts leave both out), a MoE reads
@@ -19,6 +20,7 @@ import math
 
 from tessera.grammar.numerics import BASE_TYPES, NumericType
 from tessera.ir.flops import op_flops
+from tessera.ir.passes.shard import AxisRules
 from tessera.ir.registry import get_op
 from tessera.ir.types import Dim, Graph, Op, ParamRef, PerLayer, Region, TensorType
 from tessera.ir.verify import owns_params, split_operands
@@ -293,59 +295,41 @@ def kv_cache_bytes(graph: Graph, batch: int, max_len: int, per_device=lambda t: 
 
 # ---- layout on the mesh ---------------------------------------------------------------------------------
 
-def _axes(rule) -> tuple[str, ...]:
-    return () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How each named dim of a tensor splits over the mesh, from `mesh:` and `parallel.rules`.
+    """How each named dim of a tensor splits over the mesh: the shard pass's `AxisRules`, counted per device."""
 
-    A stand-in until the sharding pass annotates every value: a dim named by a rule is split over the rule's
-    mesh axes (axes of size 1 dropped), each mesh axis at most once per tensor (the first dim wins), and
-    `layers` over `pp` unless a rule says otherwise.
-    """
-
-    mesh: dict[str, int]
-    rules: dict[str, tuple[str, ...]]
-    sequence_parallel: bool = False
+    rules: AxisRules
 
     @classmethod
     def of(cls, exp) -> "Layout":
-        """The layout of an experiment's mesh and rules."""
-        rules = {name: _axes(rule) for name, rule in exp.parallel.rules.items()}
-        rules.setdefault("layers", ("pp",))
-        return cls(dict(exp.mesh.axes), rules, exp.parallel.sequence_parallel)
+        """The layout of an experiment's mesh and `parallel.rules`."""
+        return cls(AxisRules.from_experiment(exp))
+
+    @classmethod
+    def single(cls) -> "Layout":
+        """One device: nothing is split."""
+        return cls(AxisRules((), ()))
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return dict(self.rules.sizes)
 
     @property
     def devices(self) -> int:
         return math.prod(self.mesh.values())
 
-    def size(self, axes) -> int:
-        """Devices spanned by `axes`."""
-        return math.prod(self.mesh.get(a, 1) for a in axes)
-
     def split(self, t: TensorType, activation: bool = False) -> dict[str, tuple[str, ...]]:
         """dim name -> the mesh axes that split it (only dims that are split)."""
-        used: set[str] = set()
-        out: dict[str, tuple[str, ...]] = {}
-        for d in t.dims:
-            axes = tuple(a for a in self.rules.get(d.name, ()) if self.mesh.get(a, 1) > 1 and a not in used)
-            used.update(axes)
-            if axes:
-                out[d.name] = axes
-        if activation and self.sequence_parallel and "tp" not in used and self.mesh.get("tp", 1) > 1 \
-                and t.dim("seq") is not None:
-            out["seq"] = out.get("seq", ()) + ("tp",)
-        return out
+        return {n: a for n, a in zip(t.names, self.rules.dims(t.names, activation=activation)) if a}
 
     def per_device(self, t: TensorType, activation: bool = False) -> float:
         """Elements of `t` one device holds."""
         split = self.split(t, activation)
-        return float(math.prod(-(-d.size // self.size(split.get(d.name, ()))) for d in t.dims))
+        return float(math.prod(-(-d.size // self.rules.size(split.get(d.name, ()))) for d in t.dims))
 
     def activations(self, t: TensorType) -> float:
-        """Elements of activation `t` one device holds (sequence parallelism applies)."""
+        """Elements of activation `t` one device holds (model dims whole, sequence parallelism applied)."""
         return self.per_device(t, activation=True)
 
 
@@ -358,7 +342,7 @@ def _ring(kind: str, n: int, full: float) -> float:
 
 def param_collectives(graph: Graph, layout: Layout, train: bool, grad_bits: float = 32.0) -> list[dict]:
     """Parameter all-gathers over axes that split both params and the batch (fsdp), gradient reductions."""
-    batch_axes = [a for a in layout.rules.get("batch", ()) if layout.mesh.get(a, 1) > 1]
+    batch_axes = layout.rules.axes("batch")
     rows = []
     for p in graph.params.values():
         split = layout.split(p.type)
@@ -382,7 +366,7 @@ def _op_collectives(op: Op, axes, times: int, graph: Graph, sizes: dict, layout:
 
     rows = []
     out = concrete(op.result.type, sizes)
-    skip = set(layout.rules.get("batch", ())) | {"pp"}
+    skip = set(layout.rules.axes("batch")) | {"pp"}
     reduce_dims: dict[str, str] = {}
     for path, _ in param_uses(op):
         t = param_type(graph, path, list(axes))

@@ -1,0 +1,437 @@
+"""`tessera plan SPEC`: parameters, memory, FLOPs and communication per device, from the spec alone.
+
+Every figure is counted from the program's Graph IR by `tessera.ir.cost`; this module adds the task's
+shapes, the optimizer and the device, an ahead-of-time compile against abstract inputs, and the two ways
+of printing the report (a table, or JSON in the schema documented in docs/plan.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from tessera.diagnostics import did_you_mean, error
+from tessera.ir import cost
+
+SCHEMA = "tessera.plan/1"
+GIB = float(2 ** 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One accelerator: memory (bytes, as the vendor prints GB = 1e9), dense bf16 FLOP/s, memory bandwidth."""
+
+    name: str
+    memory: float
+    peak_flops: float | None
+    bandwidth: float | None
+
+
+DEVICES = {
+    "h100": Device("NVIDIA H100 SXM 80 GB", 80e9, 989e12, 3.35e12),
+    "h200": Device("NVIDIA H200 SXM 141 GB", 141e9, 989e12, 4.8e12),
+    "a100": Device("NVIDIA A100 SXM 80 GB", 80e9, 312e12, 2.039e12),
+    "b200": Device("NVIDIA B200 180 GB", 180e9, 2250e12, 8.0e12),
+    "l40s": Device("NVIDIA L40S 48 GB", 48e9, 362e12, 0.864e12),
+    "tpu-v5p": Device("Google TPU v5p 95 GB", 95e9, 459e12, 2.765e12),
+}
+
+
+def cpu_device() -> Device:
+    """This machine's CPU: its physical memory (FLOP/s and bandwidth unknown)."""
+    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return Device(f"CPU ({os.cpu_count()} cores, this machine)", memory, None, None)
+
+
+def pick_device(name: str | None) -> tuple[str, Device]:
+    """The named device, or (None) the kind of this machine's first accelerator, else the CPU."""
+    if name is None:
+        import jax
+
+        kind = jax.devices()[0].device_kind.lower()
+        name = next((key for key in DEVICES if key in kind), "cpu")
+    key = name.lower()
+    if key == "cpu":
+        return key, cpu_device()
+    if key not in DEVICES:
+        raise error(f"unknown device `{name}`", key="--device",
+                    hint=did_you_mean(key, [*DEVICES, "cpu"]) or f"devices: {', '.join([*DEVICES, 'cpu'])}")
+    return key, DEVICES[key]
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+
+_BLOCK_FORMATS = ("mxfp4", "fp8", "fp4_e2m1", "fp6_e2m3", "fp6_e3m2")
+
+
+def array_bits(dtype: str) -> float:
+    """Bits per element of the array the program holds for a param (block formats live as bf16 today)."""
+    return 16.0 if dtype in _BLOCK_FORMATS else cost.bits_per_element(dtype)
+
+
+def optimizer_states(exp) -> int:
+    """Optimizer state tensors per parameter: adam/adamw keep mu and nu; sgd its momentum, if any."""
+    opt = getattr(exp.task, "optimizer", None)
+    name = getattr(opt, "name", "adamw")
+    if name in ("adam", "adamw"):
+        return 2
+    return 1 if getattr(opt, "momentum", 0.0) else 0
+
+
+def _trains(exp) -> bool:
+    task = exp.task
+    return task.kind == "train" or (task.kind == "bench" and "train_step" in task.what)
+
+
+def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
+    """Per-device bytes of parameters (storage types), gradients and optimizer state."""
+    params = grads = opt = 0.0
+    states = optimizer_states(exp)
+    for p in graph.params.values():
+        n = layout.per_device(p.type)
+        params += n * cost.bits_per_element(p.type.dtype) / 8
+        if train:  # fp32 accumulation over microbatches + one microbatch's gradient as the program holds it
+            grads += n * (4 + array_bits(p.type.dtype) / 8)
+            opt += states * n * array_bits(p.type.dtype) / 8
+    return {"params": params, "gradients": grads, "optimizer": opt}
+
+
+def _microbatching(exp) -> tuple[int, int]:
+    """(microbatches the global batch is cut into, microbatches a pipeline stage holds at once)."""
+    pp, pipe = exp.mesh.pp, exp.parallel.pipeline
+    accum = getattr(exp.task, "microbatches", 1) or 1
+    if pp == 1:
+        return accum, 1
+    in_flight = min(pp, pipe.microbatches) if pipe.schedule == "1f1b" else pipe.microbatches
+    return accum * pipe.microbatches, in_flight
+
+
+def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool) -> dict:
+    """Per-device bytes of activations (and of the KV cache when generating)."""
+    logits = next(v.type for v in graph.outputs)
+    if train:
+        cut, in_flight = _microbatching(exp)
+        mb = {**sizes, "batch": max(1, sizes["batch"] // cut)}
+        acts = cost.activation_bytes(graph, mb, exp.parallel.remat, layout.activations)
+        stage_layers = -(-acts["layers"] // exp.mesh.pp)
+        loss = cost.concrete(logits, mb).with_dtype("f32")  # log-softmax of the logits in fp32
+        per_mb = stage_layers * acts["per_layer"] + acts["total"] - acts["layers"] * acts["per_layer"]
+        total = in_flight * per_mb + cost.nbytes(loss, layout.activations(loss))
+        return {"activations": total, "kv_cache": 0.0}
+    if exp.task.kind == "generate":
+        prompt = {**sizes, "seq": sizes["seq"] - exp.task.max_new_tokens}
+        kv = cost.kv_cache_bytes(graph, sizes["batch"], sizes["seq"], layout.activations)
+        return {"activations": cost.working_set_bytes(graph, prompt, layout.activations), "kv_cache": kv}
+    return {"activations": cost.working_set_bytes(graph, sizes, layout.activations), "kv_cache": 0.0}
+
+
+def _decode_bytes(graph, layout: cost.Layout, batch: int) -> float:
+    """Parameter bytes one decode step reads per device: of each param the part `batch` tokens touch."""
+    total = 0.0
+    for c in cost.param_counts(graph):
+        touched = 1.0 - (1.0 - c.active) ** batch
+        total += touched * layout.per_device(c.type) * cost.bits_per_element(c.type.dtype) / 8
+    return total
+
+
+def _timing(exp, graph, sizes, flops: dict, layout, device: Device, memory: dict) -> dict:
+    """Implied time per step on `device` (compute bound, or bandwidth bound for decode) and the MFU ceiling."""
+    n = layout.devices
+    if _trains(exp):
+        tokens = sizes["batch"] * sizes["seq"]
+        work = flops["train_step_hardware_per_token"] * tokens / n
+        t = work / device.peak_flops if device.peak_flops else None
+        return {"step": "train step", "step_time_s": t,
+                "mfu_ceiling": flops["train_step_per_token"] / flops["train_step_hardware_per_token"]}
+    if exp.task.kind == "generate":
+        work = flops["forward_per_token"] * sizes["batch"] / n
+        read = _decode_bytes(graph, layout, sizes["batch"]) + memory["kv_cache"]
+        if not (device.peak_flops and device.bandwidth):
+            return {"step": "decode step", "step_time_s": None, "mfu_ceiling": None}
+        t = max(work / device.peak_flops, read / device.bandwidth)
+        return {"step": "decode step", "step_time_s": t, "mfu_ceiling": work / device.peak_flops / t}
+    work = flops["forward_per_token"] * sizes["batch"] * sizes["seq"] / n
+    return {"step": "forward", "step_time_s": work / device.peak_flops if device.peak_flops else None,
+            "mfu_ceiling": 1.0}
+
+
+def _flops(graph, exp, sizes: dict) -> dict:
+    counts = cost.flop_counts(graph, sizes)
+    per = cost.train_flops(counts, exp.parallel.remat)
+    tokens = sizes["batch"] * sizes["seq"]
+    return {"forward_per_token": per["forward"] / tokens, "train_step_per_token": per["train_step"] / tokens,
+            "train_step_hardware_per_token": per["train_step_hardware"] / tokens,
+            "contraction_fraction": counts["contraction"] / max(per["forward"], 1.0)}
+
+
+def build_plan(exp, device: str | None = None) -> dict:
+    """The plan of an experiment as plain data (the `--json` schema in docs/plan.md), without compiling."""
+    from tessera.lower.program import program_graph
+
+    key, dev = pick_device(device)
+    graph = program_graph(exp)
+    sizes = cost.task_dims(exp)
+    layout = cost.Layout.of(exp)
+    train = _trains(exp)
+    summary = cost.param_summary(graph)
+    memory = {**_param_memory(graph, layout, exp, train), **_activation_memory(graph, exp, sizes, layout, train)}
+    memory["total"] = sum(memory.values())
+    flops = _flops(graph, exp, sizes)
+    step_sizes = sizes if train or exp.task.kind != "generate" else {"batch": sizes["batch"], "seq": 1}
+    comms = cost.collectives(graph, step_sizes, layout, train=train, remat=exp.parallel.remat)
+    timing = _timing(exp, graph, sizes, flops, layout, dev, memory)
+    return {
+        "schema": SCHEMA, "spec": exp.name, "model": graph.name, "task": exp.task.kind,
+        "mesh": dict(exp.mesh.axes), "devices": layout.devices,
+        "shapes": {**sizes, "microbatches": _microbatching(exp)[0], "remat": exp.parallel.remat},
+        "params": {"total": summary["total"], "active": summary["active"], "bytes": summary["bytes"],
+                   "gib": summary["bytes"] / GIB, "bytes_by_dtype": summary["bytes_by_dtype"]},
+        "flops": flops,
+        "memory_per_device": memory,
+        "device": {"key": key, "name": dev.name, "memory_bytes": dev.memory, "peak_flops": dev.peak_flops,
+                   "bandwidth_bytes_per_s": dev.bandwidth, "fits": memory["total"] <= dev.memory,
+                   "margin_bytes": dev.memory - memory["total"], **timing},
+        "collectives": [{"axis": r["axis"], "kind": r["kind"], "what": r["what"], "bytes_per_step": r["bytes"],
+                         "step": timing["step"]} for r in comms],
+        "compile": {"status": "skipped", "note": "not requested"},
+    }
+
+
+# ---- ahead-of-time compile ------------------------------------------------------------------------------
+
+COMPILE_PARAMS_LIMIT = 2e9  # above this, compile two shallow copies and extrapolate per layer
+_PROBE_LAYERS = (2, 4)      # even, so layers that alternate (sliding / full attention) stay balanced
+
+
+def _with_layers(exp, layers: int):
+    """A copy of `exp` whose model has `layers` layers (the repeat count; one scan, so memory is linear)."""
+    model = exp.model.model_copy(update={"args": {**exp.model.args, "layers": layers}})
+    return exp.model_copy(update={"model": model})
+
+
+def _sharded_compile(exp) -> bool:
+    """Whether this machine has exactly the mesh's devices, so the sharded program itself can compile."""
+    import jax
+
+    return exp.mesh.size > 1 and len(jax.devices()) == exp.mesh.size
+
+
+def _one_device(exp):
+    """A copy of `exp` on a one-device mesh (what compiles on a machine without the mesh's devices)."""
+    return exp.model_copy(update={"mesh": exp.mesh.model_copy(update={a: 1 for a in exp.mesh.axes})})
+
+
+def _abstract(tree, shardings: dict):
+    """ShapeDtypeStructs of `tree`; a leaf under a parameter's path with its shape gets that parameter's sharding."""
+    import jax
+
+    def leaf(path, x):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        sharding = next((shardings[n] for n in names if n in shardings), None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def _lowered(exp, train: bool):
+    """The jitted step of exp's program lowered for abstract arguments (no parameter is allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tessera.lower.program import compile_experiment
+    from tessera.lower.sampling import SamplingRule
+
+    sizes, sds = cost.task_dims(exp), jax.ShapeDtypeStruct
+    optimizer = None
+    if train:
+        from tessera.run.optim import build_optimizer
+
+        optimizer = build_optimizer(exp)
+    prog = compile_experiment(exp, optimizer=optimizer)
+    shardings = {} if prog.plan is None else prog.plan.param_shardings()
+    params = _abstract(prog.param_shapes(), shardings)
+    tokens = sds((sizes["batch"], sizes["seq"]), jnp.int32)
+    if train:
+        state = _abstract(jax.eval_shape(prog.init_train_state, params), shardings)
+        batch = {"tokens": tokens, "targets": tokens, "mask": sds(tokens.shape, jnp.float32)}
+        return jax.jit(prog._train_step).lower(state, batch)
+    if exp.task.kind == "generate":
+        t, new = exp.task, exp.task.max_new_tokens
+        rule = SamplingRule(float(t.sampling.temperature), int(t.sampling.top_k) or None,
+                            float(t.sampling.top_p) if t.sampling.top_p < 1.0 else None)
+        stop = tuple(int(x) for x in t.stop_tokens)
+        fn = jax.jit(lambda p, x, s: prog._generate(p, x, s, new, rule, stop))
+        prompts = sds((sizes["batch"], sizes["seq"] - new), jnp.int32)
+        return fn.lower(params, prompts, sds((), jnp.uint32))
+    forward = getattr(prog, "_forward_fn", None)  # the sharded forward where the program has one
+    fn = forward("forward") if forward else (lambda p, x: prog._forward(p, x, "forward"))
+    return jax.jit(fn).lower(params, tokens)
+
+
+_STATS = ("argument", "output", "alias", "temp")
+
+
+def _compiled_bytes(exp, train: bool) -> dict | None:
+    """The compiler's memory figures {argument, output, alias, temp, total} in bytes (None if not reported).
+
+    total = arguments + outputs - aliased + temporaries: the peak the compiled step needs.
+    """
+    stats = _lowered(exp, train).compile().memory_analysis()
+    if stats is None:
+        return None
+    out = {k: float(getattr(stats, f"{k}_size_in_bytes")) for k in _STATS}
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def _ours_as_compiled(exp, train: bool) -> float:
+    """Our per-device total for the program as it compiles: block formats held as bf16, as it stores them."""
+    from tessera.lower.program import program_graph
+
+    graph, sizes = program_graph(exp), cost.task_dims(exp)
+    layout = cost.Layout.of(exp)
+    memory = _activation_memory(graph, exp, sizes, layout, train)
+    for p in graph.params.values():
+        n = layout.per_device(p.type)
+        memory[p.path] = n * array_bits(p.type.dtype) / 8 * (1 + (1 + optimizer_states(exp) if train else 0))
+        memory[p.path] += 4 * n if train else 0
+    return sum(memory.values())
+
+
+def aot_compile(exp, plan: dict) -> dict:
+    """Compile the program against abstract inputs; the compiler's memory figure beside ours."""
+    import jax
+
+    train = _trains(exp)
+    layers = exp.model.args.get("layers")
+    started = time.perf_counter()
+    sharded = _sharded_compile(exp)
+    exp = exp if sharded or exp.mesh.size == 1 else _one_device(exp)
+    out = {"status": "ok", "backend": jax.default_backend(), "note": "", "layers_compiled": layers,
+           "scope": "per device, the sharded program" if sharded else
+           "the whole program on one device (this machine lacks the mesh's devices)"}
+    try:
+        if plan["params"]["total"] <= COMPILE_PARAMS_LIMIT:
+            compiler, ours = _compiled_bytes(exp, train), _ours_as_compiled(exp, train)
+        elif isinstance(layers, int) and layers > _PROBE_LAYERS[1]:
+            (a, b), probes = _PROBE_LAYERS, [_with_layers(exp, n) for n in _PROBE_LAYERS]
+            ca, cb = (_compiled_bytes(e, train) for e in probes)
+            compiler = None if ca is None else {k: ca[k] + (layers - a) * (cb[k] - ca[k]) / (b - a) for k in ca}
+            oa, ob = (_ours_as_compiled(e, train) for e in probes)
+            ours = oa + (layers - a) * (ob - oa) / (b - a)
+            out.update(layers_compiled=list(_PROBE_LAYERS),
+                       note=f"compiled with {a} and {b} layers and extrapolated linearly to {layers}")
+        else:
+            return {"status": "skipped", "note": "too large to compile here and no `layers` argument to shrink"}
+    except Exception as exc:  # a valid spec that does not compile is what this check is for
+        return {"status": "failed", "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                "seconds": time.perf_counter() - started}
+    out.update(seconds=time.perf_counter() - started, compiler_bytes=compiler, ours_bytes=ours)
+    if compiler is None:
+        out["note"] = (out["note"] + "; " if out["note"] else "") + "the backend gives no memory analysis"
+    return out
+
+
+# ---- printing ------------------------------------------------------------------------------------------
+
+def _size(b: float | None) -> str:
+    if b is None:
+        return "-"
+    for unit, scale in (("GiB", GIB), ("MiB", 2.0 ** 20), ("KiB", 1024.0)):
+        if abs(b) >= scale:
+            return f"{b / scale:,.2f} {unit}"
+    return f"{b:,.0f} B"
+
+
+def _count(n: float) -> str:
+    return f"{n:,.0f}" if n < 1e3 else f"{n:,.0f} ({n / 1e9:.2f} B)" if n >= 1e8 else f"{n:,.0f}"
+
+
+def _flop(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} FLOP"
+
+
+def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The report as titled (label, value) rows, shared by the table and the plain-text form."""
+    p, f, m, d = plan["params"], plan["flops"], plan["memory_per_device"], plan["device"]
+    mesh = " × ".join(f"{a}={n}" for a, n in plan["mesh"].items() if n > 1) or "no axis > 1"
+    shapes = plan["shapes"]
+    head = [("model", f"{plan['model']} ({plan['spec']}), task {plan['task']}"),
+            ("mesh", f"{mesh} ({plan['devices']} devices)"),
+            ("shapes", f"batch {shapes['batch']}, seq {shapes['seq']}, microbatches {shapes['microbatches']}, "
+                       f"remat {shapes['remat']}")]
+    params = [("total", _count(p["total"])), ("active per token", _count(p["active"])),
+              ("bytes (storage types)", _size(p["bytes"]))]
+    params += [(f"  in {dt}", _size(b)) for dt, b in p["bytes_by_dtype"].items()]
+    memory = [(k.replace("_", " "), _size(v)) for k, v in m.items() if k != "total"]
+    memory += [("total", _size(m["total"])), (f"{d['key']}: {d['name']}", _size(d["memory_bytes"])),
+               ("fits", f"{'yes' if d['fits'] else 'NO'} (margin {_size(d['margin_bytes'])})")]
+    flops = [("forward per token", _flop(f["forward_per_token"])),
+             ("train step per token", _flop(f["train_step_per_token"])),
+             ("  with remat recompute", _flop(f["train_step_hardware_per_token"])),
+             (f"{d['step']} time (at peak)", "-" if d["step_time_s"] is None else f"{d['step_time_s'] * 1e3:,.2f} ms"),
+             ("MFU ceiling", "-" if d["mfu_ceiling"] is None else f"{d['mfu_ceiling']:.1%}")]
+    comms = [(f"{c['axis']} {c['kind']}: {c['what']}", _size(c["bytes_per_step"])) for c in plan["collectives"]]
+    c = plan["compile"]
+    comp = [("status", c["status"] + (f" in {c['seconds']:.1f} s" if "seconds" in c else ""))]
+    if c.get("status") == "ok":
+        figures = c.get("compiler_bytes") or {}
+        comp += [("compiler memory", _size(figures.get("total")))]
+        comp += [(f"  {k}", _size(figures[k])) for k in _STATS if figures.get(k)]
+        comp += [("ours, same program", _size(c["ours_bytes"]))]
+    comp += [("note", c["note"])] if c.get("note") else []
+    step = d["step"]
+    return [("plan", head), ("parameters", params), ("memory per device", memory), ("FLOPs", flops),
+            (f"collectives per {step}, bytes sent per device", comms or [("none", "-")]),
+            ("ahead-of-time compile", comp)]
+
+
+def render(plan: dict, stream) -> None:
+    """Print the plan: rich tables on a terminal, aligned plain text otherwise."""
+    parts = sections(plan)
+    if stream.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(file=stream)
+        for title, rows in parts:
+            table = Table(title=title, show_header=False, title_justify="left")
+            table.add_column(style="bold")
+            table.add_column(justify="right")
+            for label, value in rows:
+                table.add_row(label, value)
+            console.print(table)
+        return
+    width = max(len(label) for _, rows in parts for label, _ in rows)
+    for title, rows in parts:
+        print(f"{title}:", file=stream)
+        for label, value in rows:
+            print(f"  {label:<{width}}  {value}", file=stream)
+
+
+# ---- command -------------------------------------------------------------------------------------------
+
+def plan_command(spec, overrides=(), as_json: bool = False, device: str | None = None,
+                 compile_check: bool = True) -> int:
+    """Print the plan of SPEC (a table, or JSON); exit 0, or 1 when the ahead-of-time compile fails."""
+    from tessera.spec import load_experiment
+
+    exp = load_experiment(spec, overrides=list(overrides or ()))
+    started = time.perf_counter()
+    plan = build_plan(exp, device)
+    if compile_check:
+        plan["compile"] = aot_compile(exp, plan)
+    plan["seconds"] = time.perf_counter() - started
+    if as_json:
+        print(json.dumps(plan, indent=2, sort_keys=False))
+    else:
+        render(plan, sys.stdout)
+    return 1 if plan["compile"]["status"] == "failed" else 0
