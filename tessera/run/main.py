@@ -47,10 +47,13 @@ class RunResult:
 
 
 def default_compile(exp):
-    """The program for `exp`, compiled by Tessera with the optimizer `tessera.run.optim` builds."""
-    import tessera
+    """The program for `exp` (Graph IR → JAX); a train task's carries the optimizer `tessera.run.optim` builds."""
+    from tessera.lower.program import compile_experiment
+    from tessera.run.optim import build_optimizer, current_lr
 
-    return tessera.compile(exp)
+    if exp.task.kind in ("train", "bench"):
+        return compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
+    return compile_experiment(exp)
 
 
 def default_run_dir(exp, when: _dt.datetime | None = None) -> Path:

@@ -7,6 +7,7 @@ optimizer state (`current_lr`) for the step's metrics.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 
 import jax
@@ -40,17 +41,21 @@ def _constant(lr: float, steps: int, warmup: int, min_ratio: float) -> optax.Sch
 
 # schedule kind -> builder(lr, total_steps, warmup_steps, min_lr_ratio)
 SCHEDULES: dict[str, Callable[[float, int, int, float], optax.Schedule]] = {
-    "cosine": _cosine,
     "warmup_cosine": _cosine,
     "linear": _linear,
     "constant": _constant,
 }
 
 
+DEFAULT_LR = 3e-4  # for tasks without an optimizer section (bench times a train step with it)
+
+
 def build_schedule(exp) -> optax.Schedule:
     """The learning rate as a function of the optimizer step, from exp.task.{optimizer.lr, schedule, steps}."""
-    task, sched = exp.task, exp.task.schedule
-    kind = getattr(sched, "kind", "cosine")
+    task, sched = exp.task, getattr(exp.task, "schedule", None)
+    if sched is None or getattr(task, "optimizer", None) is None:
+        return optax.constant_schedule(DEFAULT_LR)
+    kind = getattr(sched, "kind", "warmup_cosine")
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule kind {kind!r}; expected one of {sorted(SCHEDULES)}")
     warmup = int(getattr(sched, "warmup_steps", 0) or 0)
@@ -63,27 +68,35 @@ def decay_mask(params: dict[str, jax.Array]) -> dict[str, bool]:
     return {path: jnp.ndim(value) >= 2 for path, value in params.items()}
 
 
-def _adamw(learning_rate, b1, b2, eps, weight_decay) -> optax.GradientTransformation:
+def _adamw(learning_rate, b1, b2, eps, weight_decay, momentum) -> optax.GradientTransformation:
     return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
 
 
-def _adam(learning_rate, b1, b2, eps, weight_decay) -> optax.GradientTransformation:
+def _adam(learning_rate, b1, b2, eps, weight_decay, momentum) -> optax.GradientTransformation:
     return optax.adam(learning_rate, b1=b1, b2=b2, eps=eps)
 
 
-# optimizer name -> builder(learning_rate, b1, b2, eps, weight_decay)
-OPTIMIZERS = {"adamw": _adamw, "adam": _adam}
+def _sgd(learning_rate, b1, b2, eps, weight_decay, momentum) -> optax.GradientTransformation:
+    decay = optax.add_decayed_weights(weight_decay, mask=decay_mask)  # decoupled: added before the lr scaling
+    return optax.chain(decay, optax.sgd(learning_rate, momentum=momentum or None))
+
+
+# optimizer name -> builder(learning_rate, b1, b2, eps, weight_decay, momentum)
+OPTIMIZERS = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
 
 
 def build_optimizer(exp) -> optax.GradientTransformation:
     """AdamW (or as exp.task.optimizer.name says) with the schedule, global-norm clipping and weight decay."""
-    opt = exp.task.optimizer
+    opt = getattr(exp.task, "optimizer", None)
+    if opt is None:
+        opt = types.SimpleNamespace(name="adamw", lr=DEFAULT_LR, b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     name = getattr(opt, "name", "adamw")
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}")
-    inner = optax.inject_hyperparams(OPTIMIZERS[name], static_args=("b1", "b2", "eps", "weight_decay"))(
+    inner = optax.inject_hyperparams(OPTIMIZERS[name], static_args=("b1", "b2", "eps", "weight_decay", "momentum"))(
         learning_rate=build_schedule(exp), b1=float(opt.b1), b2=float(opt.b2), eps=float(opt.eps),
-        weight_decay=float(getattr(opt, "weight_decay", 0.0) or 0.0))
+        weight_decay=float(getattr(opt, "weight_decay", 0.0) or 0.0),
+        momentum=float(getattr(opt, "momentum", 0.0) or 0.0))
     clip = getattr(opt, "clip_norm", None)
     if clip:
         return optax.chain(optax.clip_by_global_norm(float(clip)), inner)

@@ -6,9 +6,18 @@ import io
 import sys
 from pathlib import Path
 
+import tempfile
+
+import jax
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The run tests compile the same small programs many times (one program object per run): a
+# compilation cache private to this test session makes the repeats cheap.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="tessera-run-tests-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from runfake import FakeExperiment, FakeProgram, train_spec  # noqa: E402
 
@@ -32,4 +41,4 @@ def run_fake(tmp_path):
 def small_spec():
     """A short train spec: 30 steps, checkpoints every 10, constant schedule (so `steps` can grow on resume)."""
     return train_spec(steps=30, schedule={"kind": "constant", "warmup_steps": 3, "min_lr_ratio": 0.0},
-                      sample={"prompt": None, "max_new_tokens": 0})
+                      sample=None)

@@ -60,10 +60,10 @@ def train_spec(**task) -> dict:
             "task": {"kind": "train", "seed": 0, "steps": 60, "batch": 16, "microbatches": 2, "seq_len": 16,
                      "optimizer": {"name": "adamw", "lr": 1e-2, "b1": 0.9, "b2": 0.99, "eps": 1e-8,
                                    "weight_decay": 0.01, "clip_norm": 1.0},
-                     "schedule": {"kind": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},
+                     "schedule": {"kind": "warmup_cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},
                      "data": {"kind": "synthetic", "task": "copy", "seed": 1},
                      "eval_every": 20, "eval_batches": 2, "log_every": 10,
-                     "sample": {"prompt": None, "max_new_tokens": 7}},
+                     "sample": None},
             "checkpoint": {"dir": "ckpt", "every": 20, "keep": 2}}
     spec["task"].update(task)
     return spec
@@ -95,17 +95,12 @@ class FakeProgram:
         self.eval_loss = self.loss
 
     def init(self, seed: int) -> dict:
-        return self._init(seed)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def _init(self, seed) -> dict:
         shapes = {"embed/table": (self.vocab, self.d), "pos/table": (self.MAX_LEN, self.d),
                   "attention/q": (self.d, self.d), "attention/k": (self.d, self.d), "attention/v": (self.d, self.d),
                   "attention/o": (self.d, self.d), "mlp/up": (self.d, 4 * self.d), "mlp/down": (4 * self.d, self.d),
-                  "norm/scale": (self.d,), "unembed/weight": (self.d, self.vocab)}
-        keys = jax.random.split(jax.random.key(seed), len(shapes))
-        params = {n: jax.random.normal(k, s, jnp.float32) * (1.0 / np.sqrt(s[0]))
-                  for k, (n, s) in zip(keys, sorted(shapes.items()))}
+                  "unembed/weight": (self.d, self.vocab)}
+        rng = np.random.default_rng(seed)  # numpy: nothing to compile
+        params = {n: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[0])) for n, s in sorted(shapes.items())}
         params["norm/scale"] = jnp.ones((self.d,), jnp.float32)
         return params
 
@@ -169,10 +164,18 @@ class FakeProgram:
         prompts = jnp.asarray(prompts, jnp.int32)
         b, p = prompts.shape
         lengths = jnp.full((b,), p, jnp.int32) if prompt_lengths is None else jnp.asarray(prompt_lengths, jnp.int32)
-        buf = jnp.zeros((b, p + max_new_tokens), jnp.int32).at[:, :p].set(prompts)
-        for t in range(max_new_tokens):  # recompute the whole prefix each token: tiny, and obviously right
+        return self._generate(params, prompts, lengths, jnp.uint32(seed), max_new_tokens, float(temperature),
+                              top_k or None)
+
+    @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
+    def _generate(self, params, prompts, lengths, seed, max_new, temperature, top_k):
+        b, p = prompts.shape
+        rows = jnp.arange(b)
+        buf = jnp.zeros((b, p + max_new), jnp.int32).at[:, :p].set(prompts)
+
+        def body(t, buf):  # recompute the whole prefix each token: tiny, and obviously right
             pos = lengths + t
-            logits = self.forward(params, buf)[jnp.arange(b), pos - 1]  # [B, V]
+            logits = self._forward(params, buf)[rows, pos - 1]  # [B, V]
             if temperature > 0:
                 logits = logits / temperature
                 if top_k:
@@ -181,8 +184,10 @@ class FakeProgram:
                 tok = jax.random.categorical(jax.random.fold_in(jax.random.key(seed), t), logits)
             else:
                 tok = jnp.argmax(logits, -1)
-            buf = buf.at[jnp.arange(b), pos].set(tok.astype(jnp.int32))
-        new = jnp.take_along_axis(buf, lengths[:, None] + jnp.arange(max_new_tokens)[None], axis=1)
+            return buf.at[rows, pos].set(tok.astype(jnp.int32))
+
+        buf = jax.lax.fori_loop(0, max_new, body, buf)
+        new = jnp.take_along_axis(buf, lengths[:, None] + jnp.arange(max_new)[None], axis=1)
         return jnp.concatenate([prompts, new], axis=1)
 
     def flops_per_token(self) -> dict:

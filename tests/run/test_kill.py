@@ -15,8 +15,8 @@ import pytest
 from runfake import train_spec
 
 SCRIPT = Path(__file__).with_name("runfake.py")
-SPEC = train_spec(steps=40, schedule={"kind": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},
-                  sample={"prompt": None, "max_new_tokens": 0}, log_every=5)
+SPEC = train_spec(steps=40, schedule={"kind": "warmup_cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},
+                  sample=None, log_every=5)
 SPEC["checkpoint"] = {"dir": "ckpt", "every": 10, "keep": 3}
 
 

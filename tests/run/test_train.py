@@ -20,7 +20,7 @@ def test_loss_falls_far_below_chance_and_sample_is_right(run_fake):
     first, last = result.metrics[0], result.metrics[-1]
     assert first["loss"] > 0.9 * chance
     assert last["loss"] < 0.05 * chance and last["eval_loss"] < 0.05 * chance
-    assert result.manifest["sample"]["correct"] == 1.0
+    assert result.manifest["samples"][-1]["correct"] == 1.0
     assert result.status == "completed" and result.exit_code == 0
 
 

@@ -1,10 +1,13 @@
 """The `bench` task: time compile, forward, train step and decode; tokens/s and model FLOP utilisation.
 
 FLOPs per token come from the program (counted from the Graph IR), never from a formula here.
+Each phase is called once to compile, `warmup` more times untimed, then `iters` times timed; the
+report gives the median and the spread (min, max) of those calls.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -16,7 +19,7 @@ from tessera.run.manifest import params_checksum
 
 # dense bf16 peak FLOP/s per device, by a substring of jax's device_kind (first match wins)
 PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L4", 121e12))
-PARTS = ("forward", "train", "decode")
+PHASES = ("compile", "forward", "train_step", "decode")
 
 
 def peak_flops(device=None) -> float | None:
@@ -25,63 +28,83 @@ def peak_flops(device=None) -> float | None:
     return next((peak for key, peak in PEAK_FLOPS if key in kind), None)
 
 
-def _time(fn: Callable, warmup: int, iters: int) -> tuple[float, float]:
-    """(seconds of the first call, which compiles; mean seconds per call after `warmup` more)."""
+def time_calls(fn: Callable, warmup: int, iters: int) -> dict[str, float]:
+    """Seconds of the first call (compiles) and the median / min / max of `iters` timed calls."""
     t = time.perf_counter()
     jax.block_until_ready(fn())
     first = time.perf_counter() - t
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    t = time.perf_counter()
-    for _ in range(iters):
+    times = []
+    for _ in range(max(iters, 1)):
+        t = time.perf_counter()
         jax.block_until_ready(fn())
-    return first, (time.perf_counter() - t) / max(iters, 1)
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    return {"first_s": first, "compile_s": max(first - med, 0.0), "median_s": med, "min_s": min(times),
+            "max_s": max(times)}
 
 
-def _parts(what) -> tuple[str, ...]:
-    if what in (None, "all"):
-        return PARTS
-    return tuple([what] if isinstance(what, str) else what)
+class Bench:
+    """Times the phases of one program on random tokens [batch, seq_len]."""
+
+    def __init__(self, ctx: RunContext):
+        task, self.prog, self.ctx = ctx.exp.task, ctx.prog, ctx
+        self.b, self.s = int(task.batch), int(task.seq_len)
+        self.warmup, self.iters = int(task.warmup), int(task.iters)
+        self.decode_tokens = max(int(task.decode_tokens), 2)
+        vocab = int(ctx.exp.model.args["vocab"])
+        self.tokens = np.random.default_rng(int(task.seed)).integers(0, vocab, (self.b, self.s), dtype=np.int32)
+        self.params = ctx.initial_params()
+        self.flops, self.peak = self.prog.flops_per_token(), peak_flops()
+
+    def forward(self) -> dict:
+        t = time_calls(lambda: self.prog.forward(self.params, self.tokens), self.warmup, self.iters)
+        return self._rate(t, self.b * self.s, t["median_s"], "forward")
+
+    def train_step(self) -> dict:
+        batch = {"tokens": self.tokens, "targets": np.roll(self.tokens, -1, axis=1),
+                 "mask": np.ones((self.b, self.s), np.float32)}
+        holder = [self.prog.init_train_state(self.params)]  # threaded through: a step may donate its input
+
+        def step():
+            holder[0], m = self.prog.train_step(holder[0], batch)
+            return m["loss"]
+
+        t = time_calls(step, self.warmup, self.iters)
+        return self._rate(t, self.b * self.s, t["median_s"], "train_step")
+
+    def decode(self) -> dict:
+        gen = lambda n: self.prog.generate(self.params, self.tokens, max_new_tokens=n)
+        prefill = time_calls(lambda: gen(1), self.warmup, self.iters)
+        full = time_calls(lambda: gen(self.decode_tokens), self.warmup, self.iters)
+        per_token_s = max(full["median_s"] - prefill["median_s"], 1e-9) / (self.decode_tokens - 1)
+        rec = self._rate(full, self.b, per_token_s, None)
+        rec["prefill_tokens_per_s"] = self.b * self.s / prefill["median_s"]
+        return rec
+
+    def _rate(self, t: dict, tokens: int, seconds: float, flops_key: str | None) -> dict:
+        rec = {**t, "tokens_per_s": tokens / seconds}
+        if flops_key is not None:
+            rec["flops_per_token"] = self.flops[flops_key]
+            rec["mfu"] = self.flops[flops_key] * rec["tokens_per_s"] / self.peak if self.peak else None
+        return rec
 
 
 def run(ctx: RunContext) -> int:
-    """Benchmark the parts task.what names (forward, train, decode; default all) and record the results."""
-    task, prog = ctx.exp.task, ctx.prog
-    b, s = int(task.batch), int(task.seq_len)
-    warmup, iters = int(task.warmup), max(int(task.iters), 1)
-    vocab = int(ctx.exp.model.args["vocab"])
-    rng = np.random.default_rng(int(task.seed))
-    tokens = rng.integers(0, vocab, (b, s), dtype=np.int32)
-    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": np.ones((b, s), np.float32)}
-    params = ctx.initial_params()
-    flops, peak = prog.flops_per_token(), peak_flops()
-    results: dict[str, dict] = {}
-
-    def report(name: str, first: float, per_call: float, tokens_per_call: int, flops_key: str | None) -> None:
-        tps = tokens_per_call / per_call
-        rec = {"compile_s": first - per_call, "step_s": per_call, "tokens_per_s": tps}
-        if flops_key is not None:
-            rec["mfu"] = flops[flops_key] * tps / peak if peak else None
-        results[name] = rec
-        mfu = f", MFU {rec['mfu']:.1%}" if rec.get("mfu") else ""
-        ctx.say(f"{name}: {tps:,.0f} tokens/s ({per_call * 1e3:.2f} ms/step, compile {rec['compile_s']:.2f} s{mfu})")
-
-    parts = _parts(getattr(task, "what", None))
-    if "forward" in parts:
-        report("forward", *_time(lambda: prog.forward(params, tokens), warmup, iters), b * s, "forward")
-    if "train" in parts:
-        holder = [prog.init_train_state(params)]  # threaded through: a step may donate its input state
-
-        def step():
-            holder[0], m = prog.train_step(holder[0], batch)
-            return m["loss"]
-
-        report("train", *_time(step, warmup, iters), b * s, "train_step")
-    if "decode" in parts:
-        n = max(int(getattr(task, "decode_tokens", 0) or 0), 2)
-        prefill = _time(lambda: prog.generate(params, tokens, max_new_tokens=1), warmup, iters)
-        full = _time(lambda: prog.generate(params, tokens, max_new_tokens=n), warmup, iters)
-        report("decode", full[0], max(full[1] - prefill[1], 1e-9), b * (n - 1), None)
-    ctx.manifest.update(bench=results, flops_per_token=flops, peak_flops=peak, metrics=[],
-                        params_checksum=params_checksum(params))
+    """Benchmark the phases task.what names and record the results in the manifest."""
+    bench = Bench(ctx)
+    what = list(getattr(ctx.exp.task, "what", None) or PHASES)
+    results = {}
+    for phase in ("forward", "train_step", "decode"):
+        if phase in what or ("compile" in what and phase != "decode"):
+            results[phase] = getattr(bench, phase)()
+            r = results[phase]
+            mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") else ""
+            ctx.say(f"{phase}: {r['tokens_per_s']:,.0f} tokens/s (median {r['median_s'] * 1e3:.2f} ms, "
+                    f"spread {r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f} ms, compile {r['compile_s']:.2f} s{mfu})")
+    if "compile" in what:
+        results["compile"] = {p: r["compile_s"] for p, r in results.items()}
+    ctx.manifest.update(bench=results, flops_per_token=bench.flops, peak_flops=bench.peak, metrics=[],
+                        params_checksum=params_checksum(bench.params))
     return 0

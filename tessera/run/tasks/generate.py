@@ -60,35 +60,47 @@ def completions(out: np.ndarray, lengths: np.ndarray, width: int, stop_tokens) -
     return result
 
 
+def sampling_kwargs(task) -> dict:
+    """The program's generate() keywords from task.sampling (top_k 0 and top_p 1 mean "off")."""
+    s = task.sampling
+    return dict(temperature=float(s.temperature), top_k=int(s.top_k) or None,
+                top_p=float(s.top_p) if float(s.top_p) < 1.0 else None,
+                stop_tokens=tuple(int(t) for t in task.stop_tokens or ()), seed=int(task.seed))
+
+
+def generate_all(prog, params, ids: np.ndarray, lengths: np.ndarray, n: int, kw: dict) -> list[np.ndarray]:
+    """Generate for every prompt, one batch per prompt length; returns each row's prompt + new tokens."""
+    rows: list[np.ndarray] = [None] * len(ids)  # type: ignore[list-item]
+    for length in sorted(set(lengths.tolist())):
+        idx = np.flatnonzero(lengths == length)
+        out = np.asarray(prog.generate(params, ids[idx, :length], max_new_tokens=n, **kw))
+        for j, i in enumerate(idx):
+            rows[i] = out[j]
+    return rows
+
+
 def run(ctx: RunContext) -> int:
     """Generate, print completions and tokens/s, record them (and a digest of the output) in the manifest."""
     task, prog = ctx.exp.task, ctx.prog
     tokenizer = getattr(task, "tokenizer", None)
     ids, lengths = encode_prompts(task.prompts, tokenizer, int(ctx.exp.model.args["vocab"]))
-    s = task.sampling
-    params = ctx.initial_params()
-    kw = dict(temperature=float(s.temperature), top_k=s.top_k, top_p=s.top_p,
-              stop_tokens=tuple(task.stop_tokens or ()), seed=int(task.seed),
-              prompt_lengths=None if (lengths == ids.shape[1]).all() else lengths)
-    n = int(task.max_new_tokens)
-    gen = lambda k: prog.generate(params, ids, max_new_tokens=k, **kw)
-    _, compile_s = _timed(lambda: gen(n))  # first call compiles
-    out, full_s = _timed(lambda: gen(n))
+    params, kw, n = ctx.initial_params(), sampling_kwargs(task), int(task.max_new_tokens)
+    gen = lambda k: generate_all(prog, params, ids, lengths, k, kw)
+    _, first_s = _timed(lambda: gen(n))  # the first call compiles
+    rows, full_s = _timed(lambda: gen(n))
     _timed(lambda: gen(1))
     _, prefill_s = _timed(lambda: gen(1))
-    out = np.asarray(out)
-    b, p = ids.shape
-    speed = {"prefill_tokens_per_s": b * p / max(prefill_s, 1e-9),
-             "decode_tokens_per_s": b * max(n - 1, 0) / max(full_s - prefill_s, 1e-9),
-             "first_call_s": compile_s}
-    rows = completions(out, lengths, p, task.stop_tokens)
-    outputs = [{"prompt": ids[i, :lengths[i]].tolist(), "tokens": r, "text": decode(r, tokenizer)}
-               for i, r in enumerate(rows)]
-    for o in outputs:
-        ctx.say(repr(o["text"]) if o["text"] is not None else str(o["tokens"]))
-    ctx.say(f"prefill {speed['prefill_tokens_per_s']:.1f} tokens/s, decode {speed['decode_tokens_per_s']:.1f} tokens/s")
-    digest = hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
-    np.save(ctx.run_dir / "tokens.npy", out)
+    prompt_tokens = int(lengths.sum())
+    speed = {"prefill_tokens_per_s": prompt_tokens / max(prefill_s, 1e-9),
+             "decode_tokens_per_s": len(rows) * max(n - 1, 0) / max(full_s - prefill_s, 1e-9),
+             "first_call_s": first_s}
+    outputs = []
+    for i, row in enumerate(rows):
+        new = completions(row[None], lengths[i:i + 1], int(lengths[i]), kw["stop_tokens"])[0]
+        outputs.append({"prompt": ids[i, :lengths[i]].tolist(), "tokens": new, "text": decode(new, tokenizer)})
+        ctx.say(repr(outputs[-1]["text"]) if outputs[-1]["text"] is not None else str(new))
+    ctx.say(f"prefill {speed['prefill_tokens_per_s']:,.1f} tokens/s, decode {speed['decode_tokens_per_s']:,.1f} tokens/s")
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(r).tobytes() for r in rows)).hexdigest()
     ctx.manifest.update(outputs=outputs, speed=speed, metrics=[{"step": 0, "tokens_sha256": digest}],
                         params_checksum=params_checksum(params))
     return 0

@@ -148,7 +148,7 @@ class Trainer:
             self.state, m = self.prog.train_step(self.state, self.source.batch(n))
             done = n + 1
             self.pending.append((done, m))
-            evaluate = self.eval_every and (done % self.eval_every == 0 or done == self.steps)
+            evaluate = done == self.steps or (self.eval_every and done % self.eval_every == 0)
             checkpoint = self.every and done % self.every == 0
             if done % self.log_every == 0 or done == self.steps or evaluate or checkpoint:
                 new = self.flush(self.evaluate() if evaluate else None)
@@ -161,27 +161,28 @@ class Trainer:
         return True
 
     def sample(self) -> None:
-        """Generate from the trained model as task.sample asks, and record it in the manifest."""
+        """Greedy samples after training: task.sample's prompt, and for a synthetic task an eval question."""
+        records = []
         spec = getattr(self.task, "sample", None)
-        if not spec or not int(getattr(spec, "max_new_tokens", 0) or 0):
-            return
-        prompt, expected = getattr(spec, "prompt", None), None
-        if prompt is None and isinstance(self.source, SyntheticSource):
+        if spec is not None and spec.prompt:
+            prompt = list(spec.prompt.encode("utf-8")) if isinstance(spec.prompt, str) else list(spec.prompt)
+            records.append(self._generate(prompt, int(spec.max_new_tokens)))
+        if isinstance(self.source, SyntheticSource):
             prompt, expected = (list(map(int, a)) for a in self.source.example())
-        elif isinstance(prompt, str):
-            prompt = list(prompt.encode("utf-8"))
-        if not prompt:
-            return
-        n = int(spec.max_new_tokens)
+            rec = self._generate(prompt, len(expected))
+            rec.update(expected=expected, correct=sum(map(int.__eq__, rec["output"], expected)) / len(expected))
+            records.append(rec)
+        for rec in records:
+            text = bytes(t for t in rec["output"] if t < 256).decode("utf-8", "replace") if isinstance(
+                getattr(spec, "prompt", None), str) and "expected" not in rec else None
+            self.ctx.say(f"sample: {rec['prompt']} -> {rec['output']}" + (f" {text!r}" if text else "")
+                         + (f" (expected {rec['expected']}: {rec['correct']:.0%} right)" if "expected" in rec else ""))
+        if records:
+            self.ctx.manifest.update(samples=records)
+
+    def _generate(self, prompt: list[int], n: int) -> dict:
         out = self.prog.generate(_params(self.state), np.asarray([prompt], np.int32), max_new_tokens=n)
-        new = [int(t) for t in np.asarray(out)[0, len(prompt):]]
-        rec = {"prompt": prompt, "output": new}
-        if expected is not None:
-            got = new[:len(expected)]
-            rec.update(expected=expected, correct=sum(int(a == b) for a, b in zip(got, expected)) / len(expected))
-        self.ctx.manifest.update(sample=rec)
-        self.ctx.say(f"sample: prompt {prompt} -> {new}"
-                     + (f" (expected {expected}, {rec['correct']:.0%} right)" if expected is not None else ""))
+        return {"prompt": prompt, "output": [int(t) for t in np.asarray(out)[0, len(prompt):]]}
 
 
 def run(ctx: RunContext) -> int:
