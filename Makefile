@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: run test venv clean
 
@@ -15,10 +17,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/tessera run specs/gpt_oss_tiny.yaml
+	$(BIN)/tessera run specs/gpt_oss_tiny.yaml $(RUN_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
