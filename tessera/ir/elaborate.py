@@ -226,10 +226,13 @@ class Elaborator:
         ta, tb = isinstance(a, Tensor), isinstance(b, Tensor)
         if ta and tb and e.op in _TENSOR_OPS:
             return self.emit(frame, _TENSOR_OPS[e.op], [a, b], {}, e.span)[0]
-        if (ta or tb) and e.op in ("*", "/"):  # tensor × constant → scale
+        if (ta or tb) and e.op in ("*", "/"):  # tensor × constant (maybe per layer) → scale
             t, c = (a, b) if ta else (b, a)
-            if isinstance(c, (int, float)) and not isinstance(c, bool) and (ta or e.op == "*"):
-                return self.emit(frame, "scale", [t], {"by": float(c) if e.op == "*" else 1.0 / c}, e.span)[0]
+            number = all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                         for v in (c.values if isinstance(c, PerLayer) else (c,)))
+            if number and (ta or e.op == "*"):
+                by = c if e.op == "*" else self._lift(lambda v: 1.0 / v, e, c)
+                return self.emit(frame, "scale", [t], {"by": by}, e.span)[0]
         if ta or tb:
             raise self.error(f"`{e.op}` cannot combine {_kind(a)} and {_kind(b)}", e.span)
         return self._lift(_ARITH[e.op], e, a, b)

@@ -77,7 +77,7 @@ for _name, _doc in [("silu", "x * sigmoid(x)"), ("sigmoid", "1 / (1 + exp(-x))")
 
 register(OpDef("gelu", (1, 1), (AttrDef("approximate", "bool", False),), _unary_rule,
                flops=_elementwise_flops, doc="exact erf gelu, or the tanh approximation"))
-register(OpDef("scale", (1, 1), (AttrDef("by", "float"),), _unary_rule, flops=_elementwise_flops,
+register(OpDef("scale", (1, 1), (AttrDef("by", "float", per_layer=True),), _unary_rule, flops=_elementwise_flops,
                doc="x * by (a compile-time constant)"))
 
 

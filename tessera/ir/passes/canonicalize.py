@@ -65,7 +65,8 @@ def _merge_scales(graph: Graph) -> None:
     for region, _ in regions(graph):
         for op in region.ops:
             inner = defs.get(op.operands[0].id) if op.name == "scale" and isinstance(op.operands[0], Value) else None
-            if inner is not None and inner.name == "scale":
+            if inner is not None and inner.name == "scale" and not any(
+                    isinstance(o.attrs["by"], PerLayer) for o in (op, inner)):
                 op.operands = [inner.operands[0]]
                 op.attrs = {"by": inner.attrs["by"] * op.attrs["by"]}
 
