@@ -271,11 +271,11 @@ def main() -> None:
     make_mxfp4_twin(model, out / "gpt_oss", out / "gpt_oss_mxfp4", GPT_OSS_ARGS)
     check_mxfp4_loads_in_transformers(out / "gpt_oss_mxfp4")
 
-    for name, tied, llama3 in (("llama", False, False), ("llama_tied", True, True)):
+    for name, tied in (("llama", False), ("llama_tied", True)):  # Llama-3.1 RoPE scaling: see rope_tables
         print(name)
         args = dict(LLAMA_ARGS, tie_embeddings=tied)
-        model = build(llama_config(LLAMA_ARGS, tied=tied, llama3_rope=llama3), transformers.LlamaForCausalLM)
-        run_and_save(model, out / name, "llama", args, {"llama3_rope": llama3})
+        model = build(llama_config(LLAMA_ARGS, tied=tied, llama3_rope=False), transformers.LlamaForCausalLM)
+        run_and_save(model, out / name, "llama", args)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"total fixture size {total / 1e6:.2f} MB")
 

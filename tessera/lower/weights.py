@@ -54,14 +54,13 @@ def load_hf_weights(directory: str | Path, *, family: str, args: dict,
     rules = fam.rules(dims["tied"])
     for rule in rules:
         names = mapping.expand(rule, dims["L"])
-        arrays = [_read(source, name, rule, dims, directory, problems) for name in names]
         consumed.update(names)
-        if any(a is None for a in arrays):
+        layers = [_read(source, name, rule, dims, directory, problems, dtypes) for name in names]
+        if any(a is None for a in layers):
             continue
         for j, path in enumerate(rule.paths):
-            parts = [a[j] for a in arrays]
-            value = np.stack(parts) if rule.per_layer else parts[0]
-            params[path] = jnp.asarray(np.asarray(value, dtype=dtypes(path)))
+            parts = [a[j] for a in layers]
+            params[path] = jnp.asarray(np.stack(parts) if rule.per_layer else parts[0])
     known = [n for rule in rules for n in mapping.expand(rule, dims["L"])]
     for name in sorted(source.names() - consumed):
         if _tolerated(name, dims):
@@ -74,8 +73,9 @@ def load_hf_weights(directory: str | Path, *, family: str, args: dict,
 
 
 def _read(source: TensorSource, name: str, rule: mapping.Rule, dims: dict, directory: Path,
-          problems: list) -> tuple[np.ndarray, ...] | None:
-    # one HF tensor -> its Tessera array(s), or None after recording what is wrong with it
+          problems: list, dtypes: DtypeFn) -> tuple[np.ndarray, ...] | None:
+    # one HF tensor -> its Tessera array(s) in their final dtypes (cast per layer, so that decoded MXFP4
+    # never sits in memory in fp32 for all layers at once), or None after recording what is wrong with it
     want = rule.hf_shape(dims)
     if name not in source:
         problems.append(Diagnostic(f"missing tensor `{name}` (shape {list(want)}, for "
@@ -86,7 +86,8 @@ def _read(source: TensorSource, name: str, rule: mapping.Rule, dims: dict, direc
         problems.append(Diagnostic(f"tensor `{name}` in {relpath(source.where(name))} has shape {list(got)}, "
                                    f"expected {list(want)} from model.args"))
         return None
-    return rule.transform.load(source.get(name), dims)
+    outs = rule.transform.load(source.get(name), dims)
+    return tuple(np.asarray(x, dtype=dtypes(path)) for x, path in zip(outs, rule.paths))
 
 
 def _tolerated(name: str, dims: dict) -> bool:

@@ -195,3 +195,39 @@ def test_save_rejects_wrong_params_and_wrapper_uses_model_file_stem(tmp_path):
     exp = types.SimpleNamespace(model=types.SimpleNamespace(file=tmp_path / "models" / "llama.tsl", args=args))
     out = save_weights(params, tmp_path / "w", exp=exp)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+
+def _edit_config(d, edit):
+    config = json.loads((d / "config.json").read_text())
+    edit(config)
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def test_architecture_choices_and_defaults_of_the_model_file_are_checked(tmp_path):
+    d = _copy(tmp_path, "llama")
+    _edit_config(d, lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0},
+                                       rms_norm_eps=1e-6))
+    args = hf_fixture("llama")["meta"]["args"]  # omits norm_eps and rope_theta: llama.tsl's defaults apply
+    with pytest.raises(TesseraError) as exc:
+        load_hf_weights(d, family="llama", args=args)
+    assert _messages(exc) == ["config.json has rms_norm_eps = 1e-06 but model.args.norm_eps = 1e-05",
+                              "config.json has rope_parameters.rope_type = 'llama3' but the llama model implements "
+                              "'default'"]
+    load_hf_weights(HF_DATA / "llama", family="llama", args=dict(args, rope_theta=500000, norm_eps=1e-5))
+
+
+def test_older_gpt_oss_config_layout_is_understood(tmp_path):
+    # released GPT-OSS checkpoints write rope_theta at the top level and the YaRN settings under rope_scaling
+    d = _copy(tmp_path)
+
+    def old_style(c):
+        rope = c.pop("rope_parameters")
+        c["rope_theta"] = rope.pop("rope_theta")
+        c["rope_scaling"] = rope
+    _edit_config(d, old_style)
+    load_hf_weights(d, family="gpt_oss", args=GPT_ARGS)
+    with pytest.raises(TesseraError) as exc:
+        load_hf_weights(d, family="gpt_oss", args=dict(GPT_ARGS, rope_theta=10000.0, window=8))
+    assert _messages(exc) == ["config.json has sliding_window = 4 but model.args.window = 8",
+                              "config.json has rope_parameters.rope_theta = 150000.0 but model.args.rope_theta = "
+                              "10000.0"]

@@ -17,14 +17,23 @@ from tessera.lower.hf import mapping
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-    """One model argument and the config.json key that holds it."""
+    """One model argument and the config.json key (dotted for nested keys) that holds it."""
 
     arg: str
     hf: str
     dim: str | None = None  # the size letter the mapping table uses ("D", "H", ...)
     required: bool = True  # needed to know tensor shapes
-    default: Callable[[dict], Any] | None = None  # HF's value when config.json omits the key
-    arg_default: Any = None  # the value model.args implies when it omits the arg (None: not checked)
+    default: Any = None  # HF's value when config.json omits the key (a callable gets the config)
+    arg_default: Any = None  # the model file's default when model.args omits the arg (None: not checked)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """An architecture choice the model file hard-codes; config.json must agree."""
+
+    hf: str
+    value: Any  # a callable gets the config (e.g. a layer pattern that depends on the depth)
+    default: Any = None  # HF's value when config.json omits the key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +44,9 @@ class Family:
     model_type: str
     architecture: str
     fields: tuple[Field, ...]
+    fixed: tuple[Fixed, ...]
     base_config: dict
     rules: Callable[[bool], tuple[mapping.Rule, ...]]
-    derived: Callable[[dict], dict] = lambda config: {}  # config keys computed from the others
 
 
 _COMMON = (
@@ -48,26 +57,41 @@ _COMMON = (
     Field("kv_heads", "num_key_value_heads", "KV", default=lambda c: c.get("num_attention_heads")),
     Field("d_ff", "intermediate_size", "F"),
 )
+_ROPE = "rope_parameters."
+
+
+def _alternating(config: dict) -> list[str]:
+    # GPT-OSS (models/gpt_oss.tsl and HF's default): even layers slide, odd layers attend fully
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config["num_hidden_layers"])]
+
 
 GPT_OSS = Family(
     name="gpt_oss", model_type="gpt_oss", architecture="GptOssForCausalLM",
     fields=_COMMON + (
-        Field("head_dim", "head_dim", "hd", default=lambda c: 64),
+        Field("head_dim", "head_dim", "hd", default=64),
         Field("experts", "num_local_experts", "E"),
-        Field("top_k", "num_experts_per_tok", required=False, default=lambda c: 4),
-        Field("window", "sliding_window", required=False, default=lambda c: 128),
+        Field("top_k", "num_experts_per_tok", required=False, default=4),
+        Field("window", "sliding_window", required=False, default=128, arg_default=128),
+        Field("rope_theta", _ROPE + "rope_theta", required=False, default=150000.0, arg_default=150000.0),
+        Field("rope_factor", _ROPE + "factor", required=False, default=32.0, arg_default=32.0),
+        Field("rope_original", _ROPE + "original_max_position_embeddings", required=False, default=4096,
+              arg_default=4096),
+        Field("rope_beta_fast", _ROPE + "beta_fast", required=False, default=32.0, arg_default=32.0),
+        Field("rope_beta_slow", _ROPE + "beta_slow", required=False, default=1.0, arg_default=1.0),
+        Field("swiglu_alpha", "swiglu_alpha", required=False, default=1.702, arg_default=1.702),
+        Field("swiglu_limit", "swiglu_limit", required=False, default=7.0, arg_default=7.0),
+        Field("norm_eps", "rms_norm_eps", required=False, default=1e-5, arg_default=1e-5),
     ),
-    base_config={
-        "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
-        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
-    },
+    fixed=(
+        Fixed(_ROPE + "rope_type", "yarn", default="yarn"),
+        Fixed(_ROPE + "truncate", False, default=True),
+        Fixed("layer_types", _alternating, default=_alternating),
+        Fixed("attention_bias", True, default=True),
+        Fixed("tie_word_embeddings", False, default=False),
+    ),
+    base_config={"attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+                 "max_position_embeddings": 131072, "router_aux_loss_coef": 0.001, "use_cache": True},
     rules=lambda tied: mapping.GPT_OSS_RULES,
-    # HF's own default pattern: even layers slide, odd layers attend fully
-    derived=lambda c: {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                       for i in range(c["num_hidden_layers"])]},
 )
 
 LLAMA = Family(
@@ -75,14 +99,18 @@ LLAMA = Family(
     fields=_COMMON + (
         Field("head_dim", "head_dim", "hd", required=False,
               default=lambda c: c["hidden_size"] // c["num_attention_heads"]),
-        Field("tie_embeddings", "tie_word_embeddings", "tied", required=False, default=lambda c: False,
-              arg_default=False),
+        Field("tie_embeddings", "tie_word_embeddings", "tied", required=False, default=False, arg_default=False),
+        Field("rope_theta", _ROPE + "rope_theta", required=False, default=10000.0, arg_default=500000.0),
+        Field("norm_eps", "rms_norm_eps", required=False, default=1e-6, arg_default=1e-5),
     ),
-    base_config={
-        "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
-        "max_position_embeddings": 131072, "mlp_bias": False, "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "use_cache": True,
-    },
+    fixed=(
+        Fixed(_ROPE + "rope_type", "default", default="default"),
+        Fixed("attention_bias", False, default=False),
+        Fixed("mlp_bias", False, default=False),
+        Fixed("hidden_act", "silu", default="silu"),
+    ),
+    base_config={"attention_dropout": 0.0, "initializer_range": 0.02, "max_position_embeddings": 131072,
+                 "use_cache": True},
     rules=lambda tied: mapping.LLAMA_RULES if tied else mapping.LLAMA_UNTIED_RULES,
 )
 
@@ -117,11 +145,30 @@ def hf_config_from_args(family_name: str, args: dict, extra: dict | None = None)
     fam = family(family_name)
     config = {"architectures": [fam.architecture], "model_type": fam.model_type, **fam.base_config}
     for f in fam.fields:
-        if f.arg in args:
-            config[f.hf] = args[f.arg]
-    config.update(fam.derived(config))
+        value = args.get(f.arg, f.arg_default)
+        if value is not None:
+            _put(config, f.hf, value)
+    for f in fam.fixed:
+        _put(config, f.hf, f.value(config) if callable(f.value) else f.value)
     config.update(extra or {})
     return config
+
+
+def _put(config: dict, dotted: str, value) -> None:
+    head, _, leaf = dotted.rpartition(".")
+    (config.setdefault(head, {}) if head else config)[leaf] = value
+
+
+def _get(config: dict, dotted: str, default):
+    # a (possibly nested) key; RoPE keys also as older checkpoints write them (rope_scaling, top-level rope_theta)
+    head, _, leaf = dotted.rpartition(".")
+    scopes = [config]
+    if head == "rope_parameters":
+        scopes = [config.get("rope_parameters") or {}, config.get("rope_scaling") or {}, config]
+    for scope in scopes:
+        if leaf in scope and scope[leaf] is not None:
+            return scope[leaf]
+    return default(config) if callable(default) else default
 
 
 def read_config(directory: Path) -> tuple[dict, Path]:
@@ -138,7 +185,7 @@ def read_config(directory: Path) -> tuple[dict, Path]:
 
 
 def check_config(fam: Family, config: dict, args: dict, path: Path) -> None:
-    """Raise one TesseraError naming every field where config.json disagrees with model.args."""
+    """Raise one TesseraError naming every field where config.json disagrees with model.args or the model."""
     text = path.read_text()
     problems = []
     if config.get("model_type") != fam.model_type:
@@ -147,19 +194,23 @@ def check_config(fam: Family, config: dict, args: dict, path: Path) -> None:
             span=_key_span(text, "model_type", path)))
     for f in fam.fields:
         want = args.get(f.arg, f.arg_default)
-        if want is None:
-            continue
-        got = config.get(f.hf, f.default(config) if f.default else None)
+        got = _get(config, f.hf, f.default)
+        if want is not None and got != want:
+            problems.append(Diagnostic(f"config.json has {f.hf} = {got!r} but model.args.{f.arg} = {want!r}",
+                                       span=_key_span(text, f.hf, path), key=f"model.args.{f.arg}"))
+    for f in fam.fixed:
+        want = f.value(config) if callable(f.value) else f.value
+        got = _get(config, f.hf, f.default)
         if got != want:
-            problems.append(Diagnostic(
-                f"config.json has {f.hf} = {got!r} but model.args.{f.arg} = {want!r}",
-                span=_key_span(text, f.hf, path), key=f"model.args.{f.arg}"))
+            problems.append(Diagnostic(f"config.json has {f.hf} = {got!r} but the {fam.name} model implements "
+                                       f"{want!r}", span=_key_span(text, f.hf, path)))
     if problems:
         raise TesseraError(problems)
 
 
 def _key_span(text: str, key: str, path: Path) -> Span | None:
     # where `"key":` is written in config.json (1-based), so the message points at it
+    key = key.rpartition(".")[2]
     at = text.find(f'"{key}"')
     if at < 0:
         return None
