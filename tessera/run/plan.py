@@ -167,11 +167,23 @@ def _flops(graph, exp, sizes: dict) -> dict:
             "contraction_fraction": counts["contraction"] / max(per["forward"], 1.0)}
 
 
+def _check(exp) -> None:
+    """The model-level checks `tessera check` runs (mesh divides dims, numeric rules match); TesseraError."""
+    from tessera.diagnostics import TesseraError
+    from tessera.ir.check import CHECKS, experiment_graph
+
+    graph = experiment_graph(exp)  # elaboration errors point into the spec's model.args
+    problems = [d for check in CHECKS for d in check(exp, graph)]
+    if problems:
+        raise TesseraError(problems)
+
+
 def build_plan(exp, device: str | None = None) -> dict:
     """The plan of an experiment as plain data (the `--json` schema in docs/plan.md), without compiling."""
     from tessera.lower.program import program_graph
 
     key, dev = pick_device(device)
+    _check(exp)
     graph = program_graph(exp)
     sizes = cost.task_dims(exp)
     layout = cost.Layout.of(exp)
@@ -301,35 +313,53 @@ def _ours_as_compiled(exp, train: bool) -> float:
     return sum(memory.values())
 
 
-def aot_compile(exp, plan: dict) -> dict:
-    """Compile the program against abstract inputs; the compiler's memory figure beside ours."""
+def _scope(exp, sharded: bool) -> str:
+    if sharded:
+        return "per device, the sharded program"
     import jax
 
-    train = _trains(exp)
+    more = "" if exp.mesh.size == 1 else f" (the mesh needs {exp.mesh.size} devices, this machine has {len(jax.devices())})"
+    return "the whole program on one device" + more
+
+
+def _figures(exp, train: bool, total_params: int) -> tuple[dict | None, float, dict]:
+    """(compiler figures, our total, what was compiled): the whole model, or 2 and 4 layers extrapolated."""
     layers = exp.model.args.get("layers")
-    started = time.perf_counter()
-    sharded = _sharded_compile(exp)
-    exp = exp if sharded or exp.mesh.size == 1 else _one_device(exp)
-    out = {"status": "ok", "backend": jax.default_backend(), "note": "", "layers_compiled": layers,
-           "scope": "per device, the sharded program" if sharded else
-           "the whole program on one device (this machine lacks the mesh's devices)"}
+    if total_params <= COMPILE_PARAMS_LIMIT:
+        return _compiled_bytes(exp, train), _ours_as_compiled(exp, train), {"layers_compiled": layers}
+    if not (isinstance(layers, int) and layers > _PROBE_LAYERS[1]):
+        raise _Skip("too large to compile here and no `layers` model argument to shrink it by")
+    (a, b), probes = _PROBE_LAYERS, [_with_layers(exp, n) for n in _PROBE_LAYERS]
+    ca, cb = (_compiled_bytes(e, train) for e in probes)
+    compiler = None if ca is None else {k: ca[k] + (layers - a) * (cb[k] - ca[k]) / (b - a) for k in ca}
+    oa, ob = (_ours_as_compiled(e, train) for e in probes)
+    return compiler, oa + (layers - a) * (ob - oa) / (b - a), {
+        "layers_compiled": list(_PROBE_LAYERS), "note": f"compiled with {a} and {b} layers, extrapolated to {layers}"}
+
+
+class _Skip(Exception):
+    """The compile cannot be attempted here (the reason is the message)."""
+
+
+def aot_compile(exp, plan: dict) -> dict:
+    """Compile the program against abstract inputs; the compiler's memory figures beside ours."""
+    import jax
+
+    from tessera.diagnostics import TesseraError
+
+    sharded, started = _sharded_compile(exp), time.perf_counter()
+    target = exp if sharded or exp.mesh.size == 1 else _one_device(exp)
+    out = {"status": "ok", "backend": jax.default_backend(), "note": "", "scope": _scope(exp, sharded)}
     try:
-        if plan["params"]["total"] <= COMPILE_PARAMS_LIMIT:
-            compiler, ours = _compiled_bytes(exp, train), _ours_as_compiled(exp, train)
-        elif isinstance(layers, int) and layers > _PROBE_LAYERS[1]:
-            (a, b), probes = _PROBE_LAYERS, [_with_layers(exp, n) for n in _PROBE_LAYERS]
-            ca, cb = (_compiled_bytes(e, train) for e in probes)
-            compiler = None if ca is None else {k: ca[k] + (layers - a) * (cb[k] - ca[k]) / (b - a) for k in ca}
-            oa, ob = (_ours_as_compiled(e, train) for e in probes)
-            ours = oa + (layers - a) * (ob - oa) / (b - a)
-            out.update(layers_compiled=list(_PROBE_LAYERS),
-                       note=f"compiled with {a} and {b} layers and extrapolated linearly to {layers}")
-        else:
-            return {"status": "skipped", "note": "too large to compile here and no `layers` argument to shrink"}
-    except Exception as exc:  # a valid spec that does not compile is what this check is for
+        compiler, ours, what = _figures(target, _trains(exp), plan["params"]["total"])
+    except _Skip as exc:
+        return {"status": "skipped", "note": str(exc)}
+    except TesseraError as exc:  # the program cannot lower this layout yet (the plan above still holds)
+        return {"status": "skipped", "note": exc.diagnostics[0].message}
+    except Exception as exc:  # a valid spec whose program does not compile: what this check is for
         return {"status": "failed", "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
                 "seconds": time.perf_counter() - started}
-    out.update(seconds=time.perf_counter() - started, compiler_bytes=compiler, ours_bytes=ours)
+    out.update(what, seconds=time.perf_counter() - started, compiler_bytes=compiler, ours_bytes=ours)
     if compiler is None:
         out["note"] = (out["note"] + "; " if out["note"] else "") + "the backend gives no memory analysis"
     return out

@@ -1,0 +1,131 @@
+"""`tessera plan`: the published GPT-OSS figures through the command, the JSON schema, compile, exit codes."""
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tessera.cli import main
+from tessera.run import plan as plan_mod
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = ROOT / "specs"
+TINY_FORWARD = """name: tiny_forward
+model:
+  file: {root}/models/llama.tsl
+  args: {{vocab: 32, d_model: 16, layers: 2, heads: 2, kv_heads: 1, head_dim: 8, d_ff: 32}}
+task: {{kind: forward, tokens: [[1, 2, 3, 4], [5, 6, 7, 8]]}}
+"""
+
+
+def run_json(capsys, *args) -> dict:
+    assert main(["plan", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def flat_keys(d: dict, prefix: str = "") -> set[str]:
+    """Dotted paths of the leaves (`params.total`, `collectives[].axis`); maps documented whole stay whole."""
+    keys = set()
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("bytes_by_dtype", "mesh", "compiler_bytes"):
+            keys |= flat_keys(v, f"{prefix}{k}.")
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            keys |= flat_keys(v[0], f"{prefix}{k}[].")
+        else:
+            keys.add(prefix + k)
+    return keys
+
+
+@pytest.fixture
+def tiny_forward(tmp_path) -> Path:
+    path = tmp_path / "tiny_forward.yaml"
+    path.write_text(TINY_FORWARD.format(root=ROOT))
+    return path
+
+
+def test_gpt_oss_120b_on_eight_devices_in_seconds(capsys):
+    started = time.perf_counter()
+    plan = run_json(capsys, SPECS / "gpt_oss_120b.yaml", "--no-compile", "--device", "h100")
+    assert time.perf_counter() - started < 20
+    p = plan["params"]
+    assert (p["total"], p["active"], round(p["gib"], 2)) == (116_829_156_672, 5_132_639_232, 60.77)
+    assert plan["devices"] == 8 and plan["mesh"]["tp"] == 8
+    mem = plan["memory_per_device"]
+    assert p["bytes"] / 8 < mem["params"] < p["bytes"] / 8 * 1.01  # tp=8 splits all but norms, some biases
+    assert mem["gradients"] == mem["optimizer"] == 0 and mem["kv_cache"] > 0
+    assert plan["device"]["fits"] and plan["device"]["margin_bytes"] == 80e9 - mem["total"]
+    assert {c["axis"] for c in plan["collectives"]} == {"tp"}
+    assert plan["flops"]["forward_per_token"] == pytest.approx(2 * p["active"], rel=0.01)
+    assert plan["compile"]["status"] == "skipped"
+
+
+def test_gpt_oss_20b(capsys):
+    p = run_json(capsys, SPECS / "gpt_oss_20b.yaml", "--no-compile", "--device", "h100")["params"]
+    assert (p["total"], p["active"], round(p["gib"], 2)) == (20_914_757_184, 3_608_166_144, 12.82)
+
+
+def test_json_keys_are_all_documented(capsys, tiny_forward):
+    documented = set()
+    for row in (ROOT / "docs" / "plan.md").read_text().splitlines():
+        if row.startswith("| `"):
+            documented |= set(re.findall(r"`([a-z_.\[\]]+)`", row.split("|")[1]))
+    for args in [(SPECS / "gpt_oss_120b.yaml", "--no-compile"), (tiny_forward,)]:
+        plan = run_json(capsys, *args, "--device", "a100")
+        keys = flat_keys(plan)
+        assert {"params.active", "memory_per_device.total", "device.fits", "compile.status"} <= keys
+        assert {k for k in keys if k not in documented and k + "[]" not in documented} == set()
+    assert plan["schema"] == "tessera.plan/1" and plan["compile"]["status"] == "ok"
+
+
+def test_does_not_fit_a_small_device(capsys):
+    plan = run_json(capsys, SPECS / "gpt_oss_120b.yaml", "--no-compile", "--device", "l40s", "--set", "mesh.tp=1")
+    assert plan["device"]["fits"] is False and plan["device"]["margin_bytes"] < 0
+
+
+def test_training_memory_and_step_time(capsys):
+    plan = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--device", "h100",
+                    "--set", "parallel.remat=full")
+    mem, f = plan["memory_per_device"], plan["flops"]
+    assert mem["params"] == 4 * plan["params"]["total"]             # fp32 master weights
+    assert mem["gradients"] == 2 * mem["params"]                    # fp32 accumulation + one fp32 gradient
+    assert mem["optimizer"] == 2 * mem["params"]                    # adamw mu and nu
+    assert f["train_step_hardware_per_token"] > f["train_step_per_token"] > 2 * f["forward_per_token"]
+    d = plan["device"]
+    assert d["mfu_ceiling"] == pytest.approx(f["train_step_per_token"] / f["train_step_hardware_per_token"])
+    tokens = plan["shapes"]["batch"] * plan["shapes"]["seq"]
+    assert d["step_time_s"] == pytest.approx(f["train_step_hardware_per_token"] * tokens / 989e12)
+
+
+def test_plain_text_when_not_a_terminal(capsys):
+    assert main(["plan", str(SPECS / "gpt_oss_20b.yaml"), "--no-compile", "--device", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters:" in out and "20,914,757,184" in out and "12.82 GiB" in out
+    assert "─" not in out and "\x1b[" not in out  # no table rules, no colour codes
+
+
+def test_ahead_of_time_compile_beside_ours(capsys, tiny_forward):
+    plan = run_json(capsys, tiny_forward, "--device", "cpu")
+    c = plan["compile"]
+    assert c["status"] == "ok" and c["layers_compiled"] == 2
+    figures = c["compiler_bytes"]
+    assert figures["total"] == figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
+    assert figures["argument"] >= plan["memory_per_device"]["params"]  # params + tokens
+    assert c["ours_bytes"] == plan["memory_per_device"]["total"]
+
+
+def test_exit_codes(capsys, tiny_forward, monkeypatch):
+    assert main(["plan", str(tiny_forward), "--no-compile", "--device", "h1000"]) == 2
+    assert "unknown device `h1000`" in capsys.readouterr().err
+    assert main(["plan", str(tiny_forward), "--no-compile", "--set", "mesh.tq=2"]) == 2
+    assert "tq" in capsys.readouterr().err
+    assert main(["plan", str(tiny_forward) + ".missing", "--no-compile"]) == 2
+
+    def broken(exp, train):
+        raise RuntimeError("lowering exploded")
+
+    monkeypatch.setattr(plan_mod, "_lowered", broken)
+    assert main(["plan", str(tiny_forward), "--json", "--device", "cpu"]) == 1
+    c = json.loads(capsys.readouterr().out)["compile"]
+    assert c["status"] == "failed" and "lowering exploded" in c["note"]
