@@ -30,6 +30,18 @@ def test_rms_norm_keeps_dtype_and_uses_fp32_statistics():
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=1e-2)
 
 
+def test_rms_norm_llama_order_scales_in_the_input_dtype():
+    x = jnp.asarray(RNG.standard_normal((4, 32)), jnp.bfloat16)
+    s = jnp.asarray(1 + RNG.standard_normal(32) / 3, jnp.bfloat16)
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)
+    llama = norms.rms_norm(x, scale=s, eps=1e-5, scale_in_input_dtype=True)
+    gpt_oss = norms.rms_norm(x, scale=s, eps=1e-5)
+    np.testing.assert_array_equal(llama, s * normed.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(gpt_oss, (s.astype(jnp.float32) * normed).astype(jnp.bfloat16))
+    assert not np.array_equal(np.asarray(llama, np.float32), np.asarray(gpt_oss, np.float32))
+
+
 def test_layer_norm_matches_float64():
     x, s, b = RNG.standard_normal((4, 16)), RNG.standard_normal(16), RNG.standard_normal(16)
     got = norms.layer_norm(jnp.asarray(x, jnp.float32), scale=jnp.asarray(s), bias=jnp.asarray(b), eps=1e-5)
