@@ -24,7 +24,10 @@ class MaskSpec:
 
     def key_range(self, p_first, p_last, block: int):
         """Blocks [lo, hi) of `block` keys holding any key visible to positions p_first..p_last."""
-        lo = jnp.int32(0) if self.window is None else _div(jnp.maximum(p_first - self.window + 1, 0), block)
+        if self.window is None:
+            lo = _traced_zero(p_first)
+        else:
+            lo = _div(jnp.maximum(p_first - self.window + 1, 0), block)
         end = jnp.int32(self.kv_len) if not self.causal else jnp.minimum(p_last + 1, self.kv_len)
         hi = jnp.maximum(_cdiv(end, block), lo)
         return lo, hi
@@ -40,7 +43,7 @@ class MaskSpec:
 
     def query_range(self, k_first, k_last, block: int, num_q_blocks: int):
         """Query blocks [lo, hi) (rows, not positions) that see any key k_first..k_last."""
-        lo = jnp.int32(0)
+        lo = _traced_zero(k_first)
         if self.causal:
             lo = _div(jnp.maximum(k_first - self.q_offset, 0), block)
         if self.window is None:
@@ -66,6 +69,11 @@ class MaskSpec:
         if transposed:
             return self.visible(cols + q_first, rows + k_first)
         return self.visible(rows + q_first, cols + k_first)
+
+
+def _traced_zero(nonneg):
+    """0 as a traced int32: Mosaic GPU's loop lowering rejects Python constants as loop bounds."""
+    return jnp.minimum(nonneg, 0)
 
 
 def _div(a, b: int):

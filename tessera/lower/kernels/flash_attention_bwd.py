@@ -163,7 +163,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
         shape = (bkv, k_smem.shape[-1])
         zero = _mgpu.zeros(shape, interpret=interp)
-        dk, dv = lax.fori_loop(0, n_steps, step, (zero, zero))
+        dk, dv = lax.fori_loop(q_lo - q_lo, n_steps, step, (zero, zero))  # traced bounds
         k_smem[...] = (dk * dm.scale).astype(k_smem.dtype)
         v_smem[...] = dv.astype(v_smem.dtype)
         plgpu.commit_smem()
@@ -188,7 +188,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             return src
         srcs = (rows(q_ref), rows(do_ref), vec(lse_ref), vec(delta_ref))
         rings = (q_ring, do_ring, lse_ring, delta_ring)
-        _mgpu.stream(jnp.int32(0), n_steps, dm.stages, list(zip(srcs, rings, fulls, frees)))
+        _mgpu.stream(q_lo - q_lo, n_steps, dm.stages, list(zip(srcs, rings, fulls, frees)))
 
 
 # ----------------------------------------------------------------------------- driver

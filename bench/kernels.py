@@ -1,0 +1,167 @@
+"""Times Tessera's GPU kernels against their peers on the same shapes in one run; prints one table.
+
+    python -m bench.kernels [--only attention,moe,decode] [--check]
+
+Peers: XLA (jnp reference), cuDNN through jax.nn.dot_product_attention, PyTorch SDPA and
+torch._grouped_mm, lax.ragged_dot, a padded batched einsum. TFLOP/s count only the work needed
+(visible pairs for attention, real rows for grouped GEMM); decode reports GB/s against the
+measured copy bandwidth. The ratio column is Tessera / best peer on the same row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROWS: list[tuple[str, str, float, float, str]] = []  # (case, impl, ms, rate, unit)
+
+
+def time_jax(fn, *args, iters: int = 20) -> float:
+    """Median milliseconds of fn(*args) (jitted, warmed up, synchronised per call)."""
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def time_torch(fn, iters: int = 20) -> float:
+    """Median milliseconds of fn() with CUDA events."""
+    import torch
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def record(case: str, impl: str, run, work: float, unit: str = "TFLOP/s") -> None:
+    """Time `run()` (returns ms), store the row; failures are printed and skipped."""
+    try:
+        ms = run()
+    except Exception as e:  # a peer missing on this machine must not hide the others
+        print(f"  {case} / {impl}: failed: {type(e).__name__}: {str(e)[:300]}")
+        return
+    scale = 1e12 if unit == "TFLOP/s" else 1e9
+    ROWS.append((case, impl, ms, work / (ms * 1e-3) / scale, unit))
+    print(f"  {case:<44} {impl:<26} {ms:9.3f} ms {ROWS[-1][3]:9.1f} {unit}", flush=True)
+
+
+def print_table() -> None:
+    """One table: each case's rows, and Tessera / best peer."""
+    print("\n| case | implementation | ms | rate | Tessera / best peer |\n|---|---|---|---|---|")
+    for case in dict.fromkeys(r[0] for r in ROWS):
+        rows = [r for r in ROWS if r[0] == case]
+        ours = [r for r in rows if r[1].startswith("tessera")]
+        peers = [r for r in rows if not r[1].startswith("tessera")]
+        best = max((r[3] for r in peers), default=None)
+        for r in rows:
+            ratio = f"{r[3] / best:.2f}x" if (best and r in ours) else ""
+            print(f"| {case} | {r[1]} | {r[2]:.3f} | {r[3]:.1f} {r[4]} | {ratio} |")
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _torch_sdpa(q, k, v, causal, backward):
+    """PyTorch SDPA on the same data ([B, H, S, D] layout, GQA)."""
+    import torch
+    tq, tk, tv = (torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if not backward:
+        with torch.no_grad():
+            return time_torch(lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True))
+    for x in (tq, tk, tv):
+        x.requires_grad_(True)
+    out = sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True)
+    g = torch.randn_like(out)
+    return time_torch(lambda: torch.autograd.grad(out, (tq, tk, tv), g, retain_graph=True))
+
+
+def _grad_fn(fn):
+    """(q, k, v, ct) -> grads of <fn(q, k, v), ct>: times the backward (and its forward)."""
+    def g(q, k, v, ct):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return vjp(ct.astype(out.dtype))
+    return g
+
+
+def run_attention(check: bool = False) -> None:
+    """Causal / full / window-128+sinks attention, forward and backward, head dims 64 and 128."""
+    from tessera.lower.kernels.flash_attention import attention_flops, flash_attention
+    from tessera.lower.reference.attention import attention as reference
+    shapes = [(4, 4096, 64, 8, 64), (4, 4096, 32, 8, 128)]
+    for b, s, hq, hkv, d in shapes:
+        ks = jax.random.split(jax.random.key(0), 5)
+        q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
+        ct = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+        sinks = jax.random.normal(ks[4], (hq,), jnp.float32)
+        for causal, window, sk in [(True, None, False), (False, None, False), (True, 128, True)]:
+            tag = f"B{b} S{s} H{hq}/{hkv} D{d} " + ("causal" if causal else "full")
+            tag += f" w{window}+sinks" if window else ""
+            flops = attention_flops(b, s, s, hq, d, causal=causal, window=window)
+            ours = lambda q, k, v: flash_attention(q, k, v, sinks=sinks if sk else None,
+                                                   causal=causal, window=window)
+            cudnn = lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="cudnn",
+                local_window_size=(window - 1, 0) if window else None)
+            xla = lambda q, k, v: reference(q, k, v, causal=causal, window=window)
+            if check:
+                ref = reference(q[:1, :1024], k[:1, :1024], v[:1, :1024], sinks=sinks if sk else None,
+                                causal=causal, window=window)
+                got = ours(q[:1, :1024], k[:1, :1024], v[:1, :1024])
+                err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+                print(f"  check {tag}: rel err {err:.2e}")
+            for direction, mult in (("fwd", 1.0), ("bwd", 2.5)):
+                case = f"attn {direction} {tag}"
+                wrap = (lambda f: f) if direction == "fwd" else _grad_fn
+                args = (q, k, v) if direction == "fwd" else (q, k, v, ct)
+                record(case, "tessera (mosaic gpu)", lambda: time_jax(wrap(ours), *args), flops * mult)
+                record(case, "cuDNN (jax.nn.dpa)", lambda: time_jax(wrap(cudnn), *args), flops * mult)
+                if not window:
+                    record(case, "torch SDPA", lambda: _torch_sdpa(q, k, v, causal, direction == "bwd"),
+                           flops * mult)
+                if s * s * hq * b * 4 <= 2**35 and direction == "fwd":
+                    record(case, "XLA (jnp)", lambda: time_jax(wrap(xla), *args), flops * mult)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    """Run the selected groups and print the table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="attention,moe,decode")
+    ap.add_argument("--check", action="store_true")
+    opts = ap.parse_args()
+    print(f"devices: {jax.devices()}  jax {jax.__version__}")
+    groups = {"attention": run_attention}
+    for name in opts.only.split(","):
+        if name in groups:
+            groups[name](check=opts.check)
+    print_table()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Flash attention kernel vs reference attention: forward and gradients (q, k, v, sinks)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tessera.lower.kernels.flash_attention import FlashConfig, flash_attention, supported
+from tessera.lower.reference.attention import attention
+from tests.lower.kernels._check import assert_close
+
+
+def _inputs(seed, b, s, t, hq, hkv, d, dtype, with_sinks):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (b, s, hq, d), dtype)
+    k = jax.random.normal(ks[1], (b, t, hkv, d), dtype)
+    v = jax.random.normal(ks[2], (b, t, hkv, d), dtype)
+    sinks = jax.random.normal(ks[3], (hq,), jnp.float32) * 2 if with_sinks else None
+    ct = jax.random.normal(ks[4], (b, s, hq, d), jnp.float32)
+    return q, k, v, sinks, ct
+
+
+def _check(shape, dtype, *, causal, window, with_sinks, config=None, seed=0):
+    """Forward and all gradients of the kernel against the fp32 reference on fresh inputs."""
+    q, k, v, sinks, ct = _inputs(seed, *shape, dtype, with_sinks)
+    assert supported(q, k, v, sinks=sinks, causal=causal, window=window, config=config)
+
+    def loss(fn, q, k, v, sinks):
+        out = fn(q, k, v, sinks=sinks, causal=causal, window=window)
+        return jnp.vdot(out.astype(jnp.float32), ct), out
+
+    kernel = lambda *a, **kw: flash_attention(*a, config=config, **kw)
+    args = (q, k, v, sinks)
+    grad = lambda fn, *a: jax.jit(jax.grad(lambda *x: loss(fn, *x), argnums=(0, 1, 2, 3),
+                                           has_aux=True))(*a)
+    (gq, gk, gv, gs), out = grad(kernel, *args)
+    up = tuple(None if x is None else x.astype(jnp.float32) for x in args)
+    (rq, rk, rv, rs), ref = grad(attention, *up)
+    tol = 2e-2
+    assert_close(out, ref, tol, "out")
+    assert_close(gq, rq, tol, "dq")
+    assert_close(gk, rk, tol, "dk")
+    assert_close(gv, rv, tol, "dv")
+    if with_sinks:
+        assert_close(gs, rs, tol, "dsinks")
+
+
+def test_interpret_causal_window_sinks_gqa():
+    """CPU interpreter: GQA 2:1, causal, window 48 < block, sinks, S not a multiple of the block."""
+    cfg = FlashConfig(block_q=64, block_kv=64, interpret=True)
+    _check((1, 100, 100, 2, 1, 64), jnp.bfloat16, causal=True, window=48, with_sinks=True, config=cfg)
+
+
+def test_interpret_full_attention_fp16():
+    """CPU interpreter: not causal, no sinks, fp16, keys longer than queries."""
+    cfg = FlashConfig(block_q=64, block_kv=64, interpret=True)
+    _check((1, 64, 130, 2, 2, 64), jnp.float16, causal=False, window=None, with_sinks=False,
+           config=cfg, seed=1)
+
+
+def test_unsupported_shapes_fall_back():
+    """Head dim 96, fp32 and mismatched heads are refused, so the lowering keeps the reference."""
+    cfg = FlashConfig(interpret=True)
+    x = jnp.zeros((1, 64, 2, 96), jnp.bfloat16)
+    assert not supported(x, x, x, config=cfg)
+    y = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    assert not supported(y, y, y, config=cfg)
+    q, kv = jnp.zeros((1, 64, 3, 64), jnp.bfloat16), jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    assert not supported(q, kv, kv, config=cfg)
+
+
+GPU_CASES = [
+    # (b, s, t, hq, hkv, d), dtype, causal, window, sinks
+    ((2, 256, 256, 8, 2, 64), jnp.bfloat16, True, None, True),
+    ((1, 300, 300, 4, 1, 128), jnp.float16, True, 40, True),
+    ((1, 520, 520, 4, 4, 64), jnp.bfloat16, True, 200, False),
+    ((2, 256, 256, 4, 1, 128), jnp.bfloat16, False, None, True),
+    ((1, 1000, 1000, 8, 1, 64), jnp.bfloat16, True, 128, True),
+    ((1, 128, 384, 2, 1, 64), jnp.bfloat16, False, 100, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,causal,window,with_sinks", GPU_CASES)
+def test_gpu_matches_reference(shape, dtype, causal, window, with_sinks):
+    """On a Hopper GPU: several shapes, windows smaller and larger than a block, both dtypes."""
+    _check(shape, dtype, causal=causal, window=window, with_sinks=with_sinks, seed=hash(shape) % 97)
