@@ -380,8 +380,9 @@ def _op_collectives(op: Op, axes, times: int, graph: Graph, sizes: dict, layout:
             x = concrete(op.values[0].type, sizes)
             copies = nbytes(x, layout.activations(x)) * op.attrs.get("top_k", 1)
             rows.append((a, "all-to-all", f"{op.name} tokens", passes * times * 2 * _ring("all-to-all", n, copies)))
-        else:
-            rows.append((a, "all-reduce", f"{op.name} output",
+        else:  # with sequence parallelism the all-reduce is a reduce-scatter then an all-gather: same bytes
+            kind = "reduce-scatter+all-gather" if layout.rules.sequence_parallel else "all-reduce"
+            rows.append((a, kind, f"{op.name} output",
                          passes * times * _ring("all-reduce", n, nbytes(out, layout.activations(out)))))
     if op.name in ("attention", "sdpa"):  # keys and values of the whole sequence, gathered over seq shards
         x = concrete(op.values[0].type, sizes)

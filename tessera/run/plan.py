@@ -389,13 +389,19 @@ def _flop(n: float | None) -> str:
     return f"{n:,.0f} FLOP"
 
 
+def _time(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t:,.2f} s" if t >= 1 else f"{t * 1e3:,.2f} ms" if t >= 1e-3 else f"{t * 1e6:,.2f} µs"
+
+
 def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     """The report as titled (label, value) rows, shared by the table and the plain-text form."""
     p, f, m, d = plan["params"], plan["flops"], plan["memory_per_device"], plan["device"]
     mesh = " × ".join(f"{a}={n}" for a, n in plan["mesh"].items() if n > 1) or "no axis > 1"
     shapes = plan["shapes"]
     head = [("model", f"{plan['model']} ({plan['spec']}), task {plan['task']}"),
-            ("mesh", f"{mesh} ({plan['devices']} devices)"),
+            ("mesh", f"{mesh} ({plan['devices']} device{'s' if plan['devices'] != 1 else ''})"),
             ("shapes", f"batch {shapes['batch']}, seq {shapes['seq']}, microbatches {shapes['microbatches']}, "
                        f"remat {shapes['remat']}")]
     params = [("total", _count(p["total"])), ("active per token", _count(p["active"])),
@@ -407,7 +413,7 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     flops = [("forward per token", _flop(f["forward_per_token"])),
              ("train step per token", _flop(f["train_step_per_token"])),
              ("  with remat recompute", _flop(f["train_step_hardware_per_token"])),
-             (f"{d['step']} time (at peak)", "-" if d["step_time_s"] is None else f"{d['step_time_s'] * 1e3:,.2f} ms"),
+             (f"{d['step']} time (at peak)", _time(d["step_time_s"])),
              ("MFU ceiling", "-" if d["mfu_ceiling"] is None else f"{d['mfu_ceiling']:.1%}")]
     comms = [(f"{c['axis']} {c['kind']}: {c['what']}", _size(c["bytes_per_step"])) for c in plan["collectives"]]
     c = plan["compile"]
