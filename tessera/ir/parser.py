@@ -36,9 +36,10 @@ attr: NAME "=" value
       | ESCAPED_STRING -> string
       | NAME -> dimname
       | NAME "=" INT -> sized_dim
-      | "[" [value ("," value)*] "]" -> tuple
-      | "per_layer" "[" [value ("," value)*] "]" -> per_layer
+      | "[" [values] "]" -> tuple
+      | "per_layer" "[" [values] "]" -> per_layer
       | NAME "{" [attr ("," attr)*] "}" -> struct
+values: value ("," value)*
 
 type: NAME "[" [dim ("," dim)*] "]" [shard]
 dim: NAME ["=" INT]
@@ -88,11 +89,14 @@ class _ToValue(lark.Transformer):
     def sized_dim(self, c):
         return Dim(str(c[0]), int(c[1]))
 
+    def values(self, c):
+        return list(c)
+
     def tuple(self, c):
-        return tuple(v for v in c if v is not None) if c != [None] else ()
+        return tuple(c[0] or ())
 
     def per_layer(self, c):
-        return PerLayer(tuple(c) if c != [None] else ())
+        return PerLayer(tuple(c[0] or ()))
 
     def attr(self, c):
         return (str(c[0]), c[1])
