@@ -34,7 +34,8 @@ def expected_params(family_name: str, args: dict) -> dict[str, tuple[int, ...]]:
     dims = dims_from_args(fam, args)
     shapes = {}
     for rule in fam.rules(dims["tied"]):
-        outs = rule.transform.load(np.zeros(rule.hf_shape(dims), np.float32), dims)
+        hf = jax.ShapeDtypeStruct(rule.hf_shape(dims), jnp.float32)  # shapes only: nothing is allocated
+        outs = jax.eval_shape(lambda w, rule=rule: rule.transform.load(w, dims), hf)
         for path, arr in zip(rule.paths, outs):
             shapes[path] = ((dims["L"],) if rule.per_layer else ()) + arr.shape
     return shapes
