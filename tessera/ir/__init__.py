@@ -16,6 +16,7 @@ from tessera.ir.registry import OPS, AttrDef, OpDef, OpError, ParamDecl, get_op,
 from tessera.ir.types import Dim, DimName, Graph, Init, Op, Param, ParamRef, PerLayer, Region, Struct, TensorType, Value
 from tessera.ir.verify import verify
 
-__all__ = ["build_graph", "check_experiment", "parse_graph", "print_graph", "verify", "graph_flops", "graph_flops_per_token", "op_flops",
+__all__ = ["build_graph", "check_experiment", "parse_graph", "print_graph", "verify", "graph_flops",
+           "graph_flops_per_token", "op_flops",
            "OPS", "AttrDef", "OpDef", "OpError", "ParamDecl", "get_op", "register", "Dim", "DimName", "Graph",
            "Init", "Op", "Param", "ParamRef", "PerLayer", "Region", "Struct", "TensorType", "Value"]

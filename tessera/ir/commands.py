@@ -8,6 +8,7 @@ import sys
 from tessera.ir.parser import parse_graph
 from tessera.ir.passes import PassContext, stages
 from tessera.ir.printer import print_graph
+from tessera.ir.verify import verify
 
 
 def ir_command(spec, overrides=(), after: str | None = None, roundtrip: bool = False) -> int:
@@ -25,7 +26,7 @@ def ir_command(spec, overrides=(), after: str | None = None, roundtrip: bool = F
         return 0
     for name, g in stages(graph, ctx, after):
         text = print_graph(g)
-        again = print_graph(parse_graph(text, f"<{name}>"))
+        again = print_graph(verify(parse_graph(text, f"<{name}>")))
         if again != text:
             diff = difflib.unified_diff(text.splitlines(), again.splitlines(), "printed", "reparsed", lineterm="")
             print(f"tessera ir: after `{name}` the graph does not round-trip:", file=sys.stderr)

@@ -34,7 +34,8 @@ def test_dot_contracts_by_name_and_keeps_batch_dims():
 
 @pytest.mark.parametrize("a, b, over, message", [
     ("batch, embed=8", "mlp=4, hidden=8", ("embed",), "second operand f32[mlp=4, hidden=8] has no dimension `embed`"),
-    ("batch, embed=8", "embed=4, mlp=2", ("embed",), "dimension `embed` is 8 in one of the operands but 4 in the other"),
+    ("batch, embed=8", "embed=4, mlp=2", ("embed",),
+     "dimension `embed` is 8 in one of the operands but 4 in the other"),
     ("batch=2, embed=8", "batch=3, embed=8", ("embed",), "dimension `batch` is 2 in one of the operands but 3"),
     ("batch, embed=8", "embed=8", (), "`over` must name at least one dimension to contract"),
 ])
@@ -92,7 +93,8 @@ def test_attribute_checks():
     opdef = get_op("attention")
     with pytest.raises(OpError, match="`attention` needs attribute `heads`"):
         check_attrs(opdef, {})
-    with pytest.raises(OpError, match="attribute `rope` of `attention`: expected one of `rotary\\(...\\)`, `yarn\\(...\\)`, `llama3"):
+    expected = "attribute `rope` of `attention`: expected one of `rotary\\(...\\)`, `yarn\\(...\\)`, `llama3"
+    with pytest.raises(OpError, match=expected):
         check_attrs(opdef, dict(heads=4, kv_heads=2, head_dim=8, rope=Struct("swiglu", ())))
     attrs = check_attrs(get_op("rmsnorm"), {"eps": 1})
     assert attrs == {"eps": 1.0, "dim": DimName("embed")} and isinstance(attrs["eps"], float)
