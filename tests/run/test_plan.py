@@ -129,3 +129,27 @@ def test_exit_codes(capsys, tiny_forward, monkeypatch):
     assert main(["plan", str(tiny_forward), "--json", "--device", "cpu"]) == 1
     c = json.loads(capsys.readouterr().out)["compile"]
     assert c["status"] == "failed" and "lowering exploded" in c["note"]
+
+
+def test_sharded_compile_per_device_matches_ours(tmp_path):
+    """On 8 (host) devices the sharded program compiles; its argument bytes are our per-device params + tokens."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "sharded.yaml"
+    path.write_text(TINY_FORWARD.format(root=ROOT).replace("heads: 2, kv_heads: 1", "heads: 4, kv_heads: 2")
+                    .replace("[5, 6, 7, 8]]", "[5, 6, 7, 8], [1, 2, 3, 4], [5, 6, 7, 8]]")
+                    + "mesh: {dp: 2, fsdp: 2, tp: 2}\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "tessera.cli", "plan", str(path), "--json", "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    c, mem = plan["compile"], plan["memory_per_device"]
+    assert c["status"] == "ok" and c["scope"] == "per device, the sharded program"
+    tokens = 4 * 4 * 4 // 4  # int32 [4, 4] split over dp x fsdp
+    assert c["compiler_bytes"]["argument"] == mem["params"] + tokens
+    assert plan["params"]["bytes"] / 4 < mem["params"] < plan["params"]["bytes"] / 3  # norms: fsdp only
+    kinds = {(r["axis"], r["kind"], r["what"]) for r in plan["collectives"]}
+    assert ("fsdp", "all-gather", "parameters") in kinds and ("tp", "all-reduce", "attention output") in kinds
