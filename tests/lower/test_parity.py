@@ -31,7 +31,7 @@ def _program(name: str):
     return prog, prog.load_weights(HF / name), fixture
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4", "llama"])
+@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4", "llama", "llama_tied"])
 def test_logits_match_transformers(name):
     prog, params, _ = _program(name)
     tokens = np.load(HF / name / "tokens.npy")
@@ -41,7 +41,7 @@ def test_logits_match_transformers(name):
     assert np.max(np.abs(got - expected)) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4", "llama"])
+@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4", "llama", "llama_tied"])
 def test_greedy_generation_matches_transformers(name):
     prog, params, fixture = _program(name)
     expected = np.load(HF / name / "generated.npy")
