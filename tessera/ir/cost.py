@@ -340,19 +340,17 @@ def _ring(kind: str, n: int, full: float) -> float:
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * full
 
 
-def param_collectives(graph: Graph, layout: Layout, train: bool, grad_bits: float = 32.0) -> list[dict]:
+def param_collectives(graph: Graph, layout: Layout, train: bool, grad_bits: float = 32.0) -> list[tuple]:
     """Parameter all-gathers over axes that split both params and the batch (fsdp), gradient reductions."""
-    batch_axes = layout.rules.axes("batch")
     rows = []
     for p in graph.params.values():
-        split = layout.split(p.type)
-        used = {a for axes in split.values() for a in axes}
-        local = layout.per_device(p.type)
-        for a in batch_axes:
+        used = {a for axes in layout.split(p.type).values() for a in axes}
+        local = layout.per_device(p.type)  # elements this device stores
+        for a in layout.rules.axes("batch"):
             n = layout.mesh[a]
             if a in used:  # stored sharded, gathered for use: forward (and again in backward)
-                rows.append((a, "all-gather", "parameters", (2 if train else 1) * _ring("all-gather", n,
-                                                                                          nbytes(p.type, local * n))))
+                gathered = nbytes(p.type, local * n)
+                rows.append((a, "all-gather", "parameters", (2 if train else 1) * _ring("all-gather", n, gathered)))
                 if train:
                     rows.append((a, "reduce-scatter", "gradients", _ring("reduce-scatter", n, local * n * grad_bits / 8)))
             elif train:

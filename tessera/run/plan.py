@@ -318,8 +318,9 @@ def _scope(exp, sharded: bool) -> str:
         return "per device, the sharded program"
     import jax
 
-    more = "" if exp.mesh.size == 1 else f" (the mesh needs {exp.mesh.size} devices, this machine has {len(jax.devices())})"
-    return "the whole program on one device" + more
+    if exp.mesh.size == 1:
+        return "the whole program on one device"
+    return f"the whole program on one device (the mesh needs {exp.mesh.size}, this machine has {len(jax.devices())})"
 
 
 def _figures(exp, train: bool, total_params: int) -> tuple[dict | None, float, dict]:
