@@ -16,7 +16,7 @@ import yaml
 
 from tessera.diagnostics import RunError, TesseraError
 from tessera.run.checkpoint import check_compatible
-from tessera.run.context import Interrupt, RunContext
+from tessera.run.context import RunContext
 from tessera.run.manifest import MANIFEST, Manifest, load_manifest, now
 from tessera.run.metrics import MetricsLog
 
@@ -116,8 +116,7 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
                      weights=Path(weights) if weights else None, resume=resuming,
                      spec_dir=spec_file.parent if spec_file else None)
     try:
-        with Interrupt() as ctx.interrupt:
-            code = TASKS[exp.task.kind](ctx)
+        code = TASKS[exp.task.kind](ctx)
         if manifest.record["status"] == "running":
             manifest.finish("completed")
     except (TesseraError, RunError) as exc:

@@ -61,7 +61,7 @@ def _replay_dir(manifest: dict) -> Path:
 
 
 def replay(manifest_path: str | Path, out: str | Path | None = None, *,
-           load_spec: Callable[[Path], Any] = _load_spec_file, compile_fn=None,
+           load_spec: Callable[[Path], Any] | None = None, compile_fn=None,
            stream: TextIO | None = None) -> tuple[dict, dict, list[str]]:
     """Re-run a manifest's spec into `out`; returns (original, replayed, differences)."""
     from tessera.run.main import run_experiment
@@ -73,7 +73,7 @@ def replay(manifest_path: str | Path, out: str | Path | None = None, *,
     target.mkdir(parents=True, exist_ok=True)
     spec_path = target / SPEC_FILE
     spec_path.write_text(yaml.safe_dump(original["spec"], sort_keys=False))
-    exp = load_spec(spec_path)
+    exp = (load_spec or _load_spec_file)(spec_path)
     result = run_experiment(exp, out=target, weights=original.get("weights"), compile_fn=compile_fn,
                             overrides=original.get("overrides"), stream=stream)
     return original, result.manifest, compare(original, result.manifest)

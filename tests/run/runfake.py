@@ -86,9 +86,9 @@ class FakeProgram:
         self.vocab, self.d = int(args["vocab"]), int(args["d_model"])
         self.ir_hash = hashlib.sha256(f"fake:{self.vocab}:{self.d}".encode()).hexdigest()
         self.step_sleep, self.poison_after = step_sleep, poison_after  # poison: NaN into mlp/up after that step
-        if exp.task.kind == "train":
+        if exp.task.kind in ("train", "bench"):
             self.optimizer = build_optimizer(exp)
-            self.microbatches = int(exp.task.microbatches)
+            self.microbatches = int(getattr(exp.task, "microbatches", 1))
             self._train_step = jax.jit(self._step)
         self.forward = jax.jit(self._forward)
         self.loss = jax.jit(self._loss)

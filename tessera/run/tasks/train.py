@@ -18,7 +18,7 @@ import numpy as np
 
 from tessera.diagnostics import RunError
 from tessera.run.checkpoint import Checkpoints, check_compatible
-from tessera.run.context import RunContext
+from tessera.run.context import Interrupt, RunContext
 from tessera.run.data import STREAM_EVAL, SyntheticSource, build_source
 from tessera.run.manifest import now, params_checksum
 from tessera.run.progress import Progress
@@ -194,8 +194,8 @@ def run(ctx: RunContext) -> int:
                             checkpoint_dir=str(tr.ckpts.directory))
         if isinstance(tr.source, SyntheticSource):
             ctx.manifest.update(chance_loss=tr.source.chance_loss())
-        with Progress(tr.steps, start, stream=ctx.stream) as progress:
-            finished = tr.loop(start, progress)
+        with Interrupt() as ctx.interrupt, Progress(tr.steps, start, stream=ctx.stream) as progress:
+            finished = tr.loop(start, progress)  # Ctrl-C only sets a flag here: the loop checkpoints, then stops
         if not finished:
             tr.ckpts.wait()
             step = tr.ckpts.latest_step()
