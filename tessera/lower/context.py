@@ -26,7 +26,8 @@ class LowerCtx:
 
     mode: "train" (full sequence, no cache), "prefill" (full prompt, fills the cache) or
     "decode" (new tokens against the cache). positions: int32 [batch, seq] absolute positions of the
-    tokens being processed.
+    tokens being processed. shard: inside `shard_map`, which mesh axes split which logical axes and the
+    collectives that go with them (lowerings then see local blocks).
     """
 
     accum_dtype: Any = jnp.float32
@@ -35,6 +36,7 @@ class LowerCtx:
     kernels: str = "reference"  # "auto" lets lowerings pick a kernel where the backend and shapes allow
     backend: str = "cpu"
     deterministic: bool = True
+    shard: Any = None  # tessera.lower.shard.collectives.ShardEnv inside shard_map, None on one device
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

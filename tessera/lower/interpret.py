@@ -76,6 +76,8 @@ def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):
     lowering = get_lowering(op.name, ctx.kernels)
     attrs = resolve_attrs(op.attrs, layer)
     local = {name: params[path] for name, path in param_bindings(op)}
+    if ctx.shard is not None:  # FSDP: gather what the op does not handle split, per layer inside the scan
+        local = {name: ctx.shard.gather_param(op.name, name, path, params[path]) for name, path in param_bindings(op)}
     if lowering.stateful:
         outs, st = lowering.fn(ctx, op, attrs, ins, local, state)
         return list(outs), st

@@ -17,6 +17,7 @@ from tessera.lower.named import align, einsum, move_last, names
 from tessera.lower.reference import activations, moe as moe_ref, rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
+from tessera.lower.shard import ops as shard_ops
 from tessera.lower.table import lowers
 
 BSE = ("batch", "seq", "embed")
@@ -33,6 +34,8 @@ def _cast(params: dict, dtype) -> dict:
 
 @lowers("embed")
 def _embed(ctx, op, attrs, ins, params):
+    if ctx.shard is not None:
+        return [shard_ops.embed(ctx.shard, params["table"], ins[0]).astype(_dtype(op))]
     return [params["table"][ins[0]].astype(_dtype(op))]
 
 
@@ -41,8 +44,10 @@ def _unembed(ctx, op, attrs, ins, params):
     x, dt = ins[0], _dtype(op)
     have = names(op.values[0])
     out = names(op.results[0])
+    if ctx.shard is not None:  # logits stay split over vocab: [..., vocab / tp]
+        x = ctx.shard.seq_gather(x, axis=have.index("seq"))
     if attrs["tied"]:
-        table = params["table"].astype(x.dtype)  # [vocab, embed]
+        table = params.get("embed/table", params.get("table")).astype(x.dtype)  # [vocab, embed]
         return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype).astype(dt)]
     w = params["weight"].astype(x.dtype)
     return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype).astype(dt)]
@@ -146,7 +151,8 @@ def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
     """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = window or max_len."""
     c = max_len if attrs["window"] is None else min(attrs["window"], max_len)
     dt = _dtype(op)
-    shape = (batch, c, attrs["kv_heads"], attrs["head_dim"])
+    kv_heads = attrs["kv_heads"] // (ctx.shard.ways("kv_heads") if ctx.shard is not None else 1)
+    shape = (batch, c, kv_heads, attrs["head_dim"])
     return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt), "pos": jnp.full((batch, c), -1, jnp.int32)}
 
 
@@ -166,6 +172,8 @@ def _cache_write(cache, k, v, pos):
 def _attention(ctx, op, attrs, ins, params, cache):
     have = names(op.values[0])
     x = align(ins[0], have, BSE)
+    if ctx.shard is not None:  # sequence parallel: the block sees the whole sequence
+        x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
     q = _project(x, p["q"], p.get("q_bias"), ctx.accum_dtype)
     k = _project(x, p["k"], p.get("k_bias"), ctx.accum_dtype)
@@ -183,6 +191,8 @@ def _attention(ctx, op, attrs, ins, params, cache):
         new_cache = _cache_write(cache, k, v, pos)
         out = core(q, new_cache["k"], new_cache["v"], kv_positions=new_cache["pos"])
     y = jnp.einsum("bshd,hde->bse", out, p["o"], preferred_element_type=ctx.accum_dtype)
+    if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
+        y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
         y = y + p["o_bias"].astype(jnp.float32)
     return [align(y.astype(_dtype(op)), BSE, have)], new_cache
@@ -192,6 +202,8 @@ def _attention(ctx, op, attrs, ins, params, cache):
 def _mlp(ctx, op, attrs, ins, params):
     have = names(op.values[0])
     x = align(ins[0], have, BSE)
+    if ctx.shard is not None:
+        x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
     f32 = dict(preferred_element_type=ctx.accum_dtype)
     g = jnp.einsum("bse,ef->bsf", x, p["gate"], **f32)
@@ -200,6 +212,8 @@ def _mlp(ctx, op, attrs, ins, params):
         g, u = g + p["gate_bias"], u + p["up_bias"]
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     y = jnp.einsum("bsf,fe->bse", h, p["down"], **f32)
+    if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
+        y = ctx.shard.reduce_out(y, "mlp")
     if "down_bias" in p:
         y = y + p["down_bias"]
     return [align(y.astype(_dtype(op)), BSE, have)]
@@ -209,6 +223,10 @@ def _mlp(ctx, op, attrs, ins, params):
 def _moe(ctx, op, attrs, ins, params):
     have = names(op.values[0])
     x = align(ins[0], have, BSE)
+    if ctx.shard is not None:
+        y = shard_ops.moe(ctx.shard, x, _cast(params, x.dtype), top_k=attrs["top_k"],
+                          act=functools.partial(_act, attrs["act"]))
+        return [align(y.astype(_dtype(op)), BSE, have)]
     b, s, e = x.shape
     p = _cast(params, x.dtype)
     zeros = functools.partial(jnp.zeros, dtype=x.dtype)

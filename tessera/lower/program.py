@@ -49,7 +49,18 @@ class Program:
     ir_hash: str
     optimizer: optax.GradientTransformation | None = None
     lr_fn: Callable[[Any], jax.Array] | None = None
+    plan: Any = None  # tessera.lower.shard.step.ShardPlan when the mesh spans more than one device
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether cross-device reductions run in a fixed, mesh-independent order (the manifest records it)."""
+        return bool(self.exp.parallel.deterministic)
+
+    @property
+    def collectives(self) -> list[str]:
+        """The collectives this program's lowerings use on its mesh (empty on one device)."""
+        return [] if self.plan is None else self.plan.collectives()
 
     # ---- parameters ----------------------------------------------------------------------------
     def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -59,7 +70,8 @@ class Program:
 
     def init(self, seed: int = 0) -> Params:
         """Fresh parameters from each one's initializer; a parameter's values depend only on (seed, path)."""
-        return self._jit("init", lambda: jax.jit(self._init))(jnp.asarray(seed, jnp.uint32))
+        out = None if self.plan is None else self.plan.param_shardings()
+        return self._jit("init", lambda: jax.jit(self._init, out_shardings=out))(jnp.asarray(seed, jnp.uint32))
 
     def _init(self, seed):
         key = jax.random.key(seed)
@@ -94,17 +106,26 @@ class Program:
         return LowerCtx(kernels=getattr(exp, "kernels", "reference"), backend=jax.default_backend(),
                         deterministic=exp.parallel.deterministic, **kw)
 
-    def _forward(self, params, tokens, mode: str = "train"):
-        (logits,), _ = eval_region(self.graph.body, [tokens], params, self._ctx(mode=mode),
+    def _forward(self, params, tokens, mode: str = "train", shard=None):
+        (logits,), _ = eval_region(self.graph.body, [tokens], params, self._ctx(mode=mode, shard=shard),
                                    remat=self.exp.parallel.remat)
         return logits
 
     def forward(self, params: Params, tokens) -> jax.Array:
         """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
-        fn = self._jit("forward", lambda: jax.jit(lambda p, t: self._forward(p, t, "forward")))
+        fn = self._jit("forward", lambda: jax.jit(self._forward_fn("forward")))
         return fn(params, jnp.asarray(tokens, jnp.int32))
 
+    def _forward_fn(self, mode: str):
+        if self.plan is None:
+            return lambda p, t: self._forward(p, t, mode)
+        from tessera.lower.shard.step import sharded_forward
+        return sharded_forward(self, self.plan, mode)
+
     def _loss(self, params, batch):
+        if self.plan is not None:
+            from tessera.lower.shard.step import sharded_loss
+            return sharded_loss(self, self.plan)(params, batch)
         logits = self._forward(params, batch["tokens"])
         return cross_entropy(logits, batch["targets"], mask=batch.get("mask"))
 
@@ -236,6 +257,10 @@ def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
     graph = program_graph(exp)
     h = program_hash(exp, graph)
     if h not in _PROGRAMS:
+        plan = None
+        if exp.mesh.size > 1:
+            from tessera.lower.shard.step import make_plan
+            plan = make_plan(exp, graph)  # mesh errors are the user's: raised before anything compiles
         _PROGRAMS[h] = Program(exp, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
-                               optimizer=optimizer, lr_fn=lr_fn)
+                               optimizer=optimizer, lr_fn=lr_fn, plan=plan)
     return _PROGRAMS[h]

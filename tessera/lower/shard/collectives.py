@@ -1,0 +1,124 @@
+"""Collectives the sharded lowerings use, chosen from the shard rules; a no-op on one device.
+
+Inside `shard_map` each lowering sees its local block. `ShardEnv` answers which mesh axes split a
+logical axis and performs the collectives: parameters are all-gathered along the dims their op does
+not handle natively (FSDP's embed: gathered per layer inside the scan; the transpose reduce-scatters
+the gradients), contractions over a split axis are psum'd (psum_scatter along seq with sequence
+parallelism), and sequence-parallel activations are all-gathered along seq before a block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+import jax
+import jax.numpy as jnp
+
+from tessera.lower.shard.rules import AxisRules
+
+# op -> [(param-name glob, logical axes the lowering handles split)]; every other split dim is gathered at use
+NATIVE: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "attention": [("*", ("heads", "kv_heads"))],
+    "mlp": [("*", ("mlp",))],
+    "moe": [("experts/*", ("experts", "mlp")), ("router*", ())],
+    "embed": [("*", ("vocab",))],
+    "unembed": [("*", ("vocab",))],
+}
+
+
+def native_axes(op: str, name: str) -> tuple[str, ...]:
+    """The logical axes op's lowering handles split for its parameter `name`."""
+    for glob, axes in NATIVE.get(op, []):
+        if fnmatch.fnmatch(name, glob):
+            return axes
+    return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardEnv:
+    """The rules, each parameter's dims, and a record of the collectives the program uses."""
+
+    rules: AxisRules
+    param_dims: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def axes(self, logical: str) -> tuple[str, ...]:
+        """Mesh axes splitting `logical` (empty: replicated)."""
+        return self.rules.axes(logical)
+
+    def ways(self, logical: str) -> int:
+        return self.rules.ways(logical)
+
+    def index(self, logical: str):
+        """This device's block index along `logical` (0 when not split)."""
+        axes = self.axes(logical)
+        if not axes:
+            return 0
+        idx = 0
+        for a in axes:  # row-major over the listed axes, as shard_map lays blocks out
+            idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+        return idx
+
+    @property
+    def seq_parallel_axes(self) -> tuple[str, ...]:
+        """Axes activations between blocks are split along seq by (Megatron sequence parallelism)."""
+        return self.axes("heads") if self.rules.sequence_parallel else ()
+
+    def gather_param(self, op: str, name: str, path: str, w):
+        """`w` (local block of param `path`) all-gathered along every split dim op does not handle natively."""
+        dims = dict(self.param_dims)[path]
+        dims = dims[len(dims) - w.ndim:]  # inside a repeat the leading `layers` dim is gone
+        split = self.rules.dims(dict(self.param_dims)[path])[-w.ndim:] if w.ndim else ()
+        keep = native_axes(op, name)
+        for i, (dim, axes) in enumerate(zip(dims, split)):
+            if axes and dim not in keep:
+                w = jax.lax.all_gather(w, axes, axis=i, tiled=True)
+        return w
+
+    def psum(self, x, *logical: str):
+        """x summed over the mesh axes splitting the given logical axes (a contraction's partials)."""
+        axes = tuple(a for name in logical for a in self.axes(name))
+        return jax.lax.psum(x, axes) if axes else x
+
+    def seq_gather(self, x, axis: int = 1):
+        """Sequence-parallel activations [b, s/tp, ...] → [b, s, ...]."""
+        axes = self.seq_parallel_axes
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True) if axes else x
+
+    def seq_local(self, x, axis: int = 1):
+        """This device's block of a whole-sequence activation under sequence parallelism."""
+        axes = self.seq_parallel_axes
+        if not axes:
+            return x
+        size = x.shape[axis] // self.rules.size(axes)
+        return jax.lax.dynamic_slice_in_dim(x, self.index("heads") * size, size, axis=axis)
+
+    def reduce_out(self, x, *logical: str, axis: int = 1):
+        """A block's partial output summed over `logical`'s axes; scattered along seq under sequence parallelism."""
+        axes = tuple(a for name in logical for a in self.axes(name))
+        if not axes:
+            return self.seq_local(x, axis)
+        if self.seq_parallel_axes and set(self.seq_parallel_axes) <= set(axes):
+            rest = tuple(a for a in axes if a not in self.seq_parallel_axes)
+            x = jax.lax.psum(x, rest) if rest else x
+            return jax.lax.psum_scatter(x, self.seq_parallel_axes, scatter_dimension=axis, tiled=True)
+        return jax.lax.psum(x, axes)
+
+
+def vocab_cross_entropy_sums(env: ShardEnv | None, logits, labels, mask):
+    """(sum of per-token losses, number of counted tokens) with logits [..., V/tp] split over vocab."""
+    lf = logits.astype(jnp.float32)
+    v_local = lf.shape[-1]
+    lo = (env.index("vocab") if env else 0) * v_local
+    m = jax.lax.stop_gradient(jnp.max(lf, axis=-1, keepdims=True))
+    if env is not None and env.axes("vocab"):
+        m = jax.lax.pmax(m, env.axes("vocab"))
+    sumexp = env.psum(jnp.sum(jnp.exp(lf - m), axis=-1), "vocab") if env else jnp.sum(jnp.exp(lf - m), axis=-1)
+    local = labels.astype(jnp.int32) - lo
+    inside = (local >= 0) & (local < v_local)
+    picked = jnp.take_along_axis(lf, jnp.clip(local, 0, v_local - 1)[..., None], axis=-1)[..., 0]
+    picked = jnp.where(inside, picked, 0.0)
+    picked = env.psum(picked, "vocab") if env else picked
+    per_token = jnp.log(sumexp) + m[..., 0] - picked
+    w = jnp.ones_like(per_token) if mask is None else mask.astype(jnp.float32)
+    return jnp.sum(per_token * w), jnp.sum(w)

@@ -1,0 +1,113 @@
+"""A program's functions under `shard_map` (fast mode: psum / psum_scatter / all_gather as chosen).
+
+`ShardPlan` holds the mesh, the rules, each parameter's PartitionSpec and the shard environment the
+lowerings read. The loss runs inside `shard_map` and is differentiated from outside: the transposes of
+the collectives are the gradient collectives (FSDP's all_gather → reduce-scatter, the implicit
+broadcast of replicated parameters over dp → psum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tessera.lower.shard.collectives import ShardEnv, vocab_cross_entropy_sums
+from tessera.lower.shard.mesh import build_mesh
+from tessera.lower.shard.rules import AxisRules, partition_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """The mesh, the shard environment, and a PartitionSpec per parameter path."""
+
+    mesh: Any
+    env: ShardEnv
+    param_specs: dict
+
+    @property
+    def rules(self) -> AxisRules:
+        return self.env.rules
+
+    def param_shardings(self) -> dict:
+        """NamedSharding per parameter path (where init and checkpoints place them)."""
+        return {k: NamedSharding(self.mesh, s) for k, s in self.param_specs.items()}
+
+    def batch_spec(self, extra: int = 0) -> P:
+        """[batch, seq, ...] inputs: split over the batch axes."""
+        return partition_spec(self.rules, ("batch", "seq"), activation=True)[:1] + P(*([None] * (1 + extra)))
+
+    def collectives(self) -> list[str]:
+        """The collectives the lowerings emit on this mesh, for the manifest."""
+        r, out = self.rules, []
+        data = [a for a in r.axes("batch")]
+        if data:
+            out.append(f"psum(grads over {'*'.join(data)})")
+        if any(a in ("fsdp",) for _, axes in r.rules for a in axes):
+            out.append("all_gather(params over fsdp) / reduce_scatter(grads)")
+        for logical in ("heads", "mlp", "vocab"):
+            if r.axes(logical):
+                verb = "psum_scatter" if r.sequence_parallel and logical != "vocab" else "psum"
+                out.append(f"{verb}({logical} partials over {'*'.join(r.axes(logical))})")
+        if r.sequence_parallel and r.axes("heads"):
+            out.append(f"all_gather(seq over {'*'.join(r.axes('heads'))})")
+        if r.axes("experts"):
+            out.append(f"psum(expert outputs over {'*'.join(r.axes('experts'))})")
+        return out
+
+
+def make_plan(exp, graph, devices=None) -> ShardPlan:
+    """The plan of exp's mesh over the devices; mesh errors are TesseraErrors raised here, before compiling."""
+    mesh = build_mesh(exp, graph.params, devices)
+    rules = AxisRules.from_experiment(exp)
+    unsupported = {"pp": "pipeline parallelism", "sp": "context parallelism (the `sp` axis)"}
+    for axis, what in unsupported.items():
+        if exp.mesh.axes[axis] > 1:
+            from tessera.diagnostics import error
+            raise error(f"{what} is not lowered yet; mesh.{axis}={exp.mesh.axes[axis]} must be 1", span=exp.span(f"mesh.{axis}"),
+                        key=f"mesh.{axis}", hint="use dp, fsdp, tp (with parallel.sequence_parallel) and ep")
+    dims = tuple((path, p.type.names) for path, p in graph.params.items())
+    specs = {path: partition_spec(rules, p.type.names) for path, p in graph.params.items()}
+    return ShardPlan(mesh, ShardEnv(rules, dims), specs)
+
+
+def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
+    spec = partition_spec(plan.rules, ("batch",), activation=True)
+    return {k: P(*spec, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
+
+
+def sharded_loss(prog, plan: ShardPlan):
+    """loss(params, batch) -> fp32 scalar: the mean next-token loss, computed under shard_map."""
+
+    def local(params, batch):
+        logits = prog._forward(params, batch["tokens"], "train", shard=plan.env)
+        total, count = vocab_cross_entropy_sums(plan.env, logits, batch["targets"], batch.get("mask"))
+        axes = plan.rules.axes("batch")
+        if axes:
+            total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+        return total / jnp.maximum(count, 1.0)
+
+    def loss(params, batch):
+        fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, _batch_specs(plan, batch)),
+                           out_specs=P())
+        return fn(params, batch)
+
+    return loss
+
+
+def sharded_forward(prog, plan: ShardPlan, mode: str):
+    """forward(params, tokens) -> logits [batch, seq, vocab] computed under shard_map."""
+    out = partition_spec(plan.rules, ("batch", "seq", "vocab"), activation=True)
+    out = P(out[0], None, plan.rules.axes("vocab") or None)
+
+    def forward(params, tokens):
+        env = plan.env
+        fn = jax.shard_map(lambda p, t: prog._forward(p, t, mode, shard=env), mesh=plan.mesh,
+                           in_specs=(plan.param_specs, P(*partition_spec(plan.rules, ("batch",), activation=True), None)),
+                           out_specs=out)
+        return fn(params, tokens)
+
+    return forward
