@@ -22,7 +22,7 @@ from tessera.run.metrics import MetricsLog
 
 RUNS_DIR = Path("runs")
 SPEC_FILE = "spec.yaml"
-OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
+OOM_MARKERS = ("resource_exhausted", "out of memory")  # matched in the lower-cased error text
 
 
 @dataclasses.dataclass
@@ -127,7 +127,7 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
         raise
     except Exception as exc:  # a runtime failure of a valid spec: OOM gets a plain message
         manifest.finish("failed", error=f"{type(exc).__name__}: {exc}")
-        if any(m in str(exc) for m in OOM_MARKERS):
+        if any(m in str(exc).lower() for m in OOM_MARKERS):
             raise RunError(f"out of memory on {manifest.record['backend']}: {str(exc).splitlines()[0][:300]}; "
                            "reduce task.batch or task.seq_len, raise task.microbatches, or use more devices") from None
         raise

@@ -51,11 +51,20 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+def to_host(x: Any) -> np.ndarray:
+    """A whole array on this host, gathering the shards other processes hold when there are several."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def params_checksum(params: dict[str, Any]) -> str:
     """sha256 hex digest of the parameters' bytes (C order, as stored), concatenated in sorted path order."""
     h = hashlib.sha256()
     for path in sorted(params):
-        h.update(np.ascontiguousarray(np.asarray(params[path])).tobytes())
+        h.update(np.ascontiguousarray(to_host(params[path])).tobytes())
     return h.hexdigest()
 
 
@@ -121,7 +130,8 @@ class Manifest:
         self.flush()
 
     def flush(self) -> None:
-        write_json_atomic(self.path, self.record)
+        if jax.process_index() == 0:  # one writer when several processes run the same spec
+            write_json_atomic(self.path, self.record)
 
     def finish(self, status: str, error: str | None = None, **fields: Any) -> None:
         """Record the end: status (completed | failed | interrupted), the error if any, the end time."""

@@ -96,3 +96,21 @@ def test_build_source_from_task(tmp_path):
     assert isinstance(build_source(task, 30, base_dir=tmp_path), TokenFileSource)
     task.data = types.SimpleNamespace(kind="synthetic", task="reverse", seed=0)
     assert build_source(task, 30).task == "reverse"
+
+
+def test_progress_bar_on_a_terminal_and_plain_lines_otherwise():
+    import io
+
+    from tessera.run.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, plain = Tty(), io.StringIO()
+    for stream in (tty, plain):
+        with Progress(10, 0, stream=stream) as bar:
+            bar.update(5, {"loss": 1.5, "tok/s": 1000.0})
+            bar.update(10, {"loss": 0.5, "tok/s": 1000.0})
+    assert "10/10" in tty.getvalue() and "loss 0.5" in tty.getvalue() and "\x1b" in tty.getvalue()
+    assert plain.getvalue().splitlines()[0].startswith("train step 5/10  loss 1.5  tok/s 1000  eta ")
