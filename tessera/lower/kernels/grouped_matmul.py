@@ -33,6 +33,9 @@ class GroupedMatmulConfig:
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
+    band: int = 8  # row tiles visited together (L2 reuse of lhs rows and expert weights)
+    block_k_drhs: int = 64  # d rhs output tile: block_k_drhs x block_n_drhs, reducing over rows
+    block_n_drhs: int = 128
     interpret: bool = False  # CPU interpreter (forward only: it has no transposed wgmma operands)
 
     def __post_init__(self):
@@ -45,8 +48,9 @@ class GroupedMatmulConfig:
 
 
 def default_config(n: int) -> GroupedMatmulConfig:
-    """128 x 128 tiles where N allows, else 128 x 64."""
-    return GroupedMatmulConfig(block_n=128 if n % 128 == 0 else 64)
+    """128 x 128 tiles where N allows, else 128 x 64; d rhs tiles as wide as N allows (<= 192)."""
+    bn_drhs = next(b for b in (192, 128, 64) if n % b == 0)
+    return GroupedMatmulConfig(block_n=128 if n % 128 == 0 else 64, block_n_drhs=bn_drhs)
 
 
 def supported(lhs, rhs, group_sizes, config=None) -> bool:
@@ -58,7 +62,8 @@ def supported(lhs, rhs, group_sizes, config=None) -> bool:
     if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in _mgpu.HALF_DTYPES:
         return False
     cfg = config or default_config(rhs.shape[2])
-    return lhs.shape[1] == rhs.shape[1] and lhs.shape[1] % 64 == 0 and rhs.shape[2] % cfg.block_n == 0
+    n_ok = rhs.shape[2] % cfg.block_n == 0 and rhs.shape[2] % cfg.block_n_drhs == 0
+    return lhs.shape[1] == rhs.shape[1] and lhs.shape[1] % cfg.block_k_drhs == 0 and n_ok
 
 
 def _kernel(body, cfg: GroupedMatmulConfig, **kwargs):
@@ -104,10 +109,22 @@ def _store_rows(o_smem, out_ref, row0, first, rows, col0, block_m: int, block_n:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _forward_kernel(table_ref, lhs_ref, rhs_ref, out_ref, *, cfg, k: int, transpose_rhs: bool):
+def _banded(i, n_tiles_n: int, band: int):
+    """Linear CTA id -> (N tile, table entry): `band` row tiles x every N tile, row tiles fastest.
+
+    A band's lhs rows (band x bm x K) and the few experts' weight columns it touches stay in L2, so
+    lhs is read about once and each expert's weights about once per band it spans.
+    """
+    per_band = n_tiles_n * band
+    b, r = lax.div(i, jnp.int32(per_band)), lax.rem(i, jnp.int32(per_band))
+    return lax.div(r, jnp.int32(band)), b * band + lax.rem(r, jnp.int32(band))
+
+
+def _forward_kernel(table_ref, lhs_ref, rhs_ref, out_ref, *, cfg, k: int, transpose_rhs: bool,
+                    n_tiles_n: int):
     """One (table entry, N tile): acc[bm, bn] = lhs block @ rhs[g] over K, rows of g stored."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    ni, t = lax.axis_index("n"), lax.axis_index("t")
+    ni, t = _banded(lax.axis_index("i"), n_tiles_n, cfg.band)
     grp, blk, first, rows = (table_ref[t, i] for i in range(4))
     num_groups = rhs_ref.shape[0]
 
@@ -146,10 +163,14 @@ def _grouped(lhs, rhs, group_sizes, cfg: GroupedMatmulConfig, transpose_rhs: boo
     m_pad = -(-m // cfg.block_m) * cfg.block_m
     lhs_p = lhs if m_pad == m else jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
     table = _tile_table(group_sizes, m, cfg.block_m)
+    n_t = -(-table.shape[0] // cfg.band) * cfg.band  # whole bands; extra entries have 0 rows
+    table = jnp.pad(table, ((0, n_t - table.shape[0]), (0, 0)))
+    n_tiles_n = n // cfg.block_n
     out = _kernel(
-        functools.partial(_forward_kernel, cfg=cfg, k=k, transpose_rhs=transpose_rhs), cfg,
+        functools.partial(_forward_kernel, cfg=cfg, k=k, transpose_rhs=transpose_rhs,
+                          n_tiles_n=n_tiles_n), cfg,
         out_type=jax.ShapeDtypeStruct((m_pad, n), lhs.dtype),
-        grid=(n // cfg.block_n, table.shape[0]), grid_names=("n", "t"),
+        grid=(n_tiles_n * n_t,), grid_names=("i",),
     )(table, lhs_p, rhs)
     return out if m_pad == m else out[:m]
 
@@ -157,38 +178,41 @@ def _grouped(lhs, rhs, group_sizes, cfg: GroupedMatmulConfig, transpose_rhs: boo
 # ----------------------------------------------------------------------------- d rhs
 
 
-def _drhs_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, cfg):
-    """d rhs[g][k tile, n tile] = sum over the group's row blocks of lhs_blk^T @ dout_blk."""
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+def _drhs_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, cfg, m: int):
+    """d rhs[g][k tile, n tile] = sum over the group's rows of lhs^T @ dout, bm rows per step.
+
+    Blocks start at the group's first row (any row: TMA needs no alignment), so only the last
+    block can hold rows of the next group; those are zeroed in SMEM before its wgmma.
+    """
+    bm, bn, bk = cfg.block_m, cfg.block_n_drhs, cfg.block_k_drhs
     ni, ki, g = lax.axis_index("n"), lax.axis_index("k"), lax.axis_index("g")
     start, end = starts_ref[g], ends_ref[g]
-    first_blk = lax.div(start, jnp.int32(bm))
-    n_blk = lax.div(end + (bm - 1), jnp.int32(bm)) - first_blk
+    n_blk = lax.div(end - start + (bm - 1), jnp.int32(bm))
+    tf = _mgpu.smem_transforms(lhs_ref.dtype)
 
     def acc_scope(acc_ref):
         def step(idx, l_smem, d_smem):
-            row0 = (first_blk + idx[0]) * bm
-            edge = (row0 < start) | (row0 + bm > end)
+            row0 = start + idx[0] * bm
 
-            @pl.when(edge)
-            def _():  # zero rows of other groups (first / last block of the group)
+            @pl.when(row0 + bm > end)
+            def _():  # zero the rows past the group's end
                 rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bm, bk), 0),
                                          plgpu.Layout.WGMMA) + row0
-                keep = ((rows >= start) & (rows < end)).astype(l_smem.dtype)
-                l_smem[...] = l_smem[...] * keep
+                l_smem[...] = l_smem[...] * (rows < end).astype(l_smem.dtype)
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(l_smem, (1, 0)), d_smem)
 
         @pl.when(end > start)
         def _():
+            # the view runs past the array's end, but only its first n_blk blocks are read; TMA
+            # zero-fills rows past m in the last one
+            rows = pl.ds(start, m)
             plgpu.emit_pipeline(
                 step, grid=(n_blk,),
-                in_specs=[plgpu.BlockSpec((bm, bk), lambda i: (first_blk + i, ki), delay_release=1,
-                                          transforms=_mgpu.smem_transforms(lhs_ref.dtype)),
-                          plgpu.BlockSpec((bm, bn), lambda i: (first_blk + i, ni), delay_release=1,
-                                          transforms=_mgpu.smem_transforms(lhs_ref.dtype))],
+                in_specs=[plgpu.BlockSpec((bm, bk), lambda i: (i, ki), delay_release=1, transforms=tf),
+                          plgpu.BlockSpec((bm, bn), lambda i: (i, ni), delay_release=1, transforms=tf)],
                 max_concurrent_steps=cfg.stages,
-            )(lhs_ref, dout_ref)
+            )(lhs_ref.at[rows], dout_ref.at[rows])
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))  # starts at 0
@@ -205,15 +229,14 @@ def _grouped_drhs(lhs, dout, group_sizes, g: int, cfg: GroupedMatmulConfig):
     """d rhs [G, K, N] = per group lhs_g^T @ dout_g."""
     m, k = lhs.shape
     n = dout.shape[1]
-    m_pad = -(-m // cfg.block_m) * cfg.block_m
-    pad = lambda x: x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    bk, bn = cfg.block_k_drhs, cfg.block_n_drhs
     ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     return _kernel(
-        functools.partial(_drhs_kernel, cfg=cfg), cfg,
+        functools.partial(_drhs_kernel, cfg=cfg, m=m), cfg,
         out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype),
-        grid=(n // cfg.block_n, k // cfg.block_k, g), grid_names=("n", "k", "g"),
-    )(starts, ends, pad(lhs), pad(dout))
+        grid=(n // bn, k // bk, g), grid_names=("n", "k", "g"),
+    )(starts, ends, lhs, dout)
 
 
 # ----------------------------------------------------------------------------- public op
