@@ -255,17 +255,60 @@ def run_dense(check: bool = False) -> None:
     record("dense GEMM 8192^3", "torch.mm", lambda: time_torch(lambda: ta @ ta), 2.0 * 8192**3)
 
 
+# ----------------------------------------------------------------------------- decode
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy GB/s (bytes read + written) of a 4 GiB buffer: the memory ceiling."""
+    x = jnp.ones((2**31 // 2,), jnp.bfloat16) * 1.5  # 2 GiB
+    ms = time_jax(lambda a: a * 1.0001, x, iters=10)
+    return 2 * x.nbytes / (ms * 1e-3) / 1e9
+
+
+def run_decode(check: bool = False) -> None:
+    """One query token per sequence against caches of 4k-64k tokens (GQA 64/8, D 64), GB/s."""
+    from tessera.lower.kernels.decode_attention import decode_attention, decode_attention_reference
+    ceiling = copy_bandwidth()
+    ROWS.append(("memory ceiling (copy)", "jnp copy", 0.0, ceiling, "GB/s"))
+    print(f"  copy bandwidth {ceiling:.0f} GB/s")
+    b, hq, hkv, d = 8, 64, 8, 64
+    for t, window in [(4096, None), (16384, None), (65536, None), (65536, 128)]:
+        ks = jax.random.split(jax.random.key(t), 4)
+        q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, t, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, t, hkv, d), jnp.bfloat16)
+        sinks = jax.random.normal(ks[3], (hq,), jnp.float32)
+        keys = t if window is None else window
+        nbytes = 2.0 * b * keys * hkv * d * 2 + 2 * q.nbytes
+        case = f"decode B{b} T{t} H{hq}/{hkv} D{d}" + (f" w{window}" if window else "") + " sinks"
+        ours = lambda q, k, v: decode_attention(q, k, v, sinks=sinks, window=window)
+        xla = lambda q, k, v: decode_attention_reference(q, k, v, sinks=sinks, window=window)
+        if check:
+            got, want = ours(q, k, v), xla(q, k, v)
+            err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+            print(f"  check {case}: rel err {err:.2e}")
+        record(case, "tessera (mosaic gpu)", lambda: time_jax(ours, q, k, v), nbytes, "GB/s")
+        record(case, "XLA (jnp)", lambda: time_jax(xla, q, k, v), nbytes, "GB/s")
+        if window is None:
+            cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+            record(case, "cuDNN (jax.nn.dpa, no sinks)", lambda: time_jax(cudnn, q, k, v), nbytes, "GB/s")
+        ours_rate = [r[3] for r in ROWS if r[0] == case and r[1].startswith("tessera")]
+        if ours_rate:
+            print(f"  {case}: tessera at {ours_rate[0] / ceiling:.0%} of the copy ceiling", flush=True)
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def main() -> None:
     """Run the selected groups and print the table."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="attention,moe,dense")
+    ap.add_argument("--only", default="attention,moe,decode,dense")
     ap.add_argument("--check", action="store_true")
     opts = ap.parse_args()
     print(f"devices: {jax.devices()}  jax {jax.__version__}")
-    groups = {"attention": run_attention, "moe": run_moe, "dense": run_dense, "tune": tune_attention}
+    groups = {"attention": run_attention, "moe": run_moe, "dense": run_dense, "tune": tune_attention,
+              "decode": run_decode}
     for name in opts.only.split(","):
         if name in groups:
             groups[name](check=opts.check)

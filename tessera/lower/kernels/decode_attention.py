@@ -1,0 +1,207 @@
+"""Decode attention over a KV cache on Hopper (Mosaic GPU): few query tokens, long cache, split-K.
+
+Semantics: reference/attention.py with per-batch `kv_len` and query positions `q_offset + s`
+(default: the last Sq positions of the valid cache). A CTA takes one KV head, all its query
+heads x query tokens packed as rows (Sq * group <= 64, padded to 64 wgmma rows), and one of
+`splits` chunks of the visible key blocks (causal end, window start and kv_len read per batch
+at run time, so a window-128 layer reads ~128 keys, not the whole cache). A memory warpgroup
+streams K/V tiles through a TMA ring; the compute warpgroup keeps fp32 running max / sum. The
+chunks' (normalised output, log2-sum-exp2) pairs are merged outside the kernel, where the
+sink joins the denominator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tessera.lower.kernels import _mgpu
+from tessera.lower.reference.attention import attention as attention_reference
+
+ROWS = 64  # wgmma rows: query heads of one KV head x query tokens, zero-padded
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """block_kv keys per pipeline step, `stages` steps in flight, `splits` key chunks per head."""
+    block_kv: int = 128
+    stages: int = 4
+    splits: int = 8
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.block_kv % 64:
+            raise ValueError(f"{self.block_kv=} must be a multiple of 64")
+        if self.stages < 2 or self.splits < 1:
+            raise ValueError(f"{self.stages=} must be >= 2 and {self.splits=} >= 1")
+
+
+def supported(q, k, v, *, config=None) -> bool:
+    """Hopper (or interpreter), fp16/bf16, head dim 64/128, Sq * (Hq / Hkv) <= 64."""
+    cfg = config or DecodeConfig()
+    if not (cfg.interpret or _mgpu.on_hopper()):
+        return False
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[2] % k.shape[2]:
+        return False
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1]:
+        return False
+    if not (jnp.dtype(q.dtype) in _mgpu.HALF_DTYPES and q.dtype == k.dtype == v.dtype):
+        return False
+    return q.shape[1] * (q.shape[2] // k.shape[2]) <= ROWS
+
+
+def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, smem, bars, *,
+            cfg: DecodeConfig, causal: bool, window, sq: int, qk_scale: float):
+    """One (kv head, chunk, batch): partial attention of the packed rows over the chunk's keys."""
+    q_smem, k_ring, v_ring, row_smem, o_smem = smem
+    q_bar, row_bar, k_full, v_full, k_free, v_free = bars
+    bkv, stages, interp = cfg.block_kv, cfg.stages, cfg.interpret
+    h, c, b, wg = lax.axis_index("h"), lax.axis_index("c"), lax.axis_index("b"), lax.axis_index("wg")
+    kv_len, p_first = kvlen_ref[b], qoff_ref[b]
+    end = kv_len if not causal else jnp.minimum(kv_len, p_first + sq)
+    start = p_first - p_first if window is None else jnp.maximum(p_first - window + 1, 0)
+    lo_all = lax.div(start, jnp.int32(bkv))
+    hi_all = jnp.maximum(lax.div(end + (bkv - 1), jnp.int32(bkv)), lo_all)
+    per = lax.div(hi_all - lo_all + (cfg.splits - 1), jnp.int32(cfg.splits))
+    lo = jnp.minimum(lo_all + c * per, hi_all)
+    hi = jnp.minimum(lo + per, hi_all)
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(pos_ref.at[b], row_smem, row_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+        plgpu.barrier_wait(row_bar.at[0])
+        pos = _mgpu.load_rows(row_smem, interpret=interp)  # [ROWS] query positions (-1: padding)
+        d = q_smem.shape[-1]
+
+        def step(kv, carry):
+            acc, m, l = carry
+            slot = lax.rem(kv - lo, stages)
+            plgpu.barrier_wait(k_full.at[slot])
+            s = _mgpu.mma(q_smem, k_ring.at[slot], (ROWS, bkv), transpose_b=True, interpret=interp)
+            plgpu.barrier_arrive(k_free.at[slot])
+            kpos = (_mgpu.iota2d((ROWS, bkv), 1, interpret=interp) + kv * bkv).astype(jnp.float32)
+            prow = lax.broadcast_in_dim(pos, s.shape, [0])
+            ok = kpos < kv_len.astype(jnp.float32)
+            if causal:
+                ok &= kpos <= prow
+            if window is not None:
+                ok &= prow - kpos < window
+            s = jnp.where(ok, s * qk_scale, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_full.at[slot])
+            acc = _mgpu.mma(p.astype(q_smem.dtype), v_ring.at[slot], acc.shape, acc=acc,
+                            interpret=interp)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        init = (_mgpu.zeros((ROWS, d), interpret=interp),
+                _mgpu.row_vector(_mgpu.NEG_BIG, ROWS, interpret=interp),
+                _mgpu.row_vector(0.0, ROWS, interpret=interp))
+        acc, m, l = lax.fori_loop(lo, hi, step, init)
+        inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)
+        o_smem[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        row_smem[...] = m + jnp.log2(l)  # -inf for an empty chunk
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, c])
+        plgpu.copy_smem_to_gmem(row_smem, lse_ref.at[b, h, c])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+        tile = lambda ref: (lambda kv: ref.at[b, pl.ds(kv * bkv, bkv), h])
+        _mgpu.stream(lo, hi, stages, [(tile(k_ref), k_ring, k_full, k_free),
+                                      (tile(v_ref), v_ring, v_full, v_free)])
+
+
+def _merge(o, lse, sinks, group: int, sq: int):
+    """Combine chunks: o [B, Hkv, C, ROWS, D] fp32, lse [B, Hkv, C, ROWS] (log2) -> [B, Sq, Hq, D]."""
+    bsz, hkv, _, _, d = o.shape
+    rows = sq * group
+    o, lse = o[:, :, :, :rows], lse[:, :, :, :rows]
+    total = lse
+    if sinks is not None:  # row r = s * group + g reads query head h * group + g
+        sink = (sinks.astype(jnp.float32) * _mgpu.LOG2E).reshape(1, hkv, 1, group)
+        sink = jnp.broadcast_to(sink[:, :, :, None, :], (bsz, hkv, 1, sq, group)).reshape(bsz, hkv, 1, rows)
+        total = jnp.concatenate([lse, sink], axis=2)
+    m = jnp.max(total, axis=2, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    denom = jnp.sum(jnp.exp2(total - m), axis=2, keepdims=True)
+    w = jnp.exp2(lse - m) / jnp.where(denom == 0, 1.0, denom)  # [B, Hkv, C, rows]
+    out = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, rows, D]
+    out = out.reshape(bsz, hkv, sq, group, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(bsz, sq, hkv * group, d)
+
+
+def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal: bool = True,
+                     window: int | None = None, scale: float | None = None,
+                     config: DecodeConfig | None = None):
+    """Attention of q [B, Sq, Hq, D] against a cache k/v [B, T, Hkv, D] (forward only).
+
+    kv_len [B] (default T) counts valid cache entries; q_offset [B] (default kv_len - Sq) is the
+    position of the first query token.
+    """
+    cfg = config or DecodeConfig()
+    bsz, sq, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = d ** -0.5 if scale is None else float(scale)
+    kv_len = jnp.broadcast_to(jnp.asarray(t if kv_len is None else kv_len, jnp.int32), (bsz,))
+    q_off = kv_len - sq if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    q_off = jnp.broadcast_to(q_off, (bsz,)).astype(jnp.int32)
+    t_pad = -(-t // cfg.block_kv) * cfg.block_kv
+    if t_pad != t:
+        k, v = (jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0))) for x in (k, v))
+    # rows r = s * group + g of kv head h hold query (s, h * group + g); [B, Hkv, ROWS, D]
+    qp = q.reshape(bsz, sq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(bsz, hkv, sq * group, d)
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - sq * group), (0, 0)))
+    r = jnp.arange(ROWS)
+    pos = jnp.where(r < sq * group, q_off[:, None] + r // group, -1).astype(jnp.float32)  # [B, ROWS]
+    tf = _mgpu.smem_transforms(q.dtype)
+    ring = plgpu.SMEM((cfg.stages, cfg.block_kv, d), q.dtype, transforms=tf)
+    smem = (plgpu.SMEM((ROWS, d), q.dtype, transforms=tf), ring, ring,
+            plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS, d), jnp.float32))
+    bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages),
+            plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages))
+    body = functools.partial(_kernel, cfg=cfg, causal=causal, window=window, sq=sq,
+                             qk_scale=scale * _mgpu.LOG2E)
+    o, lse = _mgpu.kernel_call(
+        body, interpret=cfg.interpret,
+        out_type=(jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, ROWS, d), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, ROWS), jnp.float32)),
+        grid=(hkv, cfg.splits, bsz), grid_names=("h", "c", "b"), num_threads=2, thread_name="wg",
+        scratch_types=(smem, bars),
+    )(qp, k, v, pos, q_off, kv_len)
+    return _merge(o, lse, sinks, group, sq).astype(q.dtype)
+
+
+def decode_attention_reference(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal=True,
+                               window=None, scale=None):
+    """reference/attention.py with the decode defaults (q at the last Sq valid positions)."""
+    t, sq = k.shape[1], q.shape[1]
+    kv_len = jnp.broadcast_to(jnp.asarray(t if kv_len is None else kv_len, jnp.int32), (q.shape[0],))
+    q_offset = kv_len - sq if q_offset is None else q_offset
+    return attention_reference(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale,
+                               q_offset=q_offset, kv_len=kv_len)
+
+
+def main():
+    """Times decode against caches of 4k-64k tokens (run on a Hopper GPU)."""
+    from bench.kernels import run_decode
+    run_decode()
+
+
+if __name__ == "__main__":
+    main()
