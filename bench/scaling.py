@@ -1,0 +1,171 @@
+"""Tessera across the GPUs of one host: generation, training and determinism, in one command.
+
+    python bench/scaling.py                      # every section, sized to the GPUs this host has
+    python bench/scaling.py --sections determinism --steps 8
+
+Each configuration runs as its own process (`CUDA_VISIBLE_DEVICES` picks its GPUs), through the
+same code path as `tessera run`, and reports what its manifest recorded plus the peak memory per GPU
+the runtime measured, beside `tessera plan`'s prediction for the same spec.
+
+Sections:
+  generate     GPT-OSS generation with random weights in the spec's numerics (120b at 8 GPUs,
+               20b below): prefill and decode tokens/s, peak memory per GPU against the plan.
+  train        a training step of gpt_oss_20b under fsdp×ep and fsdp×tp meshes: step time, MFU from
+               the graph's FLOPs, tokens/s.
+  determinism  the same short training run of a small model on 1, 2, 4, 8 GPUs and different meshes:
+               losses and final checksums must be bit-identical; the cost of deterministic mode
+               against the fast collectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = float(2 ** 30)
+
+
+def worker(spec: str, overrides: list[str], out: str, report: str) -> None:
+    """Run one configuration in this process and write what it measured to `report` (JSON)."""
+    import jax
+
+    import tessera
+    from tessera.run.main import run_experiment
+    from tessera.run.plan import build_plan
+
+    exp = tessera.load(spec, overrides=overrides)
+    plan = build_plan(exp)
+    result = run_experiment(exp, out=out, overrides=overrides, tensorboard=False)
+    manifest = json.loads((Path(result.run_dir) / "manifest.json").read_text())
+    peaks = [d.memory_stats().get("peak_bytes_in_use", 0) for d in jax.local_devices() if d.memory_stats()]
+    Path(report).write_text(json.dumps({
+        "manifest": {k: manifest.get(k) for k in ("metrics", "params_checksum", "speed", "tokens_per_s",
+                                                    "status", "error", "parallel")},
+        "peak_gib_per_gpu": max(peaks) / GIB if peaks else None,
+        "plan_gib_per_gpu": plan["memory_per_device"]["total"] / GIB,
+        "plan": {"flops": plan.get("flops"), "collectives": plan.get("collectives")},
+        "devices": len(jax.devices()),
+    }))
+
+
+def run_one(spec: str, gpus: int, overrides: list[str], tmp: Path) -> dict:
+    """One configuration in a fresh process on the first `gpus` GPUs; returns its report."""
+    tag = "-".join(o.replace("=", "").replace(".", "_") for o in overrides)[:80] or "base"
+    out, report = tmp / f"{Path(spec).stem}-{gpus}-{tag}", tmp / f"{tag}-{gpus}.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
+    cmd = [sys.executable, __file__, "--worker", spec, "--out", str(out), "--report", str(report)]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not report.exists():
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(report.read_text())
+
+
+def mesh_sets(gpus: int) -> list[int]:
+    return [n for n in (1, 2, 4, 8) if n <= gpus]
+
+
+def section_generate(gpus: int, tmp: Path) -> None:
+    spec = "specs/gpt_oss_120b.yaml" if gpus >= 8 else "specs/gpt_oss_20b.yaml"
+    meshes = [[f"mesh.tp={gpus}"], [f"mesh.ep={gpus}", "mesh.tp=1"]] if gpus > 1 else [["mesh.tp=1"]]
+    print(f"\n## generate: {spec}, random weights, {gpus} GPU(s)")
+    print("| mesh | prefill tok/s | decode tok/s | peak GiB/GPU | plan GiB/GPU |")
+    print("|---|---|---|---|---|")
+    for overrides in meshes:
+        r = run_one(spec, gpus, overrides + ["task.max_new_tokens=64"], tmp)
+        if "error" in r:
+            print(f"| {' '.join(overrides)} | failed: {r['error']} | | | |")
+            continue
+        speed = r["manifest"].get("speed") or {}
+        print(f"| {' '.join(overrides)} | {speed.get('prefill_tokens_per_s', 0):,.0f} | "
+              f"{speed.get('decode_tokens_per_s', 0):,.1f} | {r['peak_gib_per_gpu'] or 0:.2f} | "
+              f"{r['plan_gib_per_gpu']:.2f} |")
+
+
+def section_train(gpus: int, tmp: Path, steps: int) -> None:
+    spec = "specs/gpt_oss_20b_train.yaml"
+    half = max(gpus // 2, 1)
+    meshes = [[f"mesh.fsdp={half}", f"mesh.ep={gpus // half}"], [f"mesh.fsdp={half}", f"mesh.tp={gpus // half}"]]
+    print(f"\n## train step: {spec}, {gpus} GPU(s), {steps} steps")
+    print("| mesh | tokens/s | step s | MFU | peak GiB/GPU | plan GiB/GPU |")
+    print("|---|---|---|---|---|---|")
+    shape = ["task.batch=8", "task.seq_len=4096"]
+    if gpus < 8:  # 20b's fp32 master weights and Adam state need 8 GPUs; fewer GPUs train fewer layers
+        shape = ["task.batch=4", "task.seq_len=2048", f"model.args.layers={3 * gpus}"]
+        print(f"(fewer than 8 GPUs: {shape[-1]}, batch 4 × 2048)")
+    tokens_per_step = int(shape[0].split("=")[1]) * int(shape[1].split("=")[1])
+    for overrides in meshes:
+        r = run_one(spec, gpus, overrides + [f"task.steps={steps}"] + shape, tmp)
+        if "error" in r:
+            print(f"| {' '.join(overrides)} | failed: {r['error']} | | | | |")
+            continue
+        tps = r["manifest"].get("tokens_per_s") or 0.0
+        flops = (r["plan"]["flops"] or {}).get("train_step_per_token") or 0.0
+        mfu = tps * flops / (989e12 * r["devices"]) if tps else 0.0
+        step_s = tokens_per_step / tps if tps else float("nan")
+        print(f"| {' '.join(overrides)} | {tps:,.0f} | {step_s:.3f} | {100 * mfu:.1f}% | "
+              f"{r['peak_gib_per_gpu'] or 0:.2f} | {r['plan_gib_per_gpu']:.2f} |")
+
+
+def section_determinism(gpus: int, tmp: Path, steps: int) -> None:
+    spec = "specs/gpt_oss_tiny.yaml"
+    base = [f"task.steps={steps}", "task.eval_every=0", "checkpoint.every=0"]
+    meshes = {1: [[]], 2: [["mesh.dp=2"], ["mesh.tp=2"], ["mesh.ep=2"], ["mesh.fsdp=2"]],
+              4: [["mesh.dp=2", "mesh.tp=2"], ["mesh.fsdp=2", "mesh.ep=2"]],
+              8: [["mesh.dp=8"], ["mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]]}
+    print(f"\n## determinism: {spec}, {steps} steps, deterministic mode")
+    print("| GPUs | mesh | losses identical | checksum identical | tokens/s (det) | tokens/s (fast) |")
+    print("|---|---|---|---|---|---|")
+    reference = None
+    for n in mesh_sets(gpus):
+        for overrides in meshes[n]:
+            det = run_one(spec, n, base + overrides + ["parallel.deterministic=true"], tmp)
+            fast = run_one(spec, n, base + overrides + ["parallel.deterministic=false"], tmp)
+            if "error" in det:
+                print(f"| {n} | {' '.join(overrides) or '-'} | failed: {det['error']} | | | |")
+                continue
+            losses = [m.get("loss") for m in det["manifest"]["metrics"]]
+            checksum = det["manifest"]["params_checksum"]
+            reference = reference or (losses, checksum)
+            fast_tps = fast["manifest"].get("tokens_per_s") if "error" not in fast else None
+            print(f"| {n} | {' '.join(overrides) or '-'} | {losses == reference[0]} | {checksum == reference[1]} | "
+                  f"{det['manifest'].get('tokens_per_s') or 0:,.0f} | {fast_tps or 0:,.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="generate,train,determinism")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--report", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    if args.worker:
+        worker(args.worker, args.overrides, args.out, args.report)
+        return
+    gpus = args.gpus or int(subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"],
+                                           capture_output=True, text=True, check=True).stdout.strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sections.split(","):
+            if name == "generate":
+                section_generate(gpus, Path(tmp))
+            elif name == "train":
+                section_train(gpus, Path(tmp), args.steps)
+            elif name == "determinism":
+                section_determinism(gpus, Path(tmp), args.steps)
+            else:
+                parser.error(f"unknown section {name!r}")
+
+
+if __name__ == "__main__":
+    main()
