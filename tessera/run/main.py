@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
@@ -22,6 +23,7 @@ from tessera.run.metrics import MetricsLog
 
 RUNS_DIR = Path("runs")
 SPEC_FILE = "spec.yaml"
+DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true",)
 OOM_MARKERS = ("resource_exhausted", "out of memory")  # matched in the lower-cased error text
 
 
@@ -44,6 +46,21 @@ class RunResult:
     @property
     def status(self) -> str:
         return self.manifest["status"]
+
+
+def request_deterministic_kernels(exp) -> None:
+    """In deterministic mode (parallel.deterministic, the default) ask XLA for deterministic GPU kernels.
+
+    Scatter-adds (e.g. the embedding's gradient) otherwise use atomics whose order varies run to run.
+    XLA reads the flag when JAX starts its backend, so this works when called before the first
+    computation, as `tessera run` does; a Python caller who already ran JAX sets XLA_FLAGS itself.
+    """
+    if not getattr(getattr(exp, "parallel", None), "deterministic", True):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in DETERMINISTIC_XLA_FLAGS if f.split("=")[0] not in flags]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
 
 
 def default_compile(exp):
@@ -103,6 +120,7 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
     """Run `exp`'s task into a run directory (default runs/<name>-<time>-<hash>/) and return what it left."""
     from tessera.run.tasks import TASKS
 
+    request_deterministic_kernels(exp)
     run_dir, resuming = _choose_dir(exp, out, resume)
     if resuming and (run_dir / MANIFEST).exists():  # refuse before touching another spec's run directory
         check_compatible(exp, load_manifest(run_dir)["spec"], exp.resolved(), run_dir / MANIFEST)

@@ -7,6 +7,7 @@ import pytest
 from runfake import FakeExperiment, FakeProgram
 
 from tessera.diagnostics import RunError
+from tessera.run.tasks.bench import peak_flops
 
 
 def _spec(task: dict, vocab: int = 260) -> dict:
@@ -72,5 +73,7 @@ def test_bench_reports_phases(run_fake):
         assert bench[phase]["tokens_per_s"] > 0 and bench[phase]["min_s"] <= bench[phase]["median_s"]
     assert bench["forward"]["flops_per_token"] == FakeProgram(FakeExperiment(_spec(task, 32))).flops_per_token()[
         "forward"]
-    assert bench["forward"]["mfu"] is None  # no known peak for the CPU
+    peak = peak_flops()  # None on the CPU: no MFU there
+    assert bench["forward"]["mfu"] == (None if peak is None else pytest.approx(
+        bench["forward"]["flops_per_token"] * bench["forward"]["tokens_per_s"] / peak))
     assert set(bench["compile"]) == {"forward", "train_step", "decode"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from runfake import FakeProgram, train_spec
@@ -33,7 +34,7 @@ def test_two_runs_identical_and_manifest_complete(run_fake, small_spec, tmp_path
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert all(k in m for k in FIXED_KEYS)
     assert m["spec"] == small_spec and m["seed"] == 0 and m["status"] == "completed"
-    assert m["data_fingerprint"] and m["versions"]["jax"] and m["devices"][0]["platform"] == "cpu"
+    assert m["data_fingerprint"] and m["versions"]["jax"] and m["devices"][0]["platform"] == jax.default_backend()
     lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert lines == m["metrics"]
     steps = sorted(int(p.name) for p in (tmp_path / "a" / "ckpt").iterdir() if p.name.isdigit())
@@ -91,7 +92,7 @@ def test_out_of_memory_is_a_plain_run_error(run_fake, small_spec, tmp_path):
         def train_step(self, state, batch):
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
 
-    with pytest.raises(RunError, match="out of memory on cpu: RESOURCE_EXHAUSTED.*reduce task.batch"):
+    with pytest.raises(RunError, match=f"out of memory on {jax.default_backend()}: RESOURCE_EXHAUSTED.*reduce task.batch"):
         run_fake(small_spec, out=tmp_path / "oom", program=Oom)
     assert json.loads((tmp_path / "oom" / "manifest.json").read_text())["status"] == "failed"
 
