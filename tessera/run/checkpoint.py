@@ -38,6 +38,7 @@ class Checkpoints:
         return self._mgr.latest_step()
 
     def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint kept."""
         return list(self._mgr.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
@@ -62,6 +63,7 @@ class Checkpoints:
         self._mgr.wait_until_finished()
 
     def close(self) -> None:
+        """Finish pending saves and release the manager."""
         self._mgr.wait_until_finished()
         self._mgr.close()
 
@@ -95,8 +97,8 @@ def check_compatible(exp, saved_spec: dict, current_spec: dict, where: Path) -> 
     if not diffs:
         return
     span_of = getattr(exp, "span", None)
-    diags = []
-    for key, old, new in diffs:
-        diags.append(Diagnostic(f"differs from the checkpoint in {where}: checkpoint has {old!r}, spec has {new!r}", span=span_of(key) if callable(span_of) else None, key=key,
-                                hint="use a fresh --out directory, or restore the checkpoint's value"))
+    diags = [Diagnostic(f"differs from the checkpoint in {where}: checkpoint has {old!r}, spec has {new!r}",
+                        span=span_of(key) if callable(span_of) else None, key=key,
+                        hint="use a fresh --out directory, or restore the checkpoint's value")
+             for key, old, new in diffs]
     raise TesseraError(diags)

@@ -92,6 +92,7 @@ class SyntheticSource:
         return float(np.log(self.symbols))
 
     def batch(self, step: int, stream: int = STREAM_TRAIN) -> dict[str, np.ndarray]:
+        """Batch `step` of `stream`: tokens, targets int32[B, S], mask float32[B, S] (answer targets only)."""
         b, s, L, n = self.batch_size, self.seq_len, self.length, self.symbols
         q = _rng(self.seed, step, stream).integers(0, n, size=(b, L))
         a = SYNTHETIC_TASKS[self.task](q, n)
@@ -179,6 +180,7 @@ class TokenFileSource:
         return self._perm[key]
 
     def batch(self, step: int, stream: int = STREAM_TRAIN) -> dict[str, np.ndarray]:
+        """Batch `step`: the (step*B)-th to (step*B+B-1)-th windows of the seeded order, every target counted."""
         s, b = self.seq_len, self.batch_size
         rows = []
         for k in range(step * b, step * b + b):  # k-th window drawn overall

@@ -130,6 +130,7 @@ class Manifest:
         self.flush()
 
     def flush(self) -> None:
+        """Write the record to manifest.json atomically (temporary file, then rename)."""
         if jax.process_index() == 0:  # one writer when several processes run the same spec
             write_json_atomic(self.path, self.record)
 

@@ -50,5 +50,6 @@ class MetricsLog:
             self._writer.flush()
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
         if self._writer is not None:
             self._writer.close()

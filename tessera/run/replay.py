@@ -34,7 +34,8 @@ def first_metric_difference(a: list[dict], b: list[dict]) -> str | None:
             if not _same(ra.get(key), rb.get(key)):
                 return f"step {ra.get('step', i)}: {key} {ra.get(key)!r} != {rb.get(key)!r}"
     if len(a) != len(b):
-        return f"record count {len(a)} != {len(b)} (first extra step {(a if len(a) > len(b) else b)[min(len(a), len(b))].get('step')})"
+        extra = (a if len(a) > len(b) else b)[min(len(a), len(b))]
+        return f"record count {len(a)} != {len(b)} (first extra step {extra.get('step')})"
     return None
 
 

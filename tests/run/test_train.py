@@ -92,7 +92,8 @@ def test_out_of_memory_is_a_plain_run_error(run_fake, small_spec, tmp_path):
         def train_step(self, state, batch):
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
 
-    with pytest.raises(RunError, match=f"out of memory on {jax.default_backend()}: RESOURCE_EXHAUSTED.*reduce task.batch"):
+    expected = f"out of memory on {jax.default_backend()}: RESOURCE_EXHAUSTED.*reduce task.batch"
+    with pytest.raises(RunError, match=expected):
         run_fake(small_spec, out=tmp_path / "oom", program=Oom)
     assert json.loads((tmp_path / "oom" / "manifest.json").read_text())["status"] == "failed"
 

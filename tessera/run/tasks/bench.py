@@ -59,10 +59,12 @@ class Bench:
         self.flops, self.peak = self.prog.flops_per_token(), peak_flops()
 
     def forward(self) -> dict:
+        """Forward pass over [batch, seq_len] tokens."""
         t = time_calls(lambda: self.prog.forward(self.params, self.tokens), self.warmup, self.iters)
         return self._rate(t, self.b * self.s, t["median_s"], "forward")
 
     def train_step(self) -> dict:
+        """One optimizer step (gradient accumulation included) over [batch, seq_len] tokens."""
         batch = {"tokens": self.tokens, "targets": np.roll(self.tokens, -1, axis=1),
                  "mask": np.ones((self.b, self.s), np.float32)}
         holder = [self.prog.init_train_state(self.params)]  # threaded through: a step may donate its input
@@ -75,6 +77,7 @@ class Bench:
         return self._rate(t, self.b * self.s, t["median_s"], "train_step")
 
     def decode(self) -> dict:
+        """Decode tokens/s: (full generation - prefill-only generation) time per new token."""
         gen = lambda n: self.prog.generate(self.params, self.tokens, max_new_tokens=n)
         prefill = time_calls(lambda: gen(1), self.warmup, self.iters)
         full = time_calls(lambda: gen(self.decode_tokens), self.warmup, self.iters)

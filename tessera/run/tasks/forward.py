@@ -27,7 +27,8 @@ def _tokens(ctx: RunContext) -> np.ndarray:
         arr = arr[None, :]
     vocab = int(ctx.exp.model.args["vocab"])
     if arr.ndim != 2 or arr.dtype.kind not in "iu" or arr.size == 0:
-        raise RunError(f"forward tokens must be a non-empty [batch, seq] integer array, got {arr.dtype}{list(arr.shape)}")
+        raise RunError(f"forward tokens must be a non-empty [batch, seq] integer array, "
+                       f"got {arr.dtype}{list(arr.shape)}")
     if int(arr.max()) >= vocab or int(arr.min()) < 0:
         raise RunError(f"forward tokens hold id {int(arr.max())} outside the vocabulary of {vocab}")
     return arr.astype(np.int32)

@@ -14,7 +14,7 @@ from tessera.run.manifest import params_checksum
 
 
 def encode_prompts(prompts, tokenizer: str | None, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts (strings through the byte tokenizer, or token-id lists) → (ids int32[B, P] right-padded, lengths int32[B])."""
+    """Prompts (text via the byte tokenizer, or id lists) → (ids int32[B, P] right-padded, lengths int32[B])."""
     rows = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -99,7 +99,8 @@ def run(ctx: RunContext) -> int:
         new = completions(row[None], lengths[i:i + 1], int(lengths[i]), kw["stop_tokens"])[0]
         outputs.append({"prompt": ids[i, :lengths[i]].tolist(), "tokens": new, "text": decode(new, tokenizer)})
         ctx.say(repr(outputs[-1]["text"]) if outputs[-1]["text"] is not None else str(new))
-    ctx.say(f"prefill {speed['prefill_tokens_per_s']:,.1f} tokens/s, decode {speed['decode_tokens_per_s']:,.1f} tokens/s")
+    ctx.say(f"prefill {speed['prefill_tokens_per_s']:,.1f} tokens/s, "
+            f"decode {speed['decode_tokens_per_s']:,.1f} tokens/s")
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(r).tobytes() for r in rows)).hexdigest()
     ctx.manifest.update(outputs=outputs, speed=speed, metrics=[{"step": 0, "tokens_sha256": digest}],
                         params_checksum=params_checksum(params))

@@ -66,6 +66,7 @@ class Trainer:
         latest = self.ckpts.latest_step() if self.ctx.resume else None
         if latest is None:
             self.state = state
+            self.ctx.metrics.truncate_after(0)  # a directory reused without a checkpoint starts over
             return 0
         meta = self.ckpts.read_meta(latest)
         check_compatible(self.exp, meta["spec"], self.exp.resolved(), self.ckpts.directory / str(latest))
@@ -84,8 +85,9 @@ class Trainer:
         new = [{"step": s, **{k: _to_float(v) for k, v in m.items()}} for (s, _), m in zip(self.pending, host)]
         self.pending = []
         for rec in new:
-            if not math.isfinite(rec["loss"]):
-                self._fail_nonfinite(rec)
+            bad = [k for k in ("loss", "grad_norm") if k in rec and not math.isfinite(rec[k])]
+            if bad:
+                self._fail_nonfinite(rec, bad[0])
         if eval_loss is not None:
             new[-1]["eval_loss"] = eval_loss
         self.records.extend(new)
@@ -93,10 +95,10 @@ class Trainer:
         self.ctx.manifest.update(metrics=self.records)
         return new
 
-    def _fail_nonfinite(self, rec: dict) -> None:
+    def _fail_nonfinite(self, rec: dict, key: str) -> None:
         step, kept = rec["step"], self.ckpts.latest_step()
         culprit = self.diagnose(step)
-        msg = (f"loss became {rec['loss']} at step {step}; first non-finite tensor: {culprit}; "
+        msg = (f"{key} became {rec[key]} at step {step}; first non-finite tensor: {culprit}; "
                + (f"last good checkpoint: step {kept} in {self.ckpts.directory}" if kept is not None
                   else "no checkpoint was saved before it"))
         raise RunError(msg)
