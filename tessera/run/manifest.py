@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -103,9 +104,12 @@ def git_state(path: Path) -> dict[str, Any] | None:
 class Manifest:
     """The manifest of one run directory, held in memory and flushed atomically on every change."""
 
+    OVERHEAD = 0.05  # lazy flushes may spend at most this fraction of wall time rewriting the file
+
     def __init__(self, run_dir: Path, record: dict[str, Any]):
         self.path = Path(run_dir) / MANIFEST
         self.record = record
+        self._last_write, self._write_cost = 0.0, 0.0
 
     @classmethod
     def start(cls, run_dir: Path, exp, *, ir_hash: str, seed: int, overrides, spec_file: Path | None,
@@ -124,15 +128,25 @@ class Manifest:
         manifest.flush()
         return manifest
 
-    def update(self, **fields: Any) -> None:
-        """Set top-level fields and flush."""
+    def update(self, lazy: bool = False, **fields: Any) -> None:
+        """Set top-level fields and flush (see `flush` for `lazy`)."""
         self.record.update(fields)
-        self.flush()
+        self.flush(lazy)
 
-    def flush(self) -> None:
-        """Write the record to manifest.json atomically (temporary file, then rename)."""
-        if jax.process_index() == 0:  # one writer when several processes run the same spec
-            write_json_atomic(self.path, self.record)
+    def flush(self, lazy: bool = False) -> None:
+        """Write the record to manifest.json atomically (temporary file, then rename).
+
+        A lazy flush is skipped while rewriting would cost more than OVERHEAD of the time since the
+        last write: small manifests are rewritten every time, a long run's large one less often.
+        """
+        if jax.process_index() != 0:  # one writer when several processes run the same spec
+            return
+        start = time.monotonic()
+        if lazy and (start - self._last_write) * self.OVERHEAD < self._write_cost:
+            return
+        write_json_atomic(self.path, self.record)
+        self._last_write = time.monotonic()
+        self._write_cost = self._last_write - start
 
     def finish(self, status: str, error: str | None = None, **fields: Any) -> None:
         """Record the end: status (completed | failed | interrupted), the error if any, the end time."""

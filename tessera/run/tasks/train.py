@@ -91,8 +91,8 @@ class Trainer:
         if eval_loss is not None:
             new[-1]["eval_loss"] = eval_loss
         self.records.extend(new)
-        self.ctx.metrics.append(new)
-        self.ctx.manifest.update(metrics=self.records)
+        self.ctx.metrics.append(new)  # every record, at once; the manifest follows unless that costs too much
+        self.ctx.manifest.update(metrics=self.records, lazy=True)
         return new
 
     def _fail_nonfinite(self, rec: dict, key: str) -> None:
@@ -138,6 +138,7 @@ class Trainer:
         meta = {"step": step, "data_step": step, "seed": int(self.task.seed), "spec": self.exp.resolved(),
                 "spec_hash": self.exp.spec_hash, "metrics": self.records}
         self.ckpts.save(step, self.state, meta)
+        self.ctx.manifest.flush()  # a checkpoint and the manifest's metrics agree up to `step`
 
     def loop(self, start: int, progress: Progress) -> bool:
         """Run steps start..steps-1; returns False if interrupted (after checkpointing)."""
