@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 import yaml
 
@@ -97,20 +98,40 @@ def _choose_dir(exp, out, resume: bool) -> tuple[Path, bool]:
     return default_run_dir(exp), False
 
 
-def _start_manifest(ctx_dir: Path, exp, prog, overrides, spec_file, weights, resuming: bool) -> Manifest:
-    """Continue the directory's manifest when resuming into it, else start a new one."""
-    seed = int(exp.task.seed)
-    extra = {"run_dir": str(ctx_dir), "weights": str(weights) if weights else None}
-    if resuming and (ctx_dir / MANIFEST).exists():
-        record = load_manifest(ctx_dir)
-        record.update(spec=exp.resolved(), spec_hash=exp.spec_hash, ir_hash=prog.ir_hash, status="running",
-                      error=None, ended_at=None, **extra)
+def _start_manifest(run_dir: Path, exp, overrides, spec_file, weights, resuming: bool) -> Manifest:
+    """Continue the directory's manifest when resuming into it, else start a new one (ir_hash follows)."""
+    extra = {"run_dir": str(run_dir), "weights": str(weights) if weights else None}
+    if resuming and (run_dir / MANIFEST).exists():
+        record = load_manifest(run_dir)
+        record.update(spec=exp.resolved(), spec_hash=exp.spec_hash, status="running", error=None, ended_at=None,
+                      **extra)
         record.setdefault("resumed", [])
-        manifest = Manifest(ctx_dir, record)
+        manifest = Manifest(run_dir, record)
         manifest.flush()
         return manifest
-    return Manifest.start(ctx_dir, exp, ir_hash=prog.ir_hash, seed=seed, overrides=overrides,
+    return Manifest.start(run_dir, exp, ir_hash=None, seed=int(exp.task.seed), overrides=overrides,
                           spec_file=spec_file, extra=extra)
+
+
+@contextlib.contextmanager
+def _recorded(manifest: Manifest) -> Iterator[None]:
+    """Record how the block ends in the manifest; a runtime out-of-memory becomes a plain RunError."""
+    try:
+        yield
+        if manifest.record["status"] == "running":
+            manifest.finish("completed")
+    except (TesseraError, RunError) as exc:
+        manifest.finish("failed", error=str(exc))
+        raise
+    except KeyboardInterrupt:
+        manifest.finish("interrupted", error="interrupted")
+        raise
+    except Exception as exc:  # a runtime failure of a valid spec
+        manifest.finish("failed", error=f"{type(exc).__name__}: {exc}")
+        if any(m in str(exc).lower() for m in OOM_MARKERS):
+            raise RunError(f"out of memory on {manifest.record['backend']}: {str(exc).splitlines()[0][:300]}; "
+                           "reduce task.batch or task.seq_len, raise task.microbatches, or use more devices") from None
+        raise
 
 
 def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | None = None, resume: bool = False,
@@ -127,30 +148,18 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / SPEC_FILE).write_text(yaml.safe_dump(exp.resolved(), sort_keys=False))
     spec_file = Path(spec_file).resolve() if spec_file else None
-    prog = (compile_fn or default_compile)(exp)
-    manifest = _start_manifest(run_dir, exp, prog, overrides, spec_file, weights, resuming)
-    ctx = RunContext(exp=exp, prog=prog, run_dir=run_dir, manifest=manifest,
-                     metrics=MetricsLog(run_dir, tensorboard=tensorboard), stream=stream or sys.stdout,
-                     weights=Path(weights) if weights else None, resume=resuming,
-                     spec_dir=spec_file.parent if spec_file else None)
+    manifest = _start_manifest(run_dir, exp, overrides, spec_file, weights, resuming)
+    metrics = MetricsLog(run_dir, tensorboard=tensorboard)
     try:
-        code = TASKS[exp.task.kind](ctx)
-        if manifest.record["status"] == "running":
-            manifest.finish("completed")
-    except (TesseraError, RunError) as exc:
-        manifest.finish("failed", error=str(exc))
-        raise
-    except KeyboardInterrupt:
-        manifest.finish("interrupted", error="interrupted")
-        raise
-    except Exception as exc:  # a runtime failure of a valid spec: OOM gets a plain message
-        manifest.finish("failed", error=f"{type(exc).__name__}: {exc}")
-        if any(m in str(exc).lower() for m in OOM_MARKERS):
-            raise RunError(f"out of memory on {manifest.record['backend']}: {str(exc).splitlines()[0][:300]}; "
-                           "reduce task.batch or task.seq_len, raise task.microbatches, or use more devices") from None
-        raise
+        with _recorded(manifest):
+            prog = (compile_fn or default_compile)(exp)
+            manifest.update(ir_hash=prog.ir_hash)
+            ctx = RunContext(exp=exp, prog=prog, run_dir=run_dir, manifest=manifest, metrics=metrics,
+                             stream=stream or sys.stdout, weights=Path(weights) if weights else None,
+                             resume=resuming, spec_dir=spec_file.parent if spec_file else None)
+            code = TASKS[exp.task.kind](ctx)
     finally:
-        ctx.metrics.close()
+        metrics.close()
     ctx.say(f"manifest: {run_dir / MANIFEST}")
     return RunResult(run_dir, manifest.record, code)
 

@@ -102,3 +102,13 @@ def test_tensorboard_events_written(run_fake, small_spec, tmp_path):
     run_fake(dict(small_spec, task={**small_spec["task"], "steps": 5}), out=tmp_path / "tb", tensorboard=True)
     events = list((tmp_path / "tb" / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
+
+
+def test_failure_while_compiling_is_recorded(run_fake, small_spec, tmp_path):
+    def broken(exp):
+        raise RunError("lowering failed: no kernel for op `frobnicate`")
+
+    with pytest.raises(RunError, match="frobnicate"):
+        run_fake(small_spec, out=tmp_path / "c", program=broken)
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert m["status"] == "failed" and "frobnicate" in m["error"] and m["ir_hash"] is None and m["ended_at"]
