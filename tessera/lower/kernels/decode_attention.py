@@ -168,6 +168,10 @@ def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal:
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - sq * group), (0, 0)))
     r = jnp.arange(ROWS)
     pos = jnp.where(r < sq * group, q_off[:, None] + r // group, -1).astype(jnp.float32)  # [B, ROWS]
+    # K/V ring depth within ~200 KiB of SMEM next to the q tile (bf16) and the fp32 output tile
+    per_stage = 2 * cfg.block_kv * d * q.dtype.itemsize
+    fit = (200 * 1024 - ROWS * d * (q.dtype.itemsize + 4)) // per_stage
+    cfg = dataclasses.replace(cfg, stages=max(2, min(cfg.stages, fit)))
     tf = _mgpu.smem_transforms(q.dtype)
     ring = plgpu.SMEM((cfg.stages, cfg.block_kv, d), q.dtype, transforms=tf)
     smem = (plgpu.SMEM((ROWS, d), q.dtype, transforms=tf), ring, ring,

@@ -34,8 +34,6 @@ class GroupedMatmulConfig:
     block_k: int = 64
     stages: int = 4
     band: int = 8  # row tiles visited together (L2 reuse of lhs rows and expert weights)
-    block_k_drhs: int = 64  # d rhs output tile: block_k_drhs x block_n_drhs, reducing over rows
-    block_n_drhs: int = 128
     interpret: bool = False  # CPU interpreter (forward only: it has no transposed wgmma operands)
 
     def __post_init__(self):
@@ -48,9 +46,8 @@ class GroupedMatmulConfig:
 
 
 def default_config(n: int) -> GroupedMatmulConfig:
-    """128 x 128 tiles where N allows, else 128 x 64; d rhs tiles as wide as N allows (<= 192)."""
-    bn_drhs = next(b for b in (192, 128, 64) if n % b == 0)
-    return GroupedMatmulConfig(block_n=128 if n % 128 == 0 else 64, block_n_drhs=bn_drhs)
+    """128 x 128 tiles where N allows, else 128 x 64."""
+    return GroupedMatmulConfig(block_n=128 if n % 128 == 0 else 64)
 
 
 def supported(lhs, rhs, group_sizes, config=None) -> bool:
@@ -62,8 +59,7 @@ def supported(lhs, rhs, group_sizes, config=None) -> bool:
     if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in _mgpu.HALF_DTYPES:
         return False
     cfg = config or default_config(rhs.shape[2])
-    n_ok = rhs.shape[2] % cfg.block_n == 0 and rhs.shape[2] % cfg.block_n_drhs == 0
-    return lhs.shape[1] == rhs.shape[1] and lhs.shape[1] % cfg.block_k_drhs == 0 and n_ok
+    return lhs.shape[1] == rhs.shape[1] and lhs.shape[1] % 64 == 0 and rhs.shape[2] % cfg.block_n == 0
 
 
 def _kernel(body, cfg: GroupedMatmulConfig, **kwargs):
@@ -178,41 +174,38 @@ def _grouped(lhs, rhs, group_sizes, cfg: GroupedMatmulConfig, transpose_rhs: boo
 # ----------------------------------------------------------------------------- d rhs
 
 
-def _drhs_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, cfg, m: int):
-    """d rhs[g][k tile, n tile] = sum over the group's rows of lhs^T @ dout, bm rows per step.
-
-    Blocks start at the group's first row (any row: TMA needs no alignment), so only the last
-    block can hold rows of the next group; those are zeroed in SMEM before its wgmma.
-    """
-    bm, bn, bk = cfg.block_m, cfg.block_n_drhs, cfg.block_k_drhs
+def _drhs_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, cfg):
+    """d rhs[g][k tile, n tile] = sum over the group's row blocks of lhs_blk^T @ dout_blk."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     ni, ki, g = lax.axis_index("n"), lax.axis_index("k"), lax.axis_index("g")
     start, end = starts_ref[g], ends_ref[g]
-    n_blk = lax.div(end - start + (bm - 1), jnp.int32(bm))
-    tf = _mgpu.smem_transforms(lhs_ref.dtype)
+    first_blk = lax.div(start, jnp.int32(bm))
+    n_blk = lax.div(end + (bm - 1), jnp.int32(bm)) - first_blk
 
     def acc_scope(acc_ref):
         def step(idx, l_smem, d_smem):
-            row0 = start + idx[0] * bm
+            row0 = (first_blk + idx[0]) * bm
+            edge = (row0 < start) | (row0 + bm > end)
 
-            @pl.when(row0 + bm > end)
-            def _():  # zero the rows past the group's end
+            @pl.when(edge)
+            def _():  # zero rows of other groups (first / last block of the group)
                 rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bm, bk), 0),
                                          plgpu.Layout.WGMMA) + row0
-                l_smem[...] = l_smem[...] * (rows < end).astype(l_smem.dtype)
+                keep = ((rows >= start) & (rows < end)).astype(l_smem.dtype)
+                l_smem[...] = l_smem[...] * keep
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(l_smem, (1, 0)), d_smem)
 
         @pl.when(end > start)
         def _():
-            # the view runs past the array's end, but only its first n_blk blocks are read; TMA
-            # zero-fills rows past m in the last one
-            rows = pl.ds(start, m)
             plgpu.emit_pipeline(
                 step, grid=(n_blk,),
-                in_specs=[plgpu.BlockSpec((bm, bk), lambda i: (i, ki), delay_release=1, transforms=tf),
-                          plgpu.BlockSpec((bm, bn), lambda i: (i, ni), delay_release=1, transforms=tf)],
+                in_specs=[plgpu.BlockSpec((bm, bk), lambda i: (first_blk + i, ki), delay_release=1,
+                                          transforms=_mgpu.smem_transforms(lhs_ref.dtype)),
+                          plgpu.BlockSpec((bm, bn), lambda i: (first_blk + i, ni), delay_release=1,
+                                          transforms=_mgpu.smem_transforms(lhs_ref.dtype))],
                 max_concurrent_steps=cfg.stages,
-            )(lhs_ref.at[rows], dout_ref.at[rows])
+            )(lhs_ref, dout_ref)
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))  # starts at 0
@@ -229,14 +222,15 @@ def _grouped_drhs(lhs, dout, group_sizes, g: int, cfg: GroupedMatmulConfig):
     """d rhs [G, K, N] = per group lhs_g^T @ dout_g."""
     m, k = lhs.shape
     n = dout.shape[1]
-    bk, bn = cfg.block_k_drhs, cfg.block_n_drhs
+    m_pad = -(-m // cfg.block_m) * cfg.block_m
+    pad = lambda x: x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
     ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     return _kernel(
-        functools.partial(_drhs_kernel, cfg=cfg, m=m), cfg,
+        functools.partial(_drhs_kernel, cfg=cfg), cfg,
         out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype),
-        grid=(n // bn, k // bk, g), grid_names=("n", "k", "g"),
-    )(starts, ends, lhs, dout)
+        grid=(n // cfg.block_n, k // cfg.block_k, g), grid_names=("n", "k", "g"),
+    )(starts, ends, pad(lhs), pad(dout))
 
 
 # ----------------------------------------------------------------------------- public op
