@@ -54,6 +54,12 @@ def time_torch(fn, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def rel_err(got, want) -> float:
+    """||got - want|| / ||want|| in fp32."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
 def record(case: str, impl: str, run, work: float, unit: str = "TFLOP/s") -> None:
     """Time `run()` (returns ms), store the row; failures are printed and skipped."""
     try:
@@ -159,7 +165,7 @@ def run_attention(check: bool = False) -> None:
                 ref = reference(q[:1, :1024], k[:1, :1024], v[:1, :1024], sinks=sinks if sk else None,
                                 causal=causal, window=window)
                 got = ours(q[:1, :1024], k[:1, :1024], v[:1, :1024])
-                err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+                err = rel_err(got, ref)
                 print(f"  check {tag}: rel err {err:.2e}")
             for direction, mult in (("fwd", 1.0), ("bwd", 2.5)):
                 case = f"attn {direction} {tag}"
@@ -213,7 +219,7 @@ def run_moe(check: bool = False) -> None:
         if check:
             got = grouped_matmul(lhs[:4096], rhs, jnp.asarray(_routing_sizes(4096, g, 1)))
             want = grouped_matmul_reference(lhs[:4096], rhs, jnp.asarray(_routing_sizes(4096, g, 1)))
-            err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+            err = rel_err(got, want)
             print(f"  check {tag}: rel err {err:.2e}")
         cap = int(-(-sizes.max() // 128) * 128)
         rows = np.concatenate([np.arange(s) + o for s, o in zip(sizes, np.cumsum(sizes) - sizes)])
@@ -285,7 +291,7 @@ def run_decode(check: bool = False) -> None:
         xla = lambda q, k, v: decode_attention_reference(q, k, v, sinks=sinks, window=window)
         if check:
             got, want = ours(q, k, v), xla(q, k, v)
-            err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+            err = rel_err(got, want)
             print(f"  check {case}: rel err {err:.2e}")
         record(case, "tessera (mosaic gpu)", lambda: time_jax(ours, q, k, v), nbytes, "GB/s")
         record(case, "XLA (jnp)", lambda: time_jax(xla, q, k, v), nbytes, "GB/s")
