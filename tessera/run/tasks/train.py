@@ -168,18 +168,24 @@ class Trainer:
         records = []
         spec = getattr(self.task, "sample", None)
         if spec is not None and spec.prompt:
-            prompt = list(spec.prompt.encode("utf-8")) if isinstance(spec.prompt, str) else list(spec.prompt)
-            records.append(self._generate(prompt, int(spec.max_new_tokens)))
+            text = isinstance(spec.prompt, str)
+            rec = self._generate(list(spec.prompt.encode("utf-8")) if text else list(spec.prompt),
+                                 int(spec.max_new_tokens))
+            if text:  # the byte tokenizer's ids are the text's UTF-8 bytes
+                rec["text"] = bytes(t for t in rec["output"] if t < 256).decode("utf-8", "replace")
+            records.append(rec)
         if isinstance(self.source, SyntheticSource):
             prompt, expected = (list(map(int, a)) for a in self.source.example())
             rec = self._generate(prompt, len(expected))
             rec.update(expected=expected, correct=sum(map(int.__eq__, rec["output"], expected)) / len(expected))
             records.append(rec)
         for rec in records:
-            text = bytes(t for t in rec["output"] if t < 256).decode("utf-8", "replace") if isinstance(
-                getattr(spec, "prompt", None), str) and "expected" not in rec else None
-            self.ctx.say(f"sample: {rec['prompt']} -> {rec['output']}" + (f" {text!r}" if text else "")
-                         + (f" (expected {rec['expected']}: {rec['correct']:.0%} right)" if "expected" in rec else ""))
+            line = f"sample: {rec['prompt']} -> {rec['output']}"
+            if "text" in rec:
+                line += f" {rec['text']!r}"
+            if "expected" in rec:
+                line += f" (expected {rec['expected']}: {rec['correct']:.0%} right)"
+            self.ctx.say(line)
         if records:
             self.ctx.manifest.update(samples=records)
 
