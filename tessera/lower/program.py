@@ -60,7 +60,24 @@ class Program:
     @property
     def collectives(self) -> list[str]:
         """The collectives this program's lowerings use on its mesh (empty on one device)."""
-        return [] if self.plan is None else self.plan.collectives()
+        if self.plan is None:
+            return []
+        if self.deterministic:
+            return ["all_gather(params, optimizer state)", "all_gather(per-shard loss and grads) + fixed-tree sum"]
+        return self.plan.collectives()
+
+    def _det(self):
+        """The deterministic executor (canonical batch shards) on this program's mesh, one device included."""
+        if "det" not in self._cache:
+            from jax.sharding import Mesh, PartitionSpec as P
+            from tessera.lower.shard.deterministic import Deterministic
+
+            if self.plan is not None:
+                self._cache["det"] = Deterministic(self, self.plan.mesh, self.plan.param_specs)
+            else:
+                mesh = Mesh(np.asarray(jax.devices()[:1]).reshape((1,)), ("dp",))
+                self._cache["det"] = Deterministic(self, mesh, {k: P() for k in self.graph.params})
+        return self._cache["det"]
 
     # ---- parameters ----------------------------------------------------------------------------
     def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -123,6 +140,8 @@ class Program:
         return sharded_forward(self, self.plan, mode)
 
     def _loss(self, params, batch):
+        if self.deterministic:
+            return self._det().loss(params, batch)
         if self.plan is not None:
             from tessera.lower.shard.step import sharded_loss
             return sharded_loss(self, self.plan)(params, batch)
@@ -143,6 +162,8 @@ class Program:
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
     def _train_step(self, state: TrainState, batch):
+        if self.deterministic:
+            return self._det().train_step(state, batch)
         m = int(getattr(self.exp.task, "microbatches", 1) or 1)
         micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
 

@@ -1,0 +1,166 @@
+"""Deterministic mode: the loss curve and final parameters do not depend on the mesh, bit for bit.
+
+The batch is cut into C canonical shards (C fixed by the spec, not the mesh). Each shard's loss sum and
+gradients are computed by the same function on the same shapes wherever it runs, with the whole model
+(parameters all-gathered: exact, no arithmetic). The devices share the C shards between them (every
+mesh axis acts as a data axis here), all-gather the per-shard results and reduce them in one fixed
+balanced binary tree over the C leaves; then each device applies the optimizer to the full tensors
+(the same arithmetic everywhere) and keeps its own block. On one device the same program runs on a
+one-device mesh, so the single-device run is the reference every mesh reproduces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from tessera.diagnostics import error
+from tessera.lower.reference.losses import token_cross_entropy
+
+MAX_CANONICAL = 8  # canonical batch shards per step: any mesh of up to 8 devices that divides it reproduces
+
+
+def canonical_shards(batch: int) -> int:
+    """C: the largest divisor of the batch that is at most MAX_CANONICAL."""
+    return max(d for d in range(1, MAX_CANONICAL + 1) if batch % d == 0)
+
+
+def tree_sum(x):
+    """Sum over the leading axis in a fixed balanced binary tree: ((x0+x1)+(x2+x3))+... for any leaf count."""
+    while x.shape[0] > 1:
+        n = x.shape[0]
+        pairs = x[: n - n % 2].reshape((n // 2, 2) + x.shape[1:])
+        summed = pairs[:, 0] + pairs[:, 1]
+        x = jnp.concatenate([summed, x[n - 1:]], axis=0) if n % 2 else summed
+    return x[0]
+
+
+def _entries(spec: P):
+    return [(i, e) for i, e in enumerate(spec) if e is not None]
+
+
+def gather_full(x, spec: P):
+    """The whole tensor from this device's block (all_gather along every split dim: exact)."""
+    for i, e in _entries(spec):
+        x = jax.lax.all_gather(x, e, axis=i, tiled=True)
+    return x
+
+
+def local_block(x, spec: P):
+    """This device's block of a whole tensor."""
+    for i, e in _entries(spec):
+        axes = (e,) if isinstance(e, str) else tuple(e)
+        idx, n = 0, 1
+        for a in axes:
+            idx, n = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a), n * jax.lax.axis_size(a)
+        size = x.shape[i] // n
+        x = jax.lax.dynamic_slice_in_dim(x, idx * size, size, axis=i)
+    return x
+
+
+def state_specs(tree, param_specs: dict):
+    """PartitionSpecs for an optimizer state: sub-dicts keyed like the params get theirs, the rest replicated."""
+    is_params = lambda t: isinstance(t, dict) and set(t) == set(param_specs) and len(t) > 0  # noqa: E731
+    return jax.tree.map(lambda t: dict(param_specs) if is_params(t) else P(), tree, is_leaf=is_params)
+
+
+def _opaque_map(fn, xs, n: int):
+    """fn over the leading axis of xs in a loop XLA cannot unroll, inline or hoist from, so the body
+    compiles to the same arithmetic for every n (a loop of one would otherwise be fused with its surroundings)."""
+    first = jax.tree.map(lambda a: a[0], xs)
+    shapes = jax.eval_shape(fn, first)
+    # one spare row: slicing row i is then never the whole array, which XLA would hoist out of the loop
+    xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0), xs)
+    init = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), shapes)
+
+    def body(i, acc):
+        y = fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))
+        return jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), acc, y)
+
+    return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, init)
+
+
+def _per_spec(fn, specs, tree):
+    """fn(leaf, spec) over a tree whose subtrees `specs` (a prefix tree of PartitionSpecs) describes."""
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda leaf: fn(leaf, s), sub), specs, tree,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+class Deterministic:
+    """The deterministic loss and train step of a program on its plan's mesh (one device included)."""
+
+    def __init__(self, prog, mesh, param_specs: dict):
+        self.prog, self.mesh, self.param_specs = prog, mesh, param_specs
+        self.axes = tuple(a for a, n in mesh.shape.items() if n > 1)
+        self.devices = mesh.size
+
+    def _shards(self, batch: dict) -> tuple[int, dict]:
+        b = batch["tokens"].shape[0]
+        c = canonical_shards(b)
+        if c % self.devices:
+            exp = self.prog.exp
+            raise error(f"deterministic mode cuts the batch of {b} into {c} canonical shards, which do not split "
+                        f"over {self.devices} devices", span=exp.span("task.batch"), key="task.batch",
+                        hint=f"use a batch that is a multiple of {self.devices * MAX_CANONICAL // 8 or 1} "
+                             f"with a divisor ≤ {MAX_CANONICAL} divisible by {self.devices}, or deterministic: false")
+        return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
+
+    def _shard_sums(self, params, shard: dict):
+        """(loss sum, token count) of one canonical shard: the same function on the same shapes everywhere."""
+        logits = self.prog._forward(params, shard["tokens"], "train")
+        per_token = token_cross_entropy(logits, shard["targets"])
+        w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
+        return jnp.sum(per_token * w), jnp.sum(w)
+
+    def _per_shard(self, fn, batch: dict, c: int):
+        """fn over this device's canonical shards, results of all C shards gathered in canonical order."""
+        local = jax.tree.map(lambda a: a.reshape((c // self.devices, -1) + a.shape[1:]), batch)
+        out = _opaque_map(fn, local, c // self.devices)
+        if self.axes:
+            out = jax.tree.map(lambda a: jax.lax.all_gather(a, self.axes, axis=0, tiled=True), out)
+        return out
+
+    def loss(self, params, batch: dict):
+        """Mean loss over the batch, reduced in the canonical tree."""
+        c, bspecs = self._shards(batch)
+
+        def body(params, batch):
+            full = {k: gather_full(v, self.param_specs[k]) for k, v in params.items()}
+            sums, counts = self._per_shard(lambda sh: self._shard_sums(full, sh), batch, c)
+            return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.param_specs, bspecs), out_specs=P(),
+                             check_vma=False)(params, batch)
+
+    def train_step(self, state, batch: dict):
+        """One optimizer step: canonical per-shard gradients, tree-reduced, the update on whole tensors."""
+        c, bspecs = self._shards(batch)
+        prog, specs = self.prog, self.param_specs
+        ospecs = state_specs(state.opt_state, specs)
+
+        def body(params, opt_state, batch):
+            full = {k: gather_full(v, specs[k]) for k, v in params.items()}
+            opt = _per_spec(gather_full, ospecs, opt_state)
+            grad_fn = jax.value_and_grad(lambda p, sh: self._shard_sums(p, sh), has_aux=True)
+            (sums, counts), grads = self._per_shard(lambda sh: grad_fn(full, sh), batch, c)
+            count = jnp.maximum(tree_sum(counts), 1.0)
+            grads = {k: tree_sum(g) / count for k, g in grads.items()}
+            # XLA contracts a*b+c into fma where a fusion allows it, so the update must be one region that
+            # every mesh compiles alike: barriers on its inputs and outputs keep neighbours out of its fusions
+            grads, opt, full = jax.lax.optimization_barrier((grads, opt, full))
+            updates, opt = prog.optimizer.update(grads, opt, full)
+            new = optax.apply_updates(full, updates)
+            new = {k: new[k].astype(full[k].dtype) for k in full}
+            metrics = {"loss": tree_sum(sums) / count, "grad_norm": optax.tree.norm(grads)}
+            if prog.lr_fn is not None:
+                metrics["lr"] = prog.lr_fn(opt)
+            new, opt = jax.lax.optimization_barrier((new, opt))
+            return ({k: local_block(v, specs[k]) for k, v in new.items()},
+                    _per_spec(local_block, ospecs, opt), metrics)
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, ospecs, bspecs), out_specs=(specs, ospecs, P()),
+                           check_vma=False)
+        params, opt_state, metrics = fn(state.params, state.opt_state, batch)
+        return type(state)(state.step + 1, params, opt_state), metrics
