@@ -24,7 +24,7 @@ class Progress:
         self.stream = stream or sys.stdout
         self._tty = self.stream.isatty()
         self._bar = None
-        self._t0 = time.perf_counter()
+        self._last = (time.perf_counter(), start)  # ETA from the latest window: compile time does not skew it
 
     def __enter__(self) -> "Progress":
         if self._tty:
@@ -50,9 +50,9 @@ class Progress:
             self._bar.update(self._task, completed=step, info=info)
             return
         if record is not None:
-            elapsed = time.perf_counter() - self._t0
-            done = max(step - self.start, 1)
-            eta = elapsed / done * (self.total - step)
+            now, (t, s) = time.perf_counter(), self._last
+            eta = (now - t) / max(step - s, 1) * (self.total - step)
+            self._last = (now, step)
             print(f"{self.desc} step {step}/{self.total}  {info}  eta {eta:.0f}s", file=self.stream, flush=True)
 
     def note(self, text: str) -> None:
