@@ -40,8 +40,10 @@ def first_metric_difference(a: list[dict], b: list[dict]) -> str | None:
 
 
 def compare(a: dict, b: dict) -> list[str]:
-    """Differences between two manifests' numbers: the first metric that differs, then the checksum."""
+    """Differences between two manifests' numbers: data fingerprint, the first metric that differs, the checksum."""
     out = []
+    if a.get("data_fingerprint") != b.get("data_fingerprint"):  # the likely cause of what follows
+        out.append(f"data_fingerprint {a.get('data_fingerprint')} != {b.get('data_fingerprint')}")
     where = first_metric_difference(a.get("metrics") or [], b.get("metrics") or [])
     if where:
         out.append(f"metrics first differ at {where}")
