@@ -112,3 +112,17 @@ def test_failure_while_compiling_is_recorded(run_fake, small_spec, tmp_path):
         run_fake(small_spec, out=tmp_path / "c", program=broken)
     m = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert m["status"] == "failed" and "frobnicate" in m["error"] and m["ir_hash"] is None and m["ended_at"]
+
+
+def test_train_on_a_token_file(run_fake, small_spec, tmp_path):
+    import hashlib
+
+    from tessera.run.data import write_bin
+
+    write_bin(tmp_path / "d.bin", np.tile(np.arange(20), 50))  # a repeating pattern: easy to predict
+    spec = dict(small_spec, task={**small_spec["task"], "steps": 20, "data": {"kind": "tokens",
+                                                                              "path": str(tmp_path / "d.bin"), "seed": 0}})
+    result = run_fake(spec, out=tmp_path / "t")
+    assert result.manifest["data_fingerprint"] == hashlib.sha256((tmp_path / "d.bin").read_bytes()).hexdigest()
+    assert result.metrics[-1]["loss"] < 0.5 * result.metrics[0]["loss"]
+    assert "samples" not in result.manifest and "chance_loss" not in result.manifest
