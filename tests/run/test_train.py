@@ -120,8 +120,8 @@ def test_train_on_a_token_file(run_fake, small_spec, tmp_path):
     from tessera.run.data import write_bin
 
     write_bin(tmp_path / "d.bin", np.tile(np.arange(20), 50))  # a repeating pattern: easy to predict
-    spec = dict(small_spec, task={**small_spec["task"], "steps": 20, "data": {"kind": "tokens",
-                                                                              "path": str(tmp_path / "d.bin"), "seed": 0}})
+    data = {"kind": "tokens", "path": str(tmp_path / "d.bin"), "seed": 0}
+    spec = dict(small_spec, task={**small_spec["task"], "steps": 20, "data": data})
     result = run_fake(spec, out=tmp_path / "t")
     assert result.manifest["data_fingerprint"] == hashlib.sha256((tmp_path / "d.bin").read_bytes()).hexdigest()
     assert result.metrics[-1]["loss"] < 0.5 * result.metrics[0]["loss"]
