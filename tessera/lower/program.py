@@ -198,17 +198,22 @@ class Program:
             return prompts
         rule = sampling.SamplingRule(temperature=float(temperature), top_k=top_k, top_p=top_p)
         key = ("generate", max_new_tokens, rule, tuple(int(t) for t in stop_tokens))
-        fn = self._jit(key, lambda: jax.jit(lambda p, x, s: self._generate(p, x, s, max_new_tokens, rule,
-                                                                             tuple(stop_tokens))))
+        run = lambda p, x, s, shard=None: self._generate(p, x, s, max_new_tokens, rule, tuple(stop_tokens), shard)
+        if self.plan is not None:
+            from tessera.lower.shard.step import sharded_generate
+            run = sharded_generate(self.plan, run, prompts.shape[0])
+        fn = self._jit(key + (prompts.shape[0],), lambda: jax.jit(run))
         return fn(params, prompts, jnp.asarray(seed, jnp.uint32))
 
-    def _generate(self, params, prompts, seed, max_new: int, rule, stop_tokens):
+    def _generate(self, params, prompts, seed, max_new: int, rule, stop_tokens, shard=None):
         b, p = prompts.shape
         body = self.graph.body
-        state = init_state(body, self._ctx(mode="prefill"), b, p + max_new)
+        state = init_state(body, self._ctx(mode="prefill", shard=shard), b, p + max_new)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        (logits,), state = eval_region(body, [prompts], params, self._ctx(mode="prefill", positions=positions),
-                                       state)
+        whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
+        (logits,), state = eval_region(body, [prompts], params,
+                                       self._ctx(mode="prefill", positions=positions, shard=shard), state)
+        logits = whole(logits)
         key = jax.random.key(seed)
         first = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, 0))
         done = sampling.is_stop(first, stop_tokens)
@@ -217,7 +222,8 @@ class Program:
             token, done, state = carry
             pos = jnp.full((b, 1), p + i, jnp.int32)
             (logits,), state = eval_region(body, [token[:, None]], params,
-                                           self._ctx(mode="decode", positions=pos), state)
+                                           self._ctx(mode="decode", positions=pos, shard=shard), state)
+            logits = whole(logits)
             nxt = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, i + 1))
             nxt = jnp.where(done, token, nxt)  # a finished row repeats its stop token
             return (nxt, done | sampling.is_stop(nxt, stop_tokens), state), nxt

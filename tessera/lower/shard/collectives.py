@@ -80,6 +80,11 @@ class ShardEnv:
         axes = tuple(a for name in logical for a in self.axes(name))
         return jax.lax.psum(x, axes) if axes else x
 
+    def gather(self, x, logical: str, axis: int):
+        """x whole along `axis`, the dim `logical` is split over (all_gather)."""
+        axes = self.axes(logical)
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True) if axes else x
+
     def seq_gather(self, x, axis: int = 1):
         """Sequence-parallel activations [b, s/tp, ...] → [b, s, ...]."""
         axes = self.seq_parallel_axes

@@ -14,7 +14,9 @@ from tessera.lower.reference._dtypes import wide
 
 def _varying(x, axes):
     """x marked as differing per device along `axes` (a no-op on values that already do)."""
-    have = getattr(jax.typeof(x), "vma", frozenset())
+    have = getattr(jax.typeof(x), "vma", None)
+    if have is None:
+        return x
     missing = tuple(a for a in axes if a not in have)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 

@@ -111,3 +111,18 @@ def sharded_forward(prog, plan: ShardPlan, mode: str):
         return fn(params, tokens)
 
     return forward
+
+
+def sharded_generate(plan: ShardPlan, run, batch: int):
+    """run(params, prompts, seed, shard) under shard_map: prompts split over the batch axes when they divide
+    the batch, KV caches holding this device's kv_heads, logits gathered over vocab before sampling."""
+    env = dataclasses.replace(plan.env, rules=dataclasses.replace(plan.rules, sequence_parallel=False))
+    axes = plan.rules.axes("batch")
+    spec = P(axes or None, None) if axes and batch % plan.rules.size(axes) == 0 else P()
+
+    def generate(params, prompts, seed):
+        fn = jax.shard_map(lambda p, x, s: run(p, x, s, env), mesh=plan.mesh,
+                           in_specs=(plan.param_specs, spec, P()), out_specs=spec, check_vma=False)
+        return fn(params, prompts, seed)
+
+    return generate

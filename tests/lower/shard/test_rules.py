@@ -1,0 +1,90 @@
+"""Sharding rules, the `shard` pass, golden snapshots and the mesh errors (one device: no subprocess)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.diagnostics import TesseraError
+from tessera.ir.parser import parse_graph
+from tessera.ir.passes import PassContext, run_pass
+from tessera.lower.program import program_graph
+from tessera.lower.shard.mesh import build_mesh
+from tessera.lower.shard.rules import AxisRules, partition_spec
+from tessera.spec import load_experiment
+from tests.lower.shard.make_snapshots import OUT, ROOT, cases, render, snapshot
+
+SPEC = ROOT / "specs" / "gpt_oss_tiny.yaml"
+
+
+def _exp(**over):
+    return load_experiment(SPEC, overrides={k.replace("__", "."): v for k, v in over.items()})
+
+
+def test_rules_drop_size_one_axes_and_give_batch_priority():
+    rules = AxisRules.from_experiment(_exp(mesh__fsdp=2, mesh__tp=2, mesh__dp=2))
+    assert rules.axes("batch") == ("dp", "fsdp") and rules.axes("experts") == ()  # ep=1 splits nothing
+    assert rules.dims(("batch", "seq", "embed"), activation=True) == (("dp", "fsdp"), (), ())
+    assert rules.dims(("layers", "embed", "heads", "head_dim")) == ((), ("fsdp",), ("tp",), ())
+    assert partition_spec(rules, ("embed", "vocab")) == partition_spec(rules, ("embed", "vocab"))
+    assert tuple(partition_spec(rules, ("batch", "seq"), activation=True)) == (("dp", "fsdp"), None)
+
+
+def test_sequence_parallel_splits_activation_seq_over_tp():
+    rules = AxisRules.from_experiment(_exp(mesh__tp=2, parallel__sequence_parallel=True))
+    assert rules.dims(("batch", "seq", "embed"), activation=True) == ((), ("tp",), ())
+    assert rules.dims(("batch", "seq", "heads", "head_dim"), activation=True) == ((), (), ("tp",), ())
+
+
+def test_shard_pass_annotates_every_value_and_round_trips():
+    exp = _exp(mesh__tp=2, mesh__dp=2, mesh__fsdp=2)
+    graph = run_pass("shard", program_graph(exp), PassContext(numerics=exp.numerics, experiment=exp))
+    text = str(graph)
+    assert "param @layers/attention/q : f32[layers=2, embed=128, heads=4, head_dim=32] | [-, fsdp, tp, -]" in text
+    assert "input %tokens : i32[batch, seq] | [dp*fsdp, -]" in text
+    for op in graph.body.walk():
+        for v in op.results:
+            assert v.type.shard is not None and len(v.type.shard) == len(v.type.dims), op.name
+    assert str(parse_graph(text)) == text
+
+
+def test_shard_pass_is_in_the_pipeline():
+    from tessera.ir.passes import PIPELINE
+
+    assert PIPELINE[-1] == "shard"
+
+
+@pytest.mark.parametrize("name,spec,mesh", cases(), ids=[c[0] for c in cases()])
+def test_golden_sharding_snapshot(name, spec, mesh):
+    assert render(snapshot(spec, mesh)) == (OUT / name).read_text(), \
+        f"{name} changed: rerun python -m tests.lower.shard.make_snapshots and review the diff"
+
+
+def test_snapshot_local_shapes_divide():
+    snap = snapshot("gpt_oss_120b", {"mesh.fsdp": 2, "mesh.tp": 2, "mesh.ep": 2})
+    q = snap["params"]["layers/attention/q"]
+    assert q == {"axes": ["layers", "embed", "heads", "head_dim"], "mesh": [None, "fsdp", "tp", None],
+                 "shape": [36, 2880, 64, 64], "local_shape": [36, 1440, 32, 64]}
+    assert snap["params"]["layers/moe/experts/gate"]["local_shape"] == [36, 64, 1440, 1440]
+
+
+def test_mesh_product_must_match_devices():
+    exp = _exp(mesh__tp=2, mesh__dp=2)
+    graph = program_graph(exp)
+    with pytest.raises(TesseraError) as e:
+        build_mesh(exp, graph.params, devices=[object()] * 8)
+    d = e.value.diagnostics[0]
+    assert "the mesh has 4 devices (dp=2 × tp=2) but 8 are available" in d.message
+    assert d.key == "mesh.dp" and d.span is not None and d.span.line >= 1
+    assert "dp=8" in d.hint
+
+
+def test_axis_that_does_not_divide_a_parameter_dim_names_it():
+    # the spec's own checks know the model arguments; the mesh check covers every parameter dim a rule splits
+    exp = _exp(mesh__ep=4, model__args__head_dim=30, parallel__rules__head_dim="ep")
+    graph = program_graph(exp)
+    with pytest.raises(TesseraError) as e:
+        build_mesh(exp, graph.params, devices=[object()] * 4)
+    msgs = [d.message for d in e.value.diagnostics]
+    assert any("ep=4 does not divide dimension `head_dim`=30 (of parameter `layers/attention/q`)" in m for m in msgs)
+    d = e.value.diagnostics[0]
+    assert d.key == "mesh.ep" and d.hint.endswith("2, 3, 5, 6")

@@ -1,0 +1,106 @@
+"""Runs sharded training / generation on 8 CPU devices in a subprocess and prints the results as JSON.
+
+python -m tests.lower.shard.worker JOB_JSON  (the parent test sets XLA_FLAGS before jax is imported here)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+# small enough to compile fast, large enough that every mesh below divides what it splits
+SMALL = {"model.args.layers": 2, "model.args.d_model": 32, "model.args.heads": 4, "model.args.kv_heads": 4,
+         "model.args.head_dim": 8, "model.args.d_ff": 32, "task.batch": 8, "task.seq_len": 8,
+         "task.schedule.warmup_steps": 0}
+GPT_OSS_EXTRA = {"model.args.experts": 4, "model.args.window": 4}
+
+
+def overrides(spec: str, extra: dict) -> dict:
+    """The test's overrides of a shipped spec: SMALL, per-model extras, then the mesh and mode."""
+    out = dict(SMALL)
+    if "gpt_oss" in spec:
+        out.update(GPT_OSS_EXTRA)
+    out.update(extra)
+    return out
+
+
+def batches(steps: int, batch: int, seq: int):
+    """Deterministic random token batches."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        toks = rng.integers(0, 256, (batch, seq + 1)).astype(np.int32)
+        yield {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+def checksum(params) -> str:
+    """sha256 over every parameter's bytes, in path order."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    for k in sorted(params):
+        h.update(np.asarray(params[k]).tobytes())
+    return h.hexdigest()
+
+
+def train(spec: str, extra: dict, steps: int) -> dict:
+    """Loss curve, grad norms and final parameter checksum of `steps` train steps."""
+    import numpy as np
+
+    from tessera.lower.program import compile_experiment
+    from tessera.run.optim import build_optimizer, current_lr
+    from tessera.spec import load_experiment
+
+    exp = load_experiment(spec, overrides=overrides(spec, extra))
+    prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
+    state = prog.init_train_state(prog.init(0))
+    losses, norms = [], []
+    for batch in batches(steps, exp.task.batch, exp.task.seq_len):
+        state, m = prog.train_step(state, batch)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    params = {k: np.asarray(v, np.float64) for k, v in state.params.items()}
+    return {"losses": losses, "norms": norms, "checksum": checksum(state.params),
+            "params": {k: v.ravel()[:64].tolist() for k, v in params.items()},
+            "collectives": prog.collectives, "deterministic": prog.deterministic}
+
+
+def generate(spec: str, extra: dict, steps: int) -> dict:
+    """Greedy tokens for 4 fixed prompts."""
+    import numpy as np
+
+    from tessera.lower.program import compile_experiment
+    from tessera.spec import load_experiment
+
+    exp = load_experiment(spec, overrides=overrides(spec, extra))
+    prog = compile_experiment(exp)
+    prompts = np.random.default_rng(1).integers(0, 256, (4, 5)).astype(np.int32)
+    return {"tokens": np.asarray(prog.generate(prog.init(0), prompts, max_new_tokens=steps)).tolist()}
+
+
+def error(spec: str, extra: dict, steps: int) -> dict:
+    """The rendered TesseraError compiling the spec raises (or none)."""
+    from tessera.diagnostics import TesseraError
+    from tessera.lower.program import compile_experiment
+    from tessera.spec import load_experiment
+
+    try:
+        compile_experiment(load_experiment(spec, overrides=overrides(spec, extra)))
+    except TesseraError as e:
+        return {"error": e.render()}
+    return {"error": None}
+
+
+KINDS = {"train": train, "generate": generate, "error": error}
+
+
+def main() -> None:
+    jobs = json.loads(sys.argv[1])
+    out = [KINDS[j["kind"]](j["spec"], j["overrides"], j.get("steps", 2)) for j in jobs]
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
