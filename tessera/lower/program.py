@@ -184,7 +184,14 @@ class Program:
 
     def train_step(self, state: TrainState, batch: dict):
         """One optimizer step over the batch (gradient accumulation over task.microbatches)."""
-        return self._jit("train_step", lambda: jax.jit(self._train_step))(state, batch)
+        return self._jit("train_step", lambda: jax.jit(self._train_step))(state, self._global(batch))
+
+    def _global(self, batch: dict) -> dict:
+        """With several processes, every process passes the same host batch: make it one global array."""
+        if self.plan is None or jax.process_count() == 1:
+            return batch
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        return jax.device_put(batch, NamedSharding(self.plan.mesh, P()))
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, params: Params, prompts, *, max_new_tokens: int, temperature: float = 0.0,

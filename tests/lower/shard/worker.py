@@ -35,13 +35,20 @@ def batches(steps: int, batch: int, seq: int):
         yield {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
 
 
+def host(x):
+    """x as a numpy array on this host (gathered from every process in a multi-process run)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True) if jax.process_count() > 1 else x)
+
+
 def checksum(params) -> str:
     """sha256 over every parameter's bytes, in path order."""
-    import numpy as np
-
     h = hashlib.sha256()
     for k in sorted(params):
-        h.update(np.asarray(params[k]).tobytes())
+        h.update(host(params[k]).tobytes())
     return h.hexdigest()
 
 
@@ -61,7 +68,7 @@ def train(spec: str, extra: dict, steps: int) -> dict:
         state, m = prog.train_step(state, batch)
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
-    params = {k: np.asarray(v, np.float64) for k, v in state.params.items()}
+    params = {k: host(v).astype(np.float64) for k, v in state.params.items()}
     return {"losses": losses, "norms": norms, "checksum": checksum(state.params),
             "params": {k: v.ravel()[:64].tolist() for k, v in params.items()},
             "collectives": prog.collectives, "deterministic": prog.deterministic}
@@ -97,9 +104,13 @@ KINDS = {"train": train, "generate": generate, "error": error}
 
 
 def main() -> None:
+    from tessera.run.distributed import is_main_process, join
+
+    join()  # TESSERA_* set: one of several processes
     jobs = json.loads(sys.argv[1])
     out = [KINDS[j["kind"]](j["spec"], j["overrides"], j.get("steps", 2)) for j in jobs]
-    print("RESULT " + json.dumps(out))
+    if is_main_process():
+        print("RESULT " + json.dumps(out))
 
 
 if __name__ == "__main__":
