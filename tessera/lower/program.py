@@ -66,6 +66,11 @@ class Program:
             return ["all_gather(params, optimizer state)", "all_gather(per-shard loss and grads) + fixed-tree sum"]
         return self.plan.collectives()
 
+    def parallel_report(self) -> dict:
+        """What the manifest records about distribution: mesh, determinism and the collectives used."""
+        return {"mesh": {a: n for a, n in self.exp.mesh.axes.items() if n > 1} or {"devices": 1},
+                "deterministic": self.deterministic, "collectives": self.collectives}
+
     def _det(self):
         """The deterministic executor (canonical batch shards) on this program's mesh, one device included."""
         if "det" not in self._cache:

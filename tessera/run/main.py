@@ -167,8 +167,12 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
 def run_command(spec: str, overrides: Sequence[str] = (), out: str | None = None, weights: str | None = None,
                 resume: bool = False) -> int:
     """The `tessera run` command: load the spec, run it, print where the manifest is; returns the exit code."""
+    from tessera.run.distributed import join
     from tessera.spec import load_experiment
 
+    who = join()  # TESSERA_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID or SLURM_*: one process of several
+    if who is not None and not who.is_main and out is not None:
+        out = str(Path(out) / f"process-{who.process_id}")  # process 0 writes the run's manifest
     exp = load_experiment(spec, overrides=list(overrides or ()))
     result = run_experiment(exp, out=out, weights=weights, resume=resume, overrides=list(overrides or ()),
                             spec_file=spec)
