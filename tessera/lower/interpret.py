@@ -63,7 +63,7 @@ def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: 
         key = str(index)
         ins = [env[v] for v in op.values]
         if op.name == "repeat":
-            outs, st = _eval_repeat(op, ins, params, ctx, None if state is None else state[key], remat)
+            outs, st = eval_repeat(op, ins, params, ctx, None if state is None else state[key], remat)
         else:
             outs, st = _eval_op(op, ins, params, ctx, None if state is None else state.get(key), layer)
         if st is not None and new_state is not None:
@@ -94,7 +94,8 @@ def region_param_paths(region: Region) -> list[str]:
     return list(seen)
 
 
-def _eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | None, remat: str):
+def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | None, remat: str):
+    """One `repeat` op on its carried inputs: a lax.scan over its stacked parameters (n / period steps)."""
     n, region = op.attrs["n"], op.region
     p = period(region, n)
     stacked = [path for path in region_param_paths(region)

@@ -27,6 +27,16 @@ NATIVE: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 }
 
 
+def varying(x, axes: tuple[str, ...]):
+    """x marked as differing per device along `axes` (jax's vma; a no-op where it already does)."""
+    t = jax.typeof(x)
+    have = getattr(t, "vma", None)
+    if have is None:  # jax 0.10: the set lives on the manual axis type
+        have = getattr(getattr(t, "manual_axis_type", None), "varying", frozenset())
+    missing = tuple(a for a in axes if a not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def native_axes(op: str, name: str) -> tuple[str, ...]:
     """The logical axes op's lowering handles split for its parameter `name`."""
     for glob, axes in NATIVE.get(op, []):

@@ -9,16 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.reference import moe as moe_ref
+from tessera.lower.shard.collectives import varying
 from tessera.lower.reference._dtypes import wide
-
-
-def _varying(x, axes):
-    """x marked as differing per device along `axes` (a no-op on values that already do)."""
-    have = getattr(jax.typeof(x), "vma", None)
-    if have is None:
-        return x
-    missing = tuple(a for a in axes if a not in have)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def embed(env, table, ids):
@@ -47,8 +39,8 @@ def moe(env, x, p, *, top_k: int, act):
         x = jax.lax.all_gather(x, shared, axis=0, tiled=True)
     rest = tuple(a for a in env.axes("experts") if a not in shared)
     if rest:  # explicit: replicated inputs become per-device before the expert-local work (transpose: psum)
-        x = _varying(x, rest)
-        p = {k: (_varying(v, rest) if k.startswith("router") else v) for k, v in p.items()}
+        x = varying(x, rest)
+        p = {k: (varying(v, rest) if k.startswith("router") else v) for k, v in p.items()}
     tokens = x.reshape(-1, e)
     t = tokens.shape[0]
     e_local = p["experts/gate"].shape[0]

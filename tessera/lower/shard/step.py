@@ -56,6 +56,8 @@ class ShardPlan:
             out.append(f"all_gather(seq over {'*'.join(r.axes('heads'))})")
         if r.axes("experts"):
             out.append(f"psum(expert outputs over {'*'.join(r.axes('experts'))})")
+        if r.axes("layers"):
+            out.append("ppermute(activations between pipeline stages over pp)")
         return out
 
 
@@ -63,12 +65,16 @@ def make_plan(exp, graph, devices=None) -> ShardPlan:
     """The plan of exp's mesh over the devices; mesh errors are TesseraErrors raised here, before compiling."""
     mesh = build_mesh(exp, graph.params, devices)
     rules = AxisRules.from_experiment(exp)
-    unsupported = {"pp": "pipeline parallelism", "sp": "context parallelism (the `sp` axis)"}
+    unsupported = {} if exp.parallel.deterministic else {"sp": "context parallelism (the `sp` axis) in fast mode"}
     for axis, what in unsupported.items():
         if exp.mesh.axes[axis] > 1:
             from tessera.diagnostics import error
-            raise error(f"{what} is not lowered yet; mesh.{axis}={exp.mesh.axes[axis]} must be 1", span=exp.span(f"mesh.{axis}"),
-                        key=f"mesh.{axis}", hint="use dp, fsdp, tp (with parallel.sequence_parallel) and ep")
+            raise error(f"{what} is not lowered yet; mesh.{axis}={exp.mesh.axes[axis]} must be 1",
+                        span=exp.span(f"mesh.{axis}"), key=f"mesh.{axis}",
+                        hint="use parallel.deterministic: true, or dp, fsdp, tp (+ sequence_parallel), ep and pp")
+    if exp.mesh.pp > 1 and not exp.parallel.deterministic:
+        from tessera.lower.shard.pipeline import check_stages
+        check_stages(exp, graph)
     dims = tuple((path, p.type.names) for path, p in graph.params.items())
     specs = {path: partition_spec(rules, p.type.names) for path, p in graph.params.items()}
     return ShardPlan(mesh, ShardEnv(rules, dims), specs)
@@ -79,13 +85,25 @@ def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
     return {k: P(*spec, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
 
+def _logits(prog, plan: ShardPlan, params, tokens, mode: str):
+    """(logits, is-last-stage or None): through the pipeline stages when pp > 1."""
+    if dict(plan.rules.sizes).get("pp", 1) == 1:
+        return prog._forward(params, tokens, mode, shard=plan.env), None
+    from tessera.lower.shard.pipeline import pipeline_logits
+    ctx = prog._ctx(mode=mode, shard=plan.env)
+    return pipeline_logits(prog, plan.env, params, tokens, prog.exp.parallel.pipeline.microbatches, ctx)
+
+
 def sharded_loss(prog, plan: ShardPlan):
     """loss(params, batch) -> fp32 scalar: the mean next-token loss, computed under shard_map."""
 
     def local(params, batch):
-        logits = prog._forward(params, batch["tokens"], "train", shard=plan.env)
+        logits, last = _logits(prog, plan, params, batch["tokens"], "train")
         total, count = vocab_cross_entropy_sums(plan.env, logits, batch["targets"], batch.get("mask"))
         axes = plan.rules.axes("batch")
+        if last is not None:  # pipeline: the last stage's sums count, the others' are zeros
+            total, count = jnp.where(last, total, 0.0), jnp.where(last, count, 0.0)
+            axes = axes + ("pp",)
         if axes:
             total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
         return total / jnp.maximum(count, 1.0)
@@ -105,7 +123,11 @@ def sharded_forward(prog, plan: ShardPlan, mode: str):
 
     def forward(params, tokens):
         env = plan.env
-        fn = jax.shard_map(lambda p, t: prog._forward(p, t, mode, shard=env), mesh=plan.mesh,
+        def local(p, t):
+            logits, last = _logits(prog, plan, p, t, mode)
+            return logits if last is None else jax.lax.psum(jnp.where(last, logits, 0.0), "pp")
+
+        fn = jax.shard_map(local, mesh=plan.mesh,
                            in_specs=(plan.param_specs, P(*partition_spec(plan.rules, ("batch",), activation=True), None)),
                            out_specs=out)
         return fn(params, tokens)
@@ -120,8 +142,14 @@ def sharded_generate(plan: ShardPlan, run, batch: int):
     axes = plan.rules.axes("batch")
     spec = P(axes or None, None) if axes and batch % plan.rules.size(axes) == 0 else P()
 
+    def whole_layers(p):  # generation runs every layer on every stage: gather the pp split (exact)
+        if dict(plan.rules.sizes).get("pp", 1) == 1:
+            return p
+        return {k: (jax.lax.all_gather(v, "pp", axis=0, tiled=True) if plan.param_specs[k][:1] == P("pp") else v)
+                for k, v in p.items()}
+
     def generate(params, prompts, seed):
-        fn = jax.shard_map(lambda p, x, s: run(p, x, s, env), mesh=plan.mesh,
+        fn = jax.shard_map(lambda p, x, s: run(whole_layers(p), x, s, env), mesh=plan.mesh,
                            in_specs=(plan.param_specs, spec, P()), out_specs=spec, check_vma=False)
         return fn(params, prompts, seed)
 

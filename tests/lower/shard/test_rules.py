@@ -88,3 +88,25 @@ def test_axis_that_does_not_divide_a_parameter_dim_names_it():
     assert any("ep=4 does not divide dimension `head_dim`=30 (of parameter `layers/attention/q`)" in m for m in msgs)
     d = e.value.diagnostics[0]
     assert d.key == "mesh.ep" and d.hint.endswith("2, 3, 5, 6")
+
+
+def test_pipeline_stages_must_start_on_the_layer_pattern():
+    from tessera.lower.shard.pipeline import check_stages
+
+    exp = _exp(mesh__pp=2, mesh__dp=1, parallel__deterministic=False)  # 2 layers, window on even ones only
+    with pytest.raises(TesseraError) as e:
+        check_stages(exp, program_graph(exp))
+    d = e.value.diagnostics[0]
+    assert "pp=2 gives stages of 1 layer(s), but the layers' attributes repeat every 2 layers" in d.message
+    assert d.key == "mesh.pp" and d.span is not None
+    ok = _exp(mesh__pp=2, model__args__layers=4, parallel__deterministic=False)
+    check_stages(ok, program_graph(ok))
+
+
+def test_fast_mode_refuses_the_context_parallel_axis():
+    from tessera.lower.shard.step import make_plan
+
+    exp = _exp(mesh__sp=2, parallel__deterministic=False)
+    import jax
+    with pytest.raises(TesseraError, match="context parallelism"):
+        make_plan(exp, program_graph(exp), devices=jax.devices()[:1] * 2)

@@ -10,7 +10,7 @@ import json
 import sys
 
 # small enough to compile fast, large enough that every mesh below divides what it splits
-SMALL = {"model.args.layers": 2, "model.args.d_model": 32, "model.args.heads": 4, "model.args.kv_heads": 4,
+SMALL = {"model.args.layers": 4, "parallel.pipeline.microbatches": 2, "model.args.d_model": 32, "model.args.heads": 4, "model.args.kv_heads": 4,
          "model.args.head_dim": 8, "model.args.d_ff": 32, "task.batch": 8, "task.seq_len": 8,
          "task.schedule.warmup_steps": 0}
 GPT_OSS_EXTRA = {"model.args.experts": 4, "model.args.window": 4}
