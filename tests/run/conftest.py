@@ -6,20 +6,11 @@ import io
 import sys
 from pathlib import Path
 
-import tempfile
-
-import jax
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# The run tests compile the same small programs many times (one program object per run): a
-# compilation cache private to this test session makes the repeats cheap.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="tessera-run-tests-"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-from runfake import FakeExperiment, FakeProgram, train_spec  # noqa: E402
+from runfake import FakeExperiment, cached_program, train_spec  # noqa: E402
 
 from tessera.run.main import run_experiment  # noqa: E402
 
@@ -28,7 +19,7 @@ from tessera.run.main import run_experiment  # noqa: E402
 def run_fake(tmp_path):
     """run_fake(spec, out=None, **kw) -> RunResult: run a spec dict with the fake program, quietly."""
 
-    def go(spec: dict, out=None, program=FakeProgram, **kw):
+    def go(spec: dict, out=None, program=cached_program, **kw):
         out = out if out is not None else tmp_path / "run"
         kw.setdefault("stream", io.StringIO())
         kw.setdefault("tensorboard", False)

@@ -195,6 +195,20 @@ class FakeProgram:
         return {"forward": float(dense), "train_step": float(3 * dense)}
 
 
+_PROGRAMS: dict[str, FakeProgram] = {}
+
+
+def cached_program(exp) -> FakeProgram:
+    """One FakeProgram per distinct model and optimizer (as tessera caches its programs): fewer compiles."""
+    spec = exp.resolved()
+    task = spec["task"]
+    key = json.dumps([spec["model"], task["kind"]] + [task.get(k) for k in ("optimizer", "schedule", "steps",
+                                                                           "microbatches")], sort_keys=True)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = FakeProgram(exp)
+    return _PROGRAMS[key]
+
+
 def main(argv) -> int:
     from tessera.run.main import run_experiment
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runfake import FakeProgram
+from runfake import cached_program
 
 from tessera.cli import main as cli
 from tessera.run import main as run_main
@@ -23,7 +23,7 @@ SMALL = ["task.steps=6", "task.batch=4", "task.seq_len=16", "task.log_every=2", 
 
 @pytest.fixture
 def fake_compile(monkeypatch):
-    monkeypatch.setattr(run_main, "default_compile", FakeProgram)
+    monkeypatch.setattr(run_main, "default_compile", cached_program)
 
 
 def _argv(command, spec, *rest):

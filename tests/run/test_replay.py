@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runfake import FakeExperiment, FakeProgram
+from runfake import FakeExperiment, cached_program
 
 from tessera.run import main as run_main
 from tessera.run import replay as run_replay
@@ -16,7 +16,7 @@ from tessera.run.replay import compare, diff_command, first_metric_difference, r
 def fake_everywhere(monkeypatch):
     """Make the command-level functions load specs and compile programs with the fakes."""
     monkeypatch.setattr(run_replay, "_load_spec_file", FakeExperiment.from_file)
-    monkeypatch.setattr(run_main, "default_compile", FakeProgram)
+    monkeypatch.setattr(run_main, "default_compile", cached_program)
 
 
 def test_replay_fresh_run_is_bit_identical_and_tampered_is_not(run_fake, small_spec, tmp_path, fake_everywhere,

@@ -15,13 +15,15 @@ from tessera.run.manifest import FIXED_KEYS, params_checksum
 
 
 def test_loss_falls_far_below_chance_and_sample_is_right(run_fake):
-    result = run_fake(train_spec(steps=80))
+    result = run_fake(train_spec(steps=80, sample={"prompt": [0, 5, 6, 1], "max_new_tokens": 3}))
     chance = result.manifest["chance_loss"]
     assert math.isclose(chance, math.log(16))
     first, last = result.metrics[0], result.metrics[-1]
     assert first["loss"] > 0.9 * chance
     assert last["loss"] < 0.05 * chance and last["eval_loss"] < 0.05 * chance
-    assert result.manifest["samples"][-1]["correct"] == 1.0
+    prompted, check = result.manifest["samples"]
+    assert prompted["prompt"] == [0, 5, 6, 1] and len(prompted["output"]) == 3
+    assert check["correct"] == 1.0 and check["output"] == check["expected"]
     assert result.status == "completed" and result.exit_code == 0
 
 

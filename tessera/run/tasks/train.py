@@ -164,10 +164,12 @@ class Trainer:
         return True
 
     def sample(self) -> None:
-        """Greedy samples after training: task.sample's prompt, and for a synthetic task an eval question."""
+        """Greedy samples after training (task.sample; null: none): its prompt, and a synthetic task's eval question."""
         records = []
         spec = getattr(self.task, "sample", None)
-        if spec is not None and spec.prompt:
+        if spec is None:
+            return
+        if spec.prompt:
             text = isinstance(spec.prompt, str)
             rec = self._generate(list(spec.prompt.encode("utf-8")) if text else list(spec.prompt),
                                  int(spec.max_new_tokens))
