@@ -19,7 +19,7 @@ import yaml
 from tessera.diagnostics import RunError, TesseraError
 from tessera.run.checkpoint import check_compatible
 from tessera.run.context import RunContext
-from tessera.run.manifest import MANIFEST, Manifest, load_manifest, now
+from tessera.run.manifest import MANIFEST, Manifest, load_manifest
 from tessera.run.metrics import MetricsLog
 
 RUNS_DIR = Path("runs")
@@ -179,4 +179,4 @@ def run_command(spec: str, overrides: Sequence[str] = (), out: str | None = None
     return result.exit_code
 
 
-__all__ = ["RunResult", "run_experiment", "run_command", "default_run_dir", "now"]
+__all__ = ["RunResult", "run_experiment", "run_command", "default_run_dir"]
