@@ -23,13 +23,9 @@ def load(path, overrides=None):
 
 def compile(exp):  # noqa: A001 - the public name is the verb users expect
     """Compile an experiment into a program (Graph IR → JAX) on the experiment's mesh."""
-    from tessera.lower.program import compile_experiment
+    from tessera.run.main import default_compile
 
-    if getattr(exp.task, "kind", None) == "train":
-        from tessera.run.optim import build_optimizer, current_lr
-
-        return compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
-    return compile_experiment(exp)
+    return default_compile(exp)
 
 
 def save_weights(params, directory, exp=None):

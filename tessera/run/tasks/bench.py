@@ -17,15 +17,14 @@ import numpy as np
 from tessera.run.context import RunContext
 from tessera.run.manifest import params_checksum
 
-# dense bf16 peak FLOP/s per device, by a substring of jax's device_kind (first match wins)
-PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L4", 121e12))
 PHASES = ("compile", "forward", "train_step", "decode")
 
 
-def peak_flops(device=None) -> float | None:
-    """The device's peak FLOP/s, or None when unknown (e.g. CPU)."""
-    kind = (device or jax.devices()[0]).device_kind
-    return next((peak for key, peak in PEAK_FLOPS if key in kind), None)
+def peak_flops() -> float | None:
+    """This machine's accelerator's dense bf16 peak FLOP/s (the plan's device table), None when unknown."""
+    from tessera.run.plan import pick_device
+
+    return pick_device(None)[1].peak_flops
 
 
 def time_calls(fn: Callable, warmup: int, iters: int) -> dict[str, float]:
