@@ -11,6 +11,8 @@ one-device mesh, so the single-device run is the reference every mesh reproduces
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,6 +27,17 @@ MAX_CANONICAL = 8  # canonical batch shards per step: any mesh of up to 8 device
 def canonical_shards(batch: int) -> int:
     """C: the largest divisor of the batch that is at most MAX_CANONICAL."""
     return max(d for d in range(1, MAX_CANONICAL + 1) if batch % d == 0)
+
+
+def check_canonical(exp, batch: int, devices: int) -> None:
+    """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise)."""
+    c = canonical_shards(batch)
+    if c % devices:
+        raise error(f"deterministic mode cuts the batch of {batch} into {c} canonical shards, which do not split "
+                    f"over {devices} devices", span=exp.span("task.batch"), key="task.batch",
+                    hint=f"use a batch with {devices} dividing its largest divisor ≤ {MAX_CANONICAL} "
+                         f"(e.g. {8 * devices // math.gcd(8, devices)}) on at most {MAX_CANONICAL} "
+                         "devices, or parallel.deterministic: false")
 
 
 def tree_sum(x):
@@ -99,12 +112,7 @@ class Deterministic:
     def _shards(self, batch: dict) -> tuple[int, dict]:
         b = batch["tokens"].shape[0]
         c = canonical_shards(b)
-        if c % self.devices:
-            exp = self.prog.exp
-            raise error(f"deterministic mode cuts the batch of {b} into {c} canonical shards, which do not split "
-                        f"over {self.devices} devices", span=exp.span("task.batch"), key="task.batch",
-                        hint=f"use a batch that is a multiple of {self.devices * MAX_CANONICAL // 8 or 1} "
-                             f"with a divisor ≤ {MAX_CANONICAL} divisible by {self.devices}, or deterministic: false")
+        check_canonical(self.prog.exp, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
     def _shard_sums(self, params, shard: dict):

@@ -36,10 +36,6 @@ class ShardPlan:
         """NamedSharding per parameter path (where init and checkpoints place them)."""
         return {k: NamedSharding(self.mesh, s) for k, s in self.param_specs.items()}
 
-    def batch_spec(self, extra: int = 0) -> P:
-        """[batch, seq, ...] inputs: split over the batch axes."""
-        return partition_spec(self.rules, ("batch", "seq"), activation=True)[:1] + P(*([None] * (1 + extra)))
-
     def collectives(self) -> list[str]:
         """The collectives the lowerings emit on this mesh, for the manifest."""
         r, out = self.rules, []
@@ -72,6 +68,10 @@ def make_plan(exp, graph, devices=None) -> ShardPlan:
             raise error(f"{what} is not lowered yet; mesh.{axis}={exp.mesh.axes[axis]} must be 1",
                         span=exp.span(f"mesh.{axis}"), key=f"mesh.{axis}",
                         hint="use parallel.deterministic: true, or dp, fsdp, tp (+ sequence_parallel), ep and pp")
+    batch = getattr(exp.task, "batch", None)
+    if exp.parallel.deterministic and isinstance(batch, int):
+        from tessera.lower.shard.deterministic import check_canonical
+        check_canonical(exp, batch, mesh.size)
     if exp.mesh.pp > 1 and not exp.parallel.deterministic:
         from tessera.lower.shard.pipeline import check_stages
         check_stages(exp, graph)

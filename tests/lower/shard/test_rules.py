@@ -110,3 +110,18 @@ def test_fast_mode_refuses_the_context_parallel_axis():
     import jax
     with pytest.raises(TesseraError, match="context parallelism"):
         make_plan(exp, program_graph(exp), devices=jax.devices()[:1] * 2)
+
+
+def test_deterministic_batch_must_split_into_canonical_shards_over_the_mesh():
+    from tessera.lower.shard.deterministic import canonical_shards, check_canonical, tree_sum
+    import numpy as np
+
+    assert [canonical_shards(b) for b in (16, 8, 12, 6, 7)] == [8, 8, 6, 6, 7]
+    check_canonical(_exp(), 16, 8)
+    with pytest.raises(TesseraError) as e:
+        check_canonical(_exp(), 12, 4)  # 6 canonical shards over 4 devices
+    d = e.value.diagnostics[0]
+    assert "cuts the batch of 12 into 6 canonical shards, which do not split over 4 devices" in d.message
+    assert d.key == "task.batch" and d.span is not None
+    x = np.asarray([1e8, 1.0, -1e8, 1.0, 3.0], np.float32)
+    assert float(tree_sum(x)) == float(((x[0] + x[1]) + (x[2] + x[3])) + x[4])
