@@ -18,9 +18,14 @@ MESHES = {
     "sp+tp=2,dp=4": {"mesh.tp": 2, "mesh.dp": 4, "parallel.sequence_parallel": True},
     "fsdp=2,tp=2,ep=2": {"mesh.fsdp": 2, "mesh.tp": 2, "mesh.ep": 2},
 }
-# llama runs the meshes that change what its own lowerings do (tied vocab-parallel unembedding, SP,
-# stages); gpt_oss covers the rest. Each compile costs ~10 s of CPU: the matrix is kept to this.
-LLAMA_MESHES = ("tp=4,dp=2", "pp=2,tp=2,dp=2", "sp+tp=2,dp=4")
+# Each compile costs ~10-20 s of CPU, so the matrix is chosen per what a mesh changes. Deterministic mode
+# computes every mesh the same way (all axes share canonical shards; parameters gathered), so it runs the
+# meshes that split parameters differently: embed+heads+experts (fsdp×tp×ep), layers (pp); on 8 devices
+# each holds one canonical shard, the loop-of-one case. (The full issue matrix was measured once: docs/parallel.md.)
+# Fast mode runs every mesh whose lowering differs; llama adds its own paths (tied vocab-parallel unembedding).
+DET_MESHES = {"gpt_oss": ("fsdp=2,tp=2,ep=2", "pp=2,tp=2,dp=2"), "llama": ("tp=4,dp=2",)}
+FAST_MESHES = {"gpt_oss": ("tp=4,dp=2", "ep=4,dp=2", "pp=2,tp=2,dp=2", "sp+tp=2,dp=4", "fsdp=2,tp=2,ep=2"),
+               "llama": ("tp=4,dp=2",)}
 STEPS = 2
 
 
@@ -37,27 +42,24 @@ def _gen_jobs(spec: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def results():
-    """{(model, kind, det, mesh): result}: three 8-device subprocesses side by side."""
-    plans = {"gpt_oss": _train_jobs(GPT_OSS, MESHES, True) + _gen_jobs(GPT_OSS),
-             "gpt_oss ": _train_jobs(GPT_OSS, MESHES, False),
-             "llama": _train_jobs(LLAMA, LLAMA_MESHES, True) + _train_jobs(LLAMA, LLAMA_MESHES, False)
-             + _gen_jobs(LLAMA)}
+    """{(model, kind, det, mesh): result}: two 8-device subprocesses side by side (CI has two cores)."""
+    plans = {"gpt_oss": _train_jobs(GPT_OSS, DET_MESHES["gpt_oss"], True)
+             + _train_jobs(LLAMA, DET_MESHES["llama"], True) + _train_jobs(LLAMA, FAST_MESHES["llama"], False),
+             "gpt_oss ": _train_jobs(GPT_OSS, FAST_MESHES["gpt_oss"], False) + _gen_jobs(GPT_OSS)}
     procs = {model: start_jobs(jobs) for model, jobs in plans.items()}
     out = {}
     for model, proc in procs.items():
         for job, res in zip(plans[model], finish_jobs(proc)):
-            out[(model.strip(), job["kind"], job.get("det"), job["name"])] = res
+            name = "llama" if job["spec"] == LLAMA else "gpt_oss"
+            out[(name, job["kind"], job.get("det"), job["name"])] = res
     return out
 
 
-def _cases(model, meshes):
-    return [(model, m) for m in meshes]
+DET_CASES = [(model, m) for model, meshes in DET_MESHES.items() for m in meshes]
+FAST_CASES = [(model, m) for model, meshes in FAST_MESHES.items() for m in meshes]
 
 
-CASES = _cases("gpt_oss", MESHES) + _cases("llama", LLAMA_MESHES)
-
-
-@pytest.mark.parametrize("model,mesh", CASES)
+@pytest.mark.parametrize("model,mesh", DET_CASES)
 def test_deterministic_is_bit_identical(results, model, mesh):
     ref, got = results[(model, "train", True, "1 device")], results[(model, "train", True, mesh)]
     assert got["deterministic"] is True
@@ -65,7 +67,7 @@ def test_deterministic_is_bit_identical(results, model, mesh):
     assert got["checksum"] == ref["checksum"]
 
 
-@pytest.mark.parametrize("model,mesh", CASES)
+@pytest.mark.parametrize("model,mesh", FAST_CASES)
 def test_fast_mode_agrees_within_1e5(results, model, mesh):
     ref, got = results[(model, "train", False, "1 device")], results[(model, "train", False, mesh)]
     assert got["deterministic"] is False and got["collectives"]
@@ -81,9 +83,8 @@ def test_training_moves_the_parameters(results):
     assert a["losses"][1] != a["losses"][0]
 
 
-@pytest.mark.parametrize("model", ["gpt_oss", "llama"])
-def test_generation_under_tp_matches_one_device(results, model):
-    ref, got = results[(model, "generate", None, "1 device")], results[(model, "generate", None, "tp=4,dp=2")]
+def test_generation_under_tp_matches_one_device(results):
+    ref, got = results[("gpt_oss", "generate", None, "1 device")], results[("gpt_oss", "generate", None, "tp=4,dp=2")]
     assert np.asarray(got["tokens"]).shape == (4, 11)
     assert got["tokens"] == ref["tokens"]
 
