@@ -111,9 +111,10 @@ def shard(graph: Graph, ctx: PassContext) -> Graph:
     for p in graph.params.values():
         p.type = _annotate(p.type, rules, activation=False)
     seen: set = set()
+    whole_seq = dataclasses.replace(rules, sequence_parallel=False)  # token inputs arrive whole along seq
     for v in graph.inputs:
         seen.add(id(v))
-        v.type = _annotate(v.type, rules, activation=True)
+        v.type = _annotate(v.type, whole_seq, activation=True)
     _annotate_region(graph.body, rules, seen)
     return graph
 
