@@ -9,7 +9,7 @@ a verifier, and named passes.
 
 from tessera.ir import ops_core, ops_nn  # noqa: F401  (fills the op registry)
 from tessera.ir.elaborate import build_graph, check_experiment
-from tessera.ir.flops import graph_flops, graph_flops_per_token, op_flops
+from tessera.ir.flops import graph_flops, op_flops
 from tessera.ir.parser import parse_graph
 from tessera.ir.printer import print_graph
 from tessera.ir.registry import OPS, AttrDef, OpDef, OpError, ParamDecl, get_op, register
@@ -17,6 +17,6 @@ from tessera.ir.types import Dim, DimName, Graph, Init, Op, Param, ParamRef, Per
 from tessera.ir.verify import verify
 
 __all__ = ["build_graph", "check_experiment", "parse_graph", "print_graph", "verify", "graph_flops",
-           "graph_flops_per_token", "op_flops",
+           "op_flops",
            "OPS", "AttrDef", "OpDef", "OpError", "ParamDecl", "get_op", "register", "Dim", "DimName", "Graph",
            "Init", "Op", "Param", "ParamRef", "PerLayer", "Region", "Struct", "TensorType", "Value"]

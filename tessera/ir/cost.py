@@ -176,11 +176,16 @@ def train_flops(counts: dict[str, float], remat: str = "none") -> dict[str, floa
     return {"forward": fwd, "train_step": model, "train_step_hardware": model + recompute}
 
 
+def flops_per_token(graph: Graph, exp) -> dict[str, float]:
+    """Forward, training-step and training-step-with-recompute FLOPs per token at the task's shapes."""
+    sizes = task_dims(exp)
+    per = train_flops(flop_counts(graph, sizes), exp.parallel.remat)
+    return {k: v / (sizes["batch"] * sizes["seq"]) for k, v in per.items()}
+
+
 def graph_flops_per_token(graph: Graph, exp) -> float:
     """Forward FLOPs per token at the task's batch and sequence length, counted from the graph."""
-    sizes = task_dims(exp)
-    counts = flop_counts(graph, sizes)
-    return (counts["contraction"] + counts["other"]) / (sizes["batch"] * sizes["seq"])
+    return flops_per_token(graph, exp)["forward"]
 
 
 # ---- activations saved for backward ---------------------------------------------------------------------

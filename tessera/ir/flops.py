@@ -37,10 +37,3 @@ def op_flops(op: Op, graph: Graph, sizes: dict, axes=()) -> float:
 def graph_flops(graph: Graph, sizes: dict) -> float:
     """Forward FLOPs of the whole graph for the given dynamic sizes, e.g. {"batch": 1, "seq": 4096}."""
     return sum(op_flops(op, graph, sizes) for op in graph.body.ops)
-
-
-def graph_flops_per_token(graph: Graph, exp=None, *, seq: int | None = None) -> float:
-    """Forward FLOPs per token at sequence length `seq` (default: the task's seq_len, else 1), batch 1."""
-    if seq is None:
-        seq = getattr(getattr(exp, "task", None), "seq_len", None) or 1
-    return graph_flops(graph, {"batch": 1, "seq": seq}) / seq

@@ -7,6 +7,7 @@ dict keyed by parameter path. Programs are cached on the hash of everything that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import zlib
 from typing import Any, Callable, NamedTuple
@@ -246,15 +247,29 @@ class Program:
     # ---- accounting ----------------------------------------------------------------------------
     def flops_per_token(self) -> dict[str, float]:
         """Forward and training-step FLOPs per token, counted from the Graph IR at the task's shapes."""
-        from tessera.ir.flops import graph_flops_per_token
+        from tessera.ir.cost import flops_per_token
 
-        fwd = graph_flops_per_token(self.graph, self.exp)
-        return {"forward": fwd, "train_step": 3.0 * fwd}
+        return flops_per_token(self.graph, self.exp)
 
     def _jit(self, key, make):
         if key not in self._cache:
-            self._cache[key] = make()
+            self._cache[key] = _with_precision(make(), self.matmul_precision)
         return self._cache[key]
+
+    @property
+    def matmul_precision(self) -> str:
+        """fp32 compute means fp32 matmuls (not TF32 or bf16 passes, GPUs' default); else the backend's default."""
+        return "highest" if self.graph.attrs.get("compute", "f32") in ("f32", "f64") else "default"
+
+
+def _with_precision(fn, precision: str):
+    """fn called (and so traced) under `jax.default_matmul_precision(precision)`."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with jax.default_matmul_precision(precision):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 _PROGRAMS: dict[str, Program] = {}
@@ -267,7 +282,7 @@ def program_hash(exp, graph: Graph) -> str:
     spec = exp.resolved()
     relevant = {k: spec.get(k) for k in ("model", "mesh", "parallel", "numerics", "kernels")}
     relevant["task"] = {k: v for k, v in spec.get("task", {}).items()
-                        if k in ("kind", "optimizer", "schedule", "microbatches")}
+                        if k in ("kind", "optimizer", "schedule", "microbatches", "steps")}  # steps: the schedule
     text = print_graph(graph) + "\n" + repr(sorted(_flatten(relevant).items()))
     return hashlib.sha256(text.encode()).hexdigest()
 

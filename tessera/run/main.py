@@ -153,7 +153,8 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
     try:
         with _recorded(manifest):
             prog = (compile_fn or default_compile)(exp)
-            manifest.update(ir_hash=prog.ir_hash)
+            report = getattr(prog, "parallel_report", None)  # test doubles may not distribute
+            manifest.update(ir_hash=prog.ir_hash, **({"parallel": report()} if report else {}))
             ctx = RunContext(exp=exp, prog=prog, run_dir=run_dir, manifest=manifest, metrics=metrics,
                              stream=stream or sys.stdout, weights=Path(weights) if weights else None,
                              resume=resuming, spec_dir=spec_file.parent if spec_file else None)
