@@ -49,7 +49,18 @@ def cmd_ir(args: argparse.Namespace) -> int:
     """Print the spec's Graph IR after a pass, or check that it round-trips."""
     from tessera.ir.commands import ir_command
 
-    return ir_command(args.spec, overrides=args.overrides, after=args.after, roundtrip=args.roundtrip)
+    if args.after != "lower":
+        return ir_command(args.spec, overrides=args.overrides, after=args.after, roundtrip=args.roundtrip)
+    code = ir_command(args.spec, overrides=args.overrides, after="shard", roundtrip=args.roundtrip)
+    import jax
+
+    import tessera
+
+    report = tessera.compile(tessera.load(args.spec, overrides=args.overrides)).kernel_report()
+    print(f"\n// lowering on backend {jax.default_backend()}: implementation per op")
+    for label, choice in report.items():
+        print(f"//   {label:<40} {choice}")
+    return code
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -95,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ir", help="print the Graph IR of a spec")
     p.add_argument("spec")
     _add_set(p)
-    p.add_argument("--after", metavar="PASS", default=None, help="show the graph after this pass")
+    p.add_argument("--after", metavar="PASS", default=None,
+                   help="show the graph after this pass (`lower`: and the implementation each op takes)")
     p.add_argument("--roundtrip", action="store_true", help="exit 0 only if print→parse→print is identical")
     p.set_defaults(handler=cmd_ir)
 

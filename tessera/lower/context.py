@@ -37,6 +37,7 @@ class LowerCtx:
     backend: str = "cpu"
     deterministic: bool = True
     shard: Any = None  # tessera.lower.shard.collectives.ShardEnv inside shard_map, None on one device
+    report: Any = None  # a dict that kernel selection records its choices in ({op label: implementation})
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

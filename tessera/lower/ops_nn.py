@@ -12,15 +12,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tessera.ir.types import ParamRef
+
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names
 from tessera.lower.reference import activations, moe as moe_ref, rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.shard import ops as shard_ops
+from tessera.lower import select
 from tessera.lower.table import lowers
 
 BSE = ("batch", "seq", "embed")
+
+
+def op_scope(op) -> str:
+    """The op's scope in the model source (`layers/attention`), from the paths of its parameters."""
+    refs = [o.path for o in op.operands if isinstance(o, ParamRef)]
+    return refs[0].rsplit("/", 1)[0] if refs else op.name
 
 
 def _dtype(op, i: int = 0):
@@ -181,15 +190,16 @@ def _attention(ctx, op, attrs, ins, params, cache):
     if attrs["rope"] is not None:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
-    core = functools.partial(attention_ref, sinks=params.get("sinks"), causal=attrs["causal"],
-                             window=attrs["window"], scale=attrs["scale"], q_offset=pos[:, 0])
-    if cache is None:
-        out, new_cache = core(q, k, v), None
-    elif ctx.mode == "prefill":
-        out, new_cache = core(q, k, v), _cache_write(cache, k, v, pos)
+    core = dict(sinks=params.get("sinks"), causal=attrs["causal"], window=attrs["window"], scale=attrs["scale"])
+    label = f"{op_scope(op)} (window {attrs['window']})"
+    if ctx.positions is None:  # a whole sequence from position 0: a kernel may take it
+        out, new_cache = select.attention(ctx, label, q, k, v, **core), None
+    elif cache is None or ctx.mode == "prefill":
+        out = attention_ref(q, k, v, q_offset=pos[:, 0], **core)
+        new_cache = None if cache is None else _cache_write(cache, k, v, pos)
     else:  # decode: the new tokens join the cache, then attend over it
         new_cache = _cache_write(cache, k, v, pos)
-        out = core(q, new_cache["k"], new_cache["v"], kv_positions=new_cache["pos"])
+        out = select.decode(ctx, label, q, new_cache, pos[:, 0], **core)
     y = jnp.einsum("bshd,hde->bse", out, p["o"], preferred_element_type=ctx.accum_dtype)
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
@@ -237,5 +247,6 @@ def _moe(ctx, op, attrs, ins, params):
         gate_bias=p.get("experts/gate_bias", zeros((n_exp, d_ff))),
         up_bias=p.get("experts/up_bias", zeros((n_exp, d_ff))),
         down_bias=p.get("experts/down_bias", zeros((n_exp, e))),
-        top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]))
+        top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]),
+        ragged_dot=select.ragged_dot(ctx, f"{op_scope(op)} experts"))
     return [align(y.reshape(b, s, e).astype(_dtype(op)), BSE, have)]

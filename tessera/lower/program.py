@@ -245,6 +245,28 @@ class Program:
         return jnp.concatenate([prompts, first[:, None], rest.T], axis=1)
 
     # ---- accounting ----------------------------------------------------------------------------
+    def kernel_report(self) -> dict[str, str]:
+        """The implementation each attention and MoE op takes on this backend at the task's shapes."""
+        from tessera.ir.cost import task_dims
+
+        sizes, report = task_dims(self.exp), {}
+        b, s = sizes["batch"], sizes["seq"]
+        params, sds = self.param_shapes(), jax.ShapeDtypeStruct
+        body = self.graph.body
+
+        def forward(p, t):
+            return eval_region(body, [t], p, self._ctx(mode="forward", report=report))[0]
+
+        def decode(p, t):
+            state = init_state(body, self._ctx(mode="prefill"), b, s)
+            pos = jnp.zeros((b, 1), jnp.int32)
+            return eval_region(body, [t], p, self._ctx(mode="decode", positions=pos, report=report), state)[0]
+
+        with jax.default_matmul_precision(self.matmul_precision):
+            jax.eval_shape(forward, params, sds((b, s), jnp.int32))
+            jax.eval_shape(decode, params, sds((b, 1), jnp.int32))
+        return report
+
     def flops_per_token(self) -> dict[str, float]:
         """Forward and training-step FLOPs per token, counted from the Graph IR at the task's shapes."""
         from tessera.ir.cost import flops_per_token

@@ -58,8 +58,11 @@ def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
 
 
 def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
-        act: Activation = GPT_OSS_ACT) -> jax.Array:
-    """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `lax.ragged_dot` per group."""
+        act: Activation = GPT_OSS_ACT, ragged_dot=jax.lax.ragged_dot) -> jax.Array:
+    """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `ragged_dot` per group.
+
+    `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul).
+    """
     t, _ = x.shape
     n_experts = gate.shape[0]
     weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k)
@@ -70,7 +73,7 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     group_sizes = jnp.bincount(flat_expert, length=n_experts).astype(jnp.int32)  # [E]
     xs = x[token]  # [T*k, D]
     ct = wide(x.dtype)
-    rd = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
+    rd = functools.partial(ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
     g = rd(xs, gate.astype(x.dtype)) + gate_bias.astype(ct)[sorted_expert]  # [T*k, F]
     u = rd(xs, up.astype(x.dtype)) + up_bias.astype(ct)[sorted_expert]
     h = act(g.astype(x.dtype), u.astype(x.dtype))

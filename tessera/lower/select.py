@@ -1,0 +1,80 @@
+"""Kernel selection: a Pallas kernel where the spec allows it, the backend runs it and the shapes fit.
+
+`kernels: auto` (the default) lets a lowering take a kernel from tessera/lower/kernels/ when the
+kernel's own `supported()` says yes (Hopper GPU, dtype, head dim, ...); otherwise, and always with
+`kernels: reference`, the `jax.numpy` reference runs. Every choice is written into the context's
+report ({op label: implementation}), which `tessera ir SPEC --after lower` prints.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tessera.lower.reference.attention import attention as attention_reference
+
+REFERENCE = "reference (jax.numpy)"
+
+
+def _allowed(ctx) -> bool:
+    return ctx.kernels == "auto" and ctx.backend == "gpu"
+
+
+def _record(ctx, label: str, choice: str) -> None:
+    if ctx.report is not None:
+        ctx.report[label] = choice
+
+
+def _why_not(ctx) -> str:
+    if ctx.kernels != "auto":
+        return f"{REFERENCE}: kernels = {ctx.kernels}"
+    return f"{REFERENCE}: no kernel for backend {ctx.backend}"
+
+
+def attention(ctx, label: str, q, k, v, *, sinks, causal, window, scale):
+    """Self-attention over a whole sequence at positions 0..S-1 (training, forward, prefill)."""
+    if _allowed(ctx):
+        from tessera.lower.kernels import flash_attention as fa
+
+        if fa.supported(q, k, v, sinks=sinks, causal=causal, window=window, q_offset=0):
+            _record(ctx, label, "flash_attention (Pallas, Mosaic GPU)")
+            return fa.flash_attention(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale)
+        _record(ctx, label, f"{REFERENCE}: shapes or dtypes outside flash_attention")
+    else:
+        _record(ctx, label, _why_not(ctx))
+    return attention_reference(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale)
+
+
+def decode(ctx, label: str, q, cache: dict, q_pos, *, sinks, causal, window, scale):
+    """New tokens q [B, S, H, D] at absolute positions q_pos [B] against a KV cache that holds them."""
+    if _allowed(ctx) and q.shape[1] == 1:
+        from tessera.lower.kernels import decode_attention as da
+
+        if da.supported(q, cache["k"], cache["v"]):
+            _record(ctx, label + " (decode)", "decode_attention (Pallas, Mosaic GPU)")
+            # the cache fills slots 0, 1, ... in order (a ring of `window` slots for sliding layers):
+            # the valid slots are a prefix, and every one of them is visible to the newest token
+            kv_len = jnp.minimum(q_pos + 1, cache["k"].shape[1]).astype(jnp.int32)
+            return da.decode_attention(q, cache["k"], cache["v"], kv_len=kv_len, sinks=sinks, causal=False,
+                                       window=None, scale=scale)
+    _record(ctx, label + " (decode)", _why_not(ctx) if not _allowed(ctx) else f"{REFERENCE}: decode shape")
+    return attention_reference(q, cache["k"], cache["v"], sinks=sinks, causal=causal, window=window, scale=scale,
+                               q_offset=q_pos, kv_positions=cache["pos"])
+
+
+def ragged_dot(ctx, label: str):
+    """`jax.lax.ragged_dot` or the grouped-GEMM kernel with its semantics, for the MoE experts."""
+    if not _allowed(ctx):
+        _record(ctx, label, _why_not(ctx))
+        return jax.lax.ragged_dot
+    from tessera.lower.kernels import grouped_matmul as gm
+
+    def dot(lhs, rhs, group_sizes, preferred_element_type=None):
+        if gm.supported(lhs, rhs, group_sizes):
+            _record(ctx, label, "grouped_matmul (Pallas, Mosaic GPU)")
+            out = gm.grouped_matmul(lhs, rhs, group_sizes)
+            return out.astype(preferred_element_type or out.dtype)
+        _record(ctx, label, f"{REFERENCE}: shapes or dtypes outside grouped_matmul")
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+    return dot
