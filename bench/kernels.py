@@ -111,16 +111,21 @@ def _grad_fn(fn):
     return g
 
 
-def tune_attention(check: bool = False) -> None:
-    """Forward/backward tile variants on the GPT-OSS shape (causal and window 128 + sinks)."""
-    from tessera.lower.kernels.flash_attention import FlashConfig, attention_flops, flash_attention
-    b, s, hq, hkv, d = 4, 4096, 64, 8, 64
+def _attention_inputs(b, s, hq, hkv, d):
+    """Random bf16 q [B,S,Hq,D], k, v [B,S,Hkv,D], an output cotangent and fp32 sinks [Hq]."""
     ks = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
     k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
     v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
     ct = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
-    sinks = jax.random.normal(ks[4], (hq,), jnp.float32)
+    return q, k, v, ct, jax.random.normal(ks[4], (hq,), jnp.float32)
+
+
+def tune_attention(check: bool = False) -> None:
+    """Forward/backward tile variants on the GPT-OSS shape (causal and window 128 + sinks)."""
+    from tessera.lower.kernels.flash_attention import FlashConfig, attention_flops, flash_attention
+    b, s, hq, hkv, d = 4, 4096, 64, 8, 64
+    q, k, v, ct, sinks = _attention_inputs(b, s, hq, hkv, d)
     fwd_cfgs = [FlashConfig(block_kv=bkv, stages=st) for bkv, st in [(64, 4), (128, 2), (256, 2)]]
     bwd_cfgs = [FlashConfig(block_q_bwd=a, block_kv_bwd=c, stages=st)
                 for a, c, st in [(64, 128, 2), (128, 64, 2), (64, 64, 3)]]
@@ -145,12 +150,7 @@ def run_attention(check: bool = False) -> None:
     from tessera.lower.reference.attention import attention as reference
     shapes = [(4, 4096, 64, 8, 64), (4, 4096, 32, 8, 128)]
     for b, s, hq, hkv, d in shapes:
-        ks = jax.random.split(jax.random.key(0), 5)
-        q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
-        ct = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
-        sinks = jax.random.normal(ks[4], (hq,), jnp.float32)
+        q, k, v, ct, sinks = _attention_inputs(b, s, hq, hkv, d)
         for causal, window, sk in [(True, None, False), (False, None, False), (True, 128, True)]:
             tag = f"B{b} S{s} H{hq}/{hkv} D{d} " + ("causal" if causal else "full")
             tag += f" w{window}+sinks" if window else ""
