@@ -48,6 +48,16 @@ def _manifest(out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())
 
 
+def _resumes_bit_identical(tmp: Path, out: Path, reference: dict, step: int, *flags: str) -> None:
+    """Re-run into `out`; it must resume from `step` and end with the uninterrupted run's numbers."""
+    code, log = _finish(_start(tmp, out, *flags))
+    assert code == 0, log
+    assert f"resuming from checkpoint at step {step}" in log, log
+    m = _manifest(out)
+    assert m["metrics"] == reference["metrics"]
+    assert m["params_checksum"] == reference["params_checksum"]
+
+
 def _steps_logged(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -70,12 +80,7 @@ def test_sigkill_mid_training_then_resume(tmp_path, reference):
     proc.wait()
     m = _manifest(out)  # still a valid manifest, up to the last flushed step
     assert m["status"] == "running" and len(m["metrics"]) >= 25
-    code, log = _finish(_start(tmp_path, out, "--resume"))
-    assert code == 0, log
-    assert "resuming from checkpoint at step 20" in log
-    m = _manifest(out)
-    assert m["metrics"] == reference["metrics"]
-    assert m["params_checksum"] == reference["params_checksum"]
+    _resumes_bit_identical(tmp_path, out, reference, 20, "--resume")
 
 
 def test_sigkill_during_checkpoint_save_keeps_previous(tmp_path, reference):
@@ -88,12 +93,7 @@ def test_sigkill_during_checkpoint_save_keeps_previous(tmp_path, reference):
     proc.wait()
     names = sorted(p.name for p in (out / "ckpt").iterdir())
     assert "10" in names and "20" not in names and any(n.startswith("20.") for n in names), names
-    code, log = _finish(_start(tmp_path, out))  # re-running into the same --out continues
-    assert code == 0, log
-    assert "resuming from checkpoint at step 10" in log
-    m = _manifest(out)
-    assert m["metrics"] == reference["metrics"]
-    assert m["params_checksum"] == reference["params_checksum"]
+    _resumes_bit_identical(tmp_path, out, reference, 10)  # re-running into the same --out continues
 
 
 def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path, reference):
@@ -107,8 +107,4 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path, reference):
     stopped = m["metrics"][-1]["step"]
     assert m["status"] == "interrupted" and 15 <= stopped < 40
     assert str(stopped) in os.listdir(out / "ckpt")
-    code, log = _finish(_start(tmp_path, out, "--resume"))
-    assert code == 0 and f"resuming from checkpoint at step {stopped}" in log, log
-    m = _manifest(out)
-    assert m["metrics"] == reference["metrics"]
-    assert m["params_checksum"] == reference["params_checksum"]
+    _resumes_bit_identical(tmp_path, out, reference, stopped, "--resume")
