@@ -99,9 +99,8 @@ class Program:
     def _init(self, seed):
         key = jax.random.key(seed)
         params = {}
-        for path, p in self.graph.params.items():
-            shape = tuple(d.size for d in p.type.dims)
-            dt = storage_dtype(p.type.dtype)
+        for path, sds in self.param_shapes().items():
+            p, shape, dt = self.graph.params[path], sds.shape, sds.dtype
             if p.init.kind == "normal":
                 k = jax.random.fold_in(key, zlib.crc32(path.encode()))
                 params[path] = (jax.random.normal(k, shape, jnp.float32) * p.init.std).astype(dt)
