@@ -57,7 +57,8 @@ def decode(ctx, label: str, q, cache: dict, q_pos, *, sinks, causal, window, sca
             kv_len = jnp.minimum(q_pos + 1, cache["k"].shape[1]).astype(jnp.int32)
             return da.decode_attention(q, cache["k"], cache["v"], kv_len=kv_len, sinks=sinks, causal=False,
                                        window=None, scale=scale)
-    _record(ctx, label + " (decode)", _why_not(ctx) if not _allowed(ctx) else f"{REFERENCE}: decode shape")
+    why = f"{REFERENCE}: shapes or dtypes outside decode_attention" if _allowed(ctx) else _why_not(ctx)
+    _record(ctx, label + " (decode)", why)
     return attention_reference(q, cache["k"], cache["v"], sinks=sinks, causal=causal, window=window, scale=scale,
                                q_offset=q_pos, kv_positions=cache["pos"])
 
