@@ -1,0 +1,75 @@
+"""MXFP4 (OCP microscaling FP4) weights kept packed in memory, and the `jax.numpy` reference ops on them.
+
+A logical weight W [..., K, N] (K the contraction dim, N the output dim, our [in, out] layout) is held as
+  codes  uint8 [..., K/2, N]:  two E2M1 codes a byte along K, the LOW nibble the even k;
+  scales uint8 [..., K/32, N]: E8M0 exponents, element (k, n) is scaled by 2^(scales[k // 32, n] - 127).
+An E2M1 code is sign (bit 3) and magnitude index (bits 0-2) into {0, .5, 1, 1.5, 2, 3, 4, 6}. This is
+GPT-OSS's checkpoint format (tessera/lower/hf/mxfp4.py) with the [out, in] transpose undone, so the same
+PartitionSpec shards codes, scales and the logical weight (K/2 and K/32 split where K does).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+GROUP = 32  # elements sharing one E8M0 scale
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class MXFP4(NamedTuple):
+    """A packed MXFP4 weight of logical shape [..., K, N] (a pytree: codes and scales are its leaves)."""
+
+    codes: jax.Array   # uint8 [..., K/2, N]
+    scales: jax.Array  # uint8 [..., K/32, N]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape [..., K, N]."""
+        return self.codes.shape[:-2] + (2 * self.codes.shape[-2], self.codes.shape[-1])
+
+    @property
+    def ndim(self) -> int:
+        return self.codes.ndim
+
+
+def dequantize(w: MXFP4, dtype=jnp.bfloat16) -> jax.Array:
+    """The logical weight [..., K, N] in `dtype` (exact: every MXFP4 value is a bf16 value)."""
+    table = jnp.asarray(E2M1, jnp.float32)
+    c = w.codes.astype(jnp.int32)
+    lo, hi = table[c & 0x0F], table[c >> 4]  # [..., K/2, N] the even and the odd k
+    v = jnp.stack([lo, hi], axis=-2).reshape(w.shape)  # interleave along K
+    scale = jnp.exp2(w.scales.astype(jnp.float32) - 127.0)  # [..., K/32, N]
+    v = v.reshape(w.shape[:-2] + (-1, GROUP, w.shape[-1])) * scale[..., None, :]
+    return v.reshape(w.shape).astype(dtype)
+
+
+def quantize(w: jax.Array) -> MXFP4:
+    """fp [..., K, N] -> MXFP4: per group of 32 along K the scale 2^ceil(log2(amax / 6)), nearest E2M1 value."""
+    if w.shape[-2] % GROUP:
+        raise ValueError(f"MXFP4 needs the contraction dimension ({w.shape[-2]}) to be a multiple of {GROUP}")
+    wf = jnp.asarray(w, jnp.float32)
+    g = wf.reshape(wf.shape[:-2] + (-1, GROUP, wf.shape[-1]))  # [..., K/32, 32, N]
+    amax = jnp.max(jnp.abs(g), axis=-2)
+    exp = jnp.where(amax > 0, jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-38) / 6.0)), 0.0)
+    exp = jnp.clip(exp, -127, 127)
+    scaled = g / jnp.exp2(exp)[..., None, :]
+    mags = jnp.asarray(E2M1[:8], jnp.float32)
+    idx = jnp.argmin(jnp.abs(jnp.abs(scaled)[..., None] - mags), axis=-1).astype(jnp.uint8)
+    idx = idx | ((jnp.signbit(scaled) & (idx > 0)).astype(jnp.uint8) << 3)
+    idx = idx.reshape(wf.shape)  # [..., K, N]
+    codes = idx[..., 0::2, :] | (idx[..., 1::2, :] << 4)
+    return MXFP4(codes.astype(jnp.uint8), (exp + 127).astype(jnp.uint8))
+
+
+def matmul(x: jax.Array, w: MXFP4, *, preferred_element_type=None) -> jax.Array:
+    """x [..., K] @ W [K, N] -> [..., N], the weight dequantised to x's dtype first."""
+    return jnp.matmul(x, dequantize(w, x.dtype), preferred_element_type=preferred_element_type)
+
+
+def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_element_type=None) -> jax.Array:
+    """`jax.lax.ragged_dot` with packed experts rhs [G, K, N]: rows of lhs [M, K] grouped by group_sizes [G]."""
+    return jax.lax.ragged_dot(lhs, dequantize(rhs, lhs.dtype), group_sizes,
+                              preferred_element_type=preferred_element_type)
