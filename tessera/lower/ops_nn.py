@@ -16,7 +16,7 @@ from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names
-from tessera.lower.reference import activations, moe as moe_ref, rope as rope_ref
+from tessera.lower.reference import activations, moe as moe_ref, mxfp4, rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.shard import ops as shard_ops
@@ -36,16 +36,24 @@ def _dtype(op, i: int = 0):
     return jnp_dtype(op.results[i].type.dtype)
 
 
-def _cast(params: dict, dtype) -> dict:
-    return {k: (v.astype(dtype) if v is not None and jnp.issubdtype(v.dtype, jnp.floating) else v)
-            for k, v in params.items()}
+def _cast(params: dict, dtype, packed: tuple[str, ...] = ()) -> dict:
+    """Floating params cast to `dtype`; MXFP4 ones dequantised to it, except those named in `packed`."""
+    def cast(k, v):
+        if isinstance(v, mxfp4.MXFP4):
+            return v if k in packed else mxfp4.dequantize(v, dtype)
+        return v.astype(dtype) if v is not None and jnp.issubdtype(v.dtype, jnp.floating) else v
+
+    return {k: cast(k, v) for k, v in params.items()}
 
 
 @lowers("embed")
 def _embed(ctx, op, attrs, ins, params):
+    table = params["table"]
+    if isinstance(table, mxfp4.MXFP4):
+        table = mxfp4.dequantize(table, _dtype(op))
     if ctx.shard is not None:
-        return [shard_ops.embed(ctx.shard, params["table"], ins[0]).astype(_dtype(op))]
-    return [params["table"][ins[0]].astype(_dtype(op))]
+        return [shard_ops.embed(ctx.shard, table, ins[0]).astype(_dtype(op))]
+    return [table[ins[0]].astype(_dtype(op))]
 
 
 @lowers("unembed")
@@ -56,9 +64,9 @@ def _unembed(ctx, op, attrs, ins, params):
     if ctx.shard is not None:  # logits stay split over vocab: [..., vocab / tp]
         x = ctx.shard.seq_gather(x, axis=have.index("seq"))
     if attrs["tied"]:
-        table = params.get("embed/table", params.get("table")).astype(x.dtype)  # [vocab, embed]
+        table = mxfp4.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]
         return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype).astype(dt)]
-    w = params["weight"].astype(x.dtype)
+    w = mxfp4.dense(params["weight"], x.dtype)
     return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype).astype(dt)]
 
 
@@ -82,7 +90,7 @@ def _linear(ctx, op, attrs, ins, params):
     over = tuple(d.name for d in attrs["over"])
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
-               params["weight"].astype(x.dtype), accum=ctx.accum_dtype)
+               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype)
     if "bias" in params:
         y = y + align(params["bias"].astype(jnp.float32), out_dims, names(op.results[0]))
     return [y.astype(dt)]
@@ -100,9 +108,11 @@ def _rope_tables(rope, head_dim: int):
 
 
 def _positions(ctx, batch: int, seq: int):
+    """int32 [batch, seq] absolute positions: the context's, else 0..seq-1 from this block's start."""
     if ctx.positions is not None:
         return ctx.positions
-    return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    start = ctx.shard.seq_start(seq) if ctx.shard is not None else 0  # context parallel: a block of the sequence
+    return jnp.broadcast_to(start + jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
 
 def apply_rope(ctx, rope, x):
@@ -143,6 +153,8 @@ def _sdpa(ctx, op, attrs, ins, params):
     v = align(ins[2], names(op.values[2]), ("batch", "seq", "kv_heads", "head_dim"))
     sinks = ins[3] if len(ins) == 4 else None
     pos = _positions(ctx, q.shape[0], q.shape[1])
+    if ctx.shard is not None and ctx.positions is None:  # context parallel: keys of the whole sequence
+        k, v = ctx.shard.context_gather(k), ctx.shard.context_gather(v)
     out = attention_ref(q, k, v, sinks=sinks, causal=attrs["causal"], window=attrs["window"],
                         scale=attrs["scale"], q_offset=pos[:, 0])
     return [align(out, ("batch", "seq", "heads", "head_dim"), names(op.results[0])).astype(_dtype(op))]
@@ -192,8 +204,12 @@ def _attention(ctx, op, attrs, ins, params, cache):
     pos = _positions(ctx, x.shape[0], x.shape[1])
     core = dict(sinks=params.get("sinks"), causal=attrs["causal"], window=attrs["window"], scale=attrs["scale"])
     label = f"{op_scope(op)} (window {attrs['window']})"
-    if ctx.positions is None:  # a whole sequence from position 0: a kernel may take it
-        out, new_cache = select.attention(ctx, label, q, k, v, **core), None
+    if ctx.positions is None:  # a whole sequence from position 0 (or a context-parallel block of it)
+        offset = 0
+        if ctx.shard is not None:  # context parallel: queries [b, s/sp] at their offset, K/V gathered [b, s]
+            offset = ctx.shard.seq_start(x.shape[1])
+            k, v = ctx.shard.context_gather(k), ctx.shard.context_gather(v)
+        out, new_cache = select.attention(ctx, label, q, k, v, q_offset=offset, **core), None
     elif cache is None or ctx.mode == "prefill":
         out = attention_ref(q, k, v, q_offset=pos[:, 0], **core)
         new_cache = None if cache is None else _cache_write(cache, k, v, pos)
@@ -229,16 +245,20 @@ def _mlp(ctx, op, attrs, ins, params):
     return [align(y.astype(_dtype(op)), BSE, have)]
 
 
+EXPERT_MATRICES = ("experts/gate", "experts/up", "experts/down")  # may stay packed: ragged_dot takes MXFP4
+
+
 @lowers("moe")
 def _moe(ctx, op, attrs, ins, params):
     have = names(op.values[0])
     x = align(ins[0], have, BSE)
     if ctx.shard is not None:
         y = shard_ops.moe(ctx.shard, x, _cast(params, x.dtype), top_k=attrs["top_k"],
-                          act=functools.partial(_act, attrs["act"]))
+                          act=functools.partial(_act, attrs["act"]),  # packed experts: dequantised per layer
+                          ragged_dot=select.ragged_dot(ctx, f"{op_scope(op)} experts"), aux=ctx.aux)
         return [align(y.astype(_dtype(op)), BSE, have)]
     b, s, e = x.shape
-    p = _cast(params, x.dtype)
+    p = _cast(params, x.dtype, EXPERT_MATRICES)
     zeros = functools.partial(jnp.zeros, dtype=x.dtype)
     n_exp, d_ff = p["experts/gate"].shape[0], p["experts/gate"].shape[-1]
     y = moe_ref.moe(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference import mxfp4
 from tessera.lower.reference.attention import attention as attention_reference
 
 REFERENCE = "reference (jax.numpy)"
@@ -31,18 +32,26 @@ def _why_not(ctx) -> str:
     return f"{REFERENCE}: no kernel for backend {ctx.backend}"
 
 
-def attention(ctx, label: str, q, k, v, *, sinks, causal, window, scale):
-    """Self-attention over a whole sequence at positions 0..S-1 (training, forward, prefill)."""
+def attention(ctx, label: str, q, k, v, *, sinks, causal, window, scale, q_offset=0):
+    """Queries at positions q_offset + 0..S-1 over keys at 0..T-1 (training, forward, prefill).
+
+    Under context parallelism q_offset is traced (it depends on the device): the kernel takes only a static
+    offset, so the reference runs.
+    """
     if _allowed(ctx):
         from tessera.lower.kernels import flash_attention as fa
 
-        if fa.supported(q, k, v, sinks=sinks, causal=causal, window=window, q_offset=0):
+        static = isinstance(q_offset, int)
+        if static and fa.supported(q, k, v, sinks=sinks, causal=causal, window=window, q_offset=q_offset):
             _record(ctx, label, "flash_attention (Pallas, Mosaic GPU)")
-            return fa.flash_attention(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale)
-        _record(ctx, label, f"{REFERENCE}: shapes or dtypes outside flash_attention")
+            return fa.flash_attention(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale,
+                                      q_offset=q_offset)
+        why = ("shapes or dtypes outside flash_attention" if static
+               else "queries at a per-device offset (context parallel)")
+        _record(ctx, label, f"{REFERENCE}: {why}")
     else:
         _record(ctx, label, _why_not(ctx))
-    return attention_reference(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale)
+    return attention_reference(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale, q_offset=q_offset)
 
 
 def decode(ctx, label: str, q, cache: dict, q_pos, *, sinks, causal, window, scale):
@@ -64,13 +73,19 @@ def decode(ctx, label: str, q, cache: dict, q_pos, *, sinks, causal, window, sca
 
 
 def ragged_dot(ctx, label: str):
-    """`jax.lax.ragged_dot` or the grouped-GEMM kernel with its semantics, for the MoE experts."""
+    """`jax.lax.ragged_dot` or the grouped-GEMM kernel with its semantics, for the MoE experts.
+
+    rhs may be packed (`MXFP4` experts): then the reference dequantises it (tessera/lower/reference/mxfp4.py).
+    """
     if not _allowed(ctx):
         _record(ctx, label, _why_not(ctx))
-        return jax.lax.ragged_dot
+        return mxfp4.any_ragged_dot
     from tessera.lower.kernels import grouped_matmul as gm
 
     def dot(lhs, rhs, group_sizes, preferred_element_type=None):
+        if isinstance(rhs, mxfp4.MXFP4):
+            _record(ctx, label, f"{REFERENCE}: MXFP4 experts dequantised")
+            return mxfp4.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
         if gm.supported(lhs, rhs, group_sizes):
             _record(ctx, label, "grouped_matmul (Pallas, Mosaic GPU)")
             out = gm.grouped_matmul(lhs, rhs, group_sizes)

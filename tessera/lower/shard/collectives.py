@@ -5,6 +5,8 @@ logical axis and performs the collectives: parameters are all-gathered along the
 not handle natively (FSDP's embed: gathered per layer inside the scan; the transpose reduce-scatters
 the gradients), contractions over a split axis are psum'd (psum_scatter along seq with sequence
 parallelism), and sequence-parallel activations are all-gathered along seq before a block.
+Under context parallelism (seq over `sp`) every activation is a block of the sequence; attention
+all-gathers K and V over sp and places its queries at their global positions.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import fnmatch
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.shard.context import context_axes
 from tessera.lower.shard.rules import AxisRules
 
 # op -> [(param-name glob, logical axes the lowering handles split)]; every other split dim is gathered at use
@@ -45,12 +48,21 @@ def native_axes(op: str, name: str) -> tuple[str, ...]:
     return ()
 
 
+def _block_index(axes: tuple[str, ...]):
+    """This device's block index along a dim split over `axes` (0 when none)."""
+    idx = 0
+    for a in axes:  # row-major over the listed axes, as shard_map lays blocks out
+        idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return idx
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardEnv:
     """The rules, each parameter's dims, and a record of the collectives the program uses."""
 
     rules: AxisRules
     param_dims: tuple[tuple[str, tuple[str, ...]], ...]
+    expert_capacity: float | None = None  # parallel.expert_capacity (expert.py); None: dropless
 
     def axes(self, logical: str) -> tuple[str, ...]:
         """Mesh axes splitting `logical` (empty: replicated)."""
@@ -61,13 +73,28 @@ class ShardEnv:
 
     def index(self, logical: str):
         """This device's block index along `logical` (0 when not split)."""
-        axes = self.axes(logical)
-        if not axes:
-            return 0
-        idx = 0
-        for a in axes:  # row-major over the listed axes, as shard_map lays blocks out
-            idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
-        return idx
+        return _block_index(self.axes(logical))
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """Axes splitting activations' seq for the whole network (context parallelism over `sp`)."""
+        return context_axes(self.rules)
+
+    def seq_start(self, local_len: int):
+        """Global position of this device's first token, its context block holding `local_len` tokens."""
+        axes = self.context_axes
+        return _block_index(axes) * local_len if axes else 0
+
+    def context_gather(self, x, axis: int = 1):
+        """A context block [b, s/sp, ...] made whole along seq [b, s, ...] (transpose: reduce-scatter)."""
+        axes = self.context_axes
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True) if axes else x
+
+    def whole_seq(self) -> "ShardEnv":
+        """This environment with seq unsplit (no context or sequence parallelism): generation's."""
+        rules = dataclasses.replace(self.rules, rules=tuple(r for r in self.rules.rules if r[0] != "seq"),
+                                    sequence_parallel=False)
+        return dataclasses.replace(self, rules=rules)
 
     @property
     def seq_parallel_axes(self) -> tuple[str, ...]:
@@ -81,8 +108,8 @@ class ShardEnv:
         split = self.rules.dims(dict(self.param_dims)[path])[-w.ndim:] if w.ndim else ()
         keep = native_axes(op, name)
         for i, (dim, axes) in enumerate(zip(dims, split)):
-            if axes and dim not in keep:
-                w = jax.lax.all_gather(w, axes, axis=i, tiled=True)
+            if axes and dim not in keep:  # an MXFP4 pytree: codes and scales split (and gathered) alike
+                w = jax.tree.map(lambda a: jax.lax.all_gather(a, axes, axis=i, tiled=True), w)
         return w
 
     def psum(self, x, *logical: str):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tessera.lower.shard.collectives import ShardEnv, vocab_cross_entropy_sums
+from tessera.lower.shard.context import check_context, context_axes, token_spec
 from tessera.lower.shard.mesh import build_mesh
 from tessera.lower.shard.rules import AxisRules, partition_spec
 
@@ -39,9 +40,11 @@ class ShardPlan:
     def collectives(self) -> list[str]:
         """The collectives the lowerings emit on this mesh, for the manifest."""
         r, out = self.rules, []
-        data = [a for a in r.axes("batch")]
+        data = [a for a in r.axes("batch")] + list(context_axes(r))  # params are replicated over sp too
         if data:
             out.append(f"psum(grads over {'*'.join(data)})")
+        if context_axes(r):
+            out.append(f"all_gather(k, v over {'*'.join(context_axes(r))})")
         if any(a in ("fsdp",) for _, axes in r.rules for a in axes):
             out.append("all_gather(params over fsdp) / reduce_scatter(grads)")
         for logical in ("heads", "mlp", "vocab"):
@@ -61,13 +64,8 @@ def make_plan(exp, graph, devices=None) -> ShardPlan:
     """The plan of exp's mesh over the devices; mesh errors are TesseraErrors raised here, before compiling."""
     mesh = build_mesh(exp, graph.params, devices)
     rules = AxisRules.from_experiment(exp)
-    unsupported = {} if exp.parallel.deterministic else {"sp": "context parallelism (the `sp` axis) in fast mode"}
-    for axis, what in unsupported.items():
-        if exp.mesh.axes[axis] > 1:
-            from tessera.diagnostics import error
-            raise error(f"{what} is not lowered yet; mesh.{axis}={exp.mesh.axes[axis]} must be 1",
-                        span=exp.span(f"mesh.{axis}"), key=f"mesh.{axis}",
-                        hint="use parallel.deterministic: true, or dp, fsdp, tp (+ sequence_parallel), ep and pp")
+    if not exp.parallel.deterministic:
+        check_context(exp, rules)
     batch = getattr(exp.task, "batch", None)
     if exp.parallel.deterministic and isinstance(batch, int):
         from tessera.lower.shard.deterministic import check_canonical
@@ -81,8 +79,8 @@ def make_plan(exp, graph, devices=None) -> ShardPlan:
 
 
 def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
-    spec = partition_spec(plan.rules, ("batch",), activation=True)
-    return {k: P(*spec, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
+    """tokens, targets, mask [batch, seq]: batch over the batch axes, seq over sp (context parallel)."""
+    return {k: token_spec(plan.rules, jnp.ndim(v)) for k, v in batch.items()}
 
 
 def _logits(prog, plan: ShardPlan, params, tokens, mode: str):
@@ -100,7 +98,7 @@ def sharded_loss(prog, plan: ShardPlan):
     def local(params, batch):
         logits, last = _logits(prog, plan, params, batch["tokens"], "train")
         total, count = vocab_cross_entropy_sums(plan.env, logits, batch["targets"], batch.get("mask"))
-        axes = plan.rules.axes("batch")
+        axes = plan.rules.axes("batch") + context_axes(plan.rules)
         if last is not None:  # pipeline: the last stage's sums count, the others' are zeros
             total, count = jnp.where(last, total, 0.0), jnp.where(last, count, 0.0)
             axes = axes + ("pp",)
@@ -113,23 +111,27 @@ def sharded_loss(prog, plan: ShardPlan):
                            out_specs=P())
         return fn(params, batch)
 
+    if dict(plan.rules.sizes).get("pp", 1) > 1 and prog.exp.parallel.pipeline.schedule == "1f1b":
+        from tessera.lower.shard.pipeline_1f1b import with_1f1b_grads
+        return with_1f1b_grads(prog, plan, loss)  # gradients from the 1F1B schedule; the value alone: GPipe
     return loss
 
 
 def sharded_forward(prog, plan: ShardPlan, mode: str):
-    """forward(params, tokens) -> logits [batch, seq, vocab] computed under shard_map."""
-    out = partition_spec(plan.rules, ("batch", "seq", "vocab"), activation=True)
-    out = P(out[0], None, plan.rules.axes("vocab") or None)
+    """forward(params, tokens) -> logits [batch, seq, vocab] computed under shard_map (seq split over sp when
+    the split divides the tokens' length; otherwise sp replicates the work)."""
 
     def forward(params, tokens):
-        env = plan.env
+        seq_split = plan.rules.dims(("batch", "seq"), activation=True)[1]
+        use = plan if tokens.shape[1] % plan.rules.size(seq_split) == 0 else \
+            dataclasses.replace(plan, env=plan.env.whole_seq())
+
         def local(p, t):
-            logits, last = _logits(prog, plan, p, t, mode)
+            logits, last = _logits(prog, use, p, t, mode)
             return logits if last is None else jax.lax.psum(jnp.where(last, logits, 0.0), "pp")
 
-        fn = jax.shard_map(local, mesh=plan.mesh,
-                           in_specs=(plan.param_specs, P(*partition_spec(plan.rules, ("batch",), activation=True), None)),
-                           out_specs=out)
+        out = P(*token_spec(use.rules), use.rules.axes("vocab") or None)  # [batch, seq / sp, vocab / tp]
+        fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, token_spec(use.rules)), out_specs=out)
         return fn(params, tokens)
 
     return forward
@@ -138,7 +140,7 @@ def sharded_forward(prog, plan: ShardPlan, mode: str):
 def sharded_generate(plan: ShardPlan, run, batch: int):
     """run(params, prompts, seed, shard) under shard_map: prompts split over the batch axes when they divide
     the batch, KV caches holding this device's kv_heads, logits gathered over vocab before sampling."""
-    env = dataclasses.replace(plan.env, rules=dataclasses.replace(plan.rules, sequence_parallel=False))
+    env = plan.env.whole_seq()  # sp replicates the decode: every sp device runs the whole prompt
     axes = plan.rules.axes("batch")
     spec = P(axes or None, None) if axes and batch % plan.rules.size(axes) == 0 else P()
 

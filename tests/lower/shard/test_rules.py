@@ -103,13 +103,14 @@ def test_pipeline_stages_must_start_on_the_layer_pattern():
     check_stages(ok, program_graph(ok))
 
 
-def test_fast_mode_refuses_the_context_parallel_axis():
+def test_fast_mode_refuses_context_parallelism_over_an_axis_that_splits_heads():
     from tessera.lower.shard.step import make_plan
 
-    exp = _exp(mesh__sp=2, parallel__deterministic=False)
+    exp = _exp(mesh__tp=2, parallel__rules__seq="tp", parallel__deterministic=False)
     import jax
-    with pytest.raises(TesseraError, match="context parallelism"):
+    with pytest.raises(TesseraError, match="context parallelism over `tp` is not supported") as e:
         make_plan(exp, program_graph(exp), devices=jax.devices()[:1] * 2)
+    assert e.value.diagnostics[0].key == "parallel.rules.seq" and e.value.diagnostics[0].span is not None
 
 
 def test_deterministic_batch_must_split_into_canonical_shards_over_the_mesh():
