@@ -3,13 +3,15 @@
 Semantics of `jax.lax.ragged_dot`: lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes [G]
 (sum <= M; rows past the sum give 0; empty groups allowed): out[r] = lhs[r] @ rhs[group(r)].
 
-Forward: a tile table built outside the kernel lists, for every (row block, group) pair that
-meets, the group, the block and the rows of the block that belong to it; each CTA runs one table
-entry x one N tile: a TMA/wgmma pipeline over K, then stores only its rows (a ladder of
-power-of-two TMA stores, so rows of neighbouring groups are never overwritten).
-d lhs is the same kernel on rhs^T (a transposed wgmma operand, no copy). d rhs[g] = lhs_g^T dout_g:
-one CTA per (group, K tile, N tile), pipelining over the group's row blocks and zeroing rows of
-other groups in SMEM on the first and last block.
+Forward (and d lhs, the same kernel reading rhs transposed): a persistent grid, one CTA per SM,
+walks (row tile, N tile) pairs. Row tiles start at their group's first row (a group of s rows
+takes ceil(s / block_m) tiles, so a tile never mixes groups); a tile that would run past M is
+shifted back and keeps only its own rows. Each CTA has a TMA producer warpgroup and two
+consumer warpgroups, each owning half of the tile's rows; a consumer whose half holds no rows
+of the tile skips its MMAs. The epilogue writes the tile through SMEM and stores only the
+tile's rows (a ladder of power-of-two TMA stores), while the producer fetches the next tile.
+d rhs[g] = lhs_g^T @ dout_g (`_drhs`): the same persistent scheme over (group, K tile, N tile),
+reducing over the group's 64-row blocks; rows of other groups are zeroed in SMEM.
 """
 
 from __future__ import annotations
@@ -25,212 +27,337 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import _mgpu
 
+MEMORY_REGISTERS = 40  # the TMA warpgroup's registers; the consumers share the rest
+WGS = 2  # consumer warpgroups per CTA
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
-    """Tiles: block_m rows x block_n columns per CTA, block_k per pipeline step, `stages` deep."""
+    """block_m rows (block_m // 2 per consumer) x block_n columns per tile; block_k per step."""
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 192
     block_k: int = 64
     stages: int = 4
     band: int = 8  # row tiles visited together (L2 reuse of lhs rows and expert weights)
-    interpret: bool = False  # CPU interpreter (forward only: it has no transposed wgmma operands)
+    skip_idle: bool = True  # a consumer whose half of the tile has no rows issues no MMAs
+    interpret: bool = False  # the CPU interpreter (tests)
 
     def __post_init__(self):
-        if self.block_m % 64 or self.block_k % 64:
-            raise ValueError(f"block_m={self.block_m}, block_k={self.block_k} must be multiples of 64")
-        if self.block_n % 64 or self.block_n > 256:
-            raise ValueError(f"{self.block_n=} must be a multiple of 64, at most 256")
+        if self.block_m not in (128, 256):
+            raise ValueError(f"{self.block_m=} must be 128 or 256 (64 or 128 rows per consumer)")
+        if self.block_k % 64 or self.block_n % 64 or self.block_n > 256:
+            raise ValueError(f"{self.block_k=}, {self.block_n=} must be multiples of 64 (block_n <= 256)")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be at least 2")
 
 
+def pick_block_n(n: int, widths=(192, 128, 256, 64)) -> int:
+    """The first width dividing n (GPT-OSS: 2880 and 5760 both take 192)."""
+    return next((w for w in widths if n % w == 0), 64)
+
+
 def default_config(n: int) -> GroupedMatmulConfig:
-    """128 x 128 tiles where N allows, else 128 x 64."""
-    return GroupedMatmulConfig(block_n=128 if n % 128 == 0 else 64)
+    """128-row tiles, N tile 192/128/256/64, whichever divides n first."""
+    return GroupedMatmulConfig(block_n=pick_block_n(n))
 
 
 def supported(lhs, rhs, group_sizes, config=None) -> bool:
-    """Hopper GPU, fp16/bf16, K and N multiples of 64 (the tiles), int32 group sizes."""
+    """Hopper GPU, fp16/bf16, K and N multiples of 64, int32-able group sizes."""
     if not _mgpu.on_hopper():
         return False
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],):
         return False
     if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in _mgpu.HALF_DTYPES:
         return False
-    cfg = config or default_config(rhs.shape[2])
-    return lhs.shape[1] == rhs.shape[1] and lhs.shape[1] % 64 == 0 and rhs.shape[2] % cfg.block_n == 0
+    return lhs.shape[1] == rhs.shape[1] and lhs.shape[1] % 64 == 0 and rhs.shape[2] % 64 == 0
 
 
-def _kernel(body, cfg: GroupedMatmulConfig, **kwargs):
-    """plgpu.kernel in warpgroup semantics (or the CPU interpreter)."""
+def num_sms(interpret: bool) -> int:
+    """CTAs of the persistent grid: one per SM (4 in the interpreter)."""
+    return 4 if interpret else jax.devices()[0].core_count
+
+
+def kernel_call(body, cfg, **kwargs):
+    """plgpu.kernel: a persistent grid of 3 warpgroups (2 consumers + TMA), warpgroup semantics."""
+    kwargs.update(grid=(num_sms(cfg.interpret),), grid_names=("sm",), num_threads=WGS + 1, thread_name="wg")
     if cfg.interpret:
         return plgpu.kernel(body, interpret=_mgpu.interpret_params(), **kwargs)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     return plgpu.kernel(body, compiler_params=params, **kwargs)
 
 
-def _tile_table(group_sizes, m: int, block_m: int):
-    """int32 [cdiv(m, bm) + G, 4]: (group, row block, first row in block, rows) per tile.
+def transforms(dtype):
+    """(8, 64) tiling + 128-byte swizzle for fp16/bf16 SMEM tiles (wgmma and TMA full speed)."""
+    return _mgpu.smem_transforms(dtype)
 
-    Rows past sum(group_sizes) form a virtual group G whose tiles store zeros (ragged_dot's 0).
+
+def mma(acc_ref, a, b, *, transpose_a=False, transpose_b=False, scratch=None):
+    """acc_ref += a @ b on SMEM tiles (a^T / b^T when asked), on the tensor cores.
+
+    The interpreter of jax 0.10/0.11 has no transposed operands: there `scratch` (an SMEM tile
+    of the transposed shape) receives a copy of the transposed operand first.
+    """
+    if scratch is not None:
+        src = a if transpose_a else b
+        scratch[...] = src[...].T
+        a, b = (scratch, b) if transpose_a else (a, scratch)
+        transpose_a = transpose_b = False
+    a = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
+    b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    plgpu.wgmma(acc_ref, a, b)
+
+
+def interpret_scratch(cfg, shape, dtype):
+    """Per-consumer SMEM for `mma`'s transposed copies in the interpreter (none on the GPU)."""
+    return plgpu.SMEM((WGS, *shape), dtype) if cfg.interpret else None
+
+
+# ----------------------------------------------------------------------------- tile table
+
+
+def _tile_table(group_sizes, m: int, block_m: int):
+    """int32 [m // block_m + G + 2, 4]: (group, first row loaded, first kept row in tile, rows).
+
+    Group g's rows [s, e) take tiles starting at s, s + bm, ...; a tile is loaded from
+    r0 = min(start, m - bm) so it never reads past m, and keeps rows [start - r0, + rows).
+    Rows past sum(group_sizes) form group G, whose tiles store zeros. Unused entries have 0 rows.
     """
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.minimum(jnp.cumsum(sizes), m)
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # + the tail group
-    g = ends.shape[0]
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    first = starts // block_m
-    count = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    count = (ends - starts + block_m - 1) // block_m  # tiles per group (0 for an empty one)
     offsets = jnp.cumsum(count)
-    t = jnp.arange(-(-m // block_m) + g - 1, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), g - 1).astype(jnp.int32)
-    blk = first[grp] + t - (offsets[grp] - count[grp])
-    lo = jnp.maximum(starts[grp], blk * block_m)
-    hi = jnp.minimum(ends[grp], (blk + 1) * block_m)
-    rows = jnp.where(t < offsets[-1], jnp.maximum(hi - lo, 0), 0)
-    return jnp.stack([grp, blk, lo - blk * block_m, rows], axis=1).astype(jnp.int32)
-
-
-def _store_rows(o_smem, out_ref, row0, first, rows, col0, block_m: int, block_n: int):
-    """Copy o_smem rows [first, first + rows) to out rows [row0 + first, ...): power-of-two TMAs."""
-    start, size = first, block_m
-    while size >= 1:
-        @pl.when(rows & size != 0)
-        def _(start=start, size=size):
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, size)],
-                                    out_ref.at[pl.ds(row0 + start, size), pl.ds(col0, block_n)])
-        start = start + (rows & size)
-        size //= 2
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    t = jnp.arange(m // block_m + ends.shape[0] + 1, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    start = starts[grp] + (t - offsets[grp] + count[grp]) * block_m
+    rows = jnp.where(t < offsets[-1], jnp.clip(ends[grp] - start, 0, block_m), 0)
+    r0 = jnp.clip(jnp.minimum(start, m - block_m), 0, None)
+    return jnp.stack([grp, r0, start - r0, rows], axis=1).astype(jnp.int32)
 
 
 def _banded(i, n_tiles_n: int, band: int):
-    """Linear CTA id -> (N tile, table entry): `band` row tiles x every N tile, row tiles fastest.
+    """Linear tile id -> (N tile, table entry): `band` row tiles x every N tile, row tiles fastest.
 
-    A band's lhs rows (band x bm x K) and the few experts' weight columns it touches stay in L2, so
-    lhs is read about once and each expert's weights about once per band it spans.
+    A band's lhs rows and the few experts' weight columns it touches stay in L2: lhs is read
+    about once and each expert's weights about once (its 2-3 row tiles run side by side).
     """
     per_band = n_tiles_n * band
     b, r = lax.div(i, jnp.int32(per_band)), lax.rem(i, jnp.int32(per_band))
     return lax.div(r, jnp.int32(band)), b * band + lax.rem(r, jnp.int32(band))
 
 
-def _forward_kernel(table_ref, lhs_ref, rhs_ref, out_ref, *, cfg, k: int, transpose_rhs: bool,
-                    n_tiles_n: int):
-    """One (table entry, N tile): acc[bm, bn] = lhs block @ rhs[g] over K, rows of g stored."""
+def store_rows(o_smem, out_ref, row0, first, rows, col0, height: int, width: int):
+    """TMA-store o_smem rows [first, first + rows) to out rows [row0 + first, ...): 2^i-row pieces."""
+    start, size = first, 1 << (height.bit_length() - 1)
+    while size >= 1:
+        @pl.when(rows & size != 0)
+        def _(start=start, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, size)],
+                                    out_ref.at[pl.ds(row0 + start, size), pl.ds(col0, width)])
+        start = start + (rows & size)
+        size //= 2
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_kernel(table_ref, lhs_ref, *refs, cfg, k: int, n_rhs: int, transpose_rhs: bool,
+                    n_tiles_n: int, n_entries: int, epilogue):
+    """Persistent loop over (table entry, N tile); `epilogue(accs, grp, ni, wg, scratch)` -> tile."""
+    rhs_refs, extra, out_ref = refs[:n_rhs], refs[n_rhs:-1], refs[-1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    ni, t = _banded(lax.axis_index("i"), n_tiles_n, cfg.band)
-    grp, blk, first, rows = (table_ref[t, i] for i in range(4))
-    num_groups = rhs_ref.shape[0]
+    hm = bm // WGS  # rows per consumer warpgroup
+    num_groups = rhs_refs[0].shape[0]
+    tf = transforms(lhs_ref.dtype)
+    rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf)]
+    specs += [plgpu.BlockSpec(rhs_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                              transforms=tf)] * n_rhs
 
-    def acc_scope(acc_ref):
-        def step(_, l_smem, r_smem):
-            plgpu.wgmma(acc_ref, l_smem, plgpu.transpose_ref(r_smem, (1, 0)) if transpose_rhs else r_smem)
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // bk,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
+            num_compute_wgs=WGS, max_concurrent_steps=cfg.stages, compute_context=context)
 
-        rhs_spec = (plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=1)
-                    if transpose_rhs else
-                    plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1))
+    ignore = lambda *_, **__: None
+    rhs_views = [r.at[0] for r in rhs_refs]
+    rhs_views = [v.at[pl.ds(0, bn), :] if transpose_rhs else v.at[:, pl.ds(0, bn)] for v in rhs_views]
+    allocs = pipeline(ignore, ignore).get_allocations(lhs_ref.at[pl.ds(0, bm)], *rhs_views)
 
-        @pl.when(grp < num_groups)  # the tail group stores zeros
-        def _():
-            plgpu.emit_pipeline(
-                step, grid=(k // bk,),
-                in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (blk, kk), delay_release=1), rhs_spec],
-                max_concurrent_steps=cfg.stages,
-            )(lhs_ref, rhs_ref.at[jnp.minimum(grp, num_groups - 1)])
-        return acc_ref[...]
+    t_scr = interpret_scratch(cfg, (bk, bn), lhs_ref.dtype) if transpose_rhs else None
 
-    @pl.when(rows > 0)
-    def _():
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
+    @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((WGS, hm, bn), out_ref.dtype),
+                       scratch=_epilogue_scratch(epilogue, bn), t_scr=t_scr, collective_axes="wg")
+    def _scope(allocs, o_smem, scratch, t_scr):
+        wg = lax.axis_index("wg")
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), out_ref.dtype))
-        def _store(o_smem):
-            o_smem[...] = acc.astype(o_smem.dtype)
-            plgpu.commit_smem()
-            _store_rows(o_smem, out_ref, blk * bm, first, rows, ni * bn, bm, bn)
+        @plgpu.nd_loop((n_entries * n_tiles_n,), collective_axes="sm")
+        def _tile(info):
+            ni, t = _banded(info.index[0], n_tiles_n, cfg.band)
+            grp, r0, first, rows = (table_ref[t, i] for i in range(4))
+            lo = jnp.clip(first - wg * hm, 0, hm)  # this consumer's rows [lo, hi) of its half
+            cnt = jnp.clip(first + rows - wg * hm, 0, hm) - lo
+            busy = (grp < num_groups) & ((cnt > 0) if cfg.skip_idle else True)
+
+            def body(_, a_smem, *rest):
+                *b_smems, accs = rest
+
+                @pl.when(busy)
+                def _():
+                    for acc, b in zip(accs, b_smems):
+                        mma(acc, a_smem.at[pl.ds(wg * hm, hm)], b, transpose_b=transpose_rhs,
+                            scratch=None if t_scr is None else t_scr.at[wg])
+                    plgpu.wgmma_wait(0)
+                return accs
+
+            def context(run):
+                def with_accs(*acc_refs):
+                    accs = run(acc_refs)
+                    tile = epilogue([a[...] for a in accs], grp=grp, ni=ni, wg=wg, scratch=scratch,
+                                    extra=extra, num_groups=num_groups, bn=bn)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store
+                    o_smem[wg] = tile.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    store_rows(o_smem.at[wg], out_ref, r0 + wg * hm, lo, cnt, ni * bn, hm, bn)
+                pl.run_scoped(with_accs, *[plgpu.ACC((hm, bn), jnp.float32)] * n_rhs)
+
+            @pl.when(rows > 0)
+            def _():
+                g = jnp.minimum(grp, num_groups - 1)
+                views = [r.at[g] for r in rhs_refs]
+                views = [v.at[pl.ds(ni * bn, bn), :] if transpose_rhs else v.at[:, pl.ds(ni * bn, bn)]
+                         for v in views]
+                pipeline(body, context)(lhs_ref.at[pl.ds(r0, bm)], *views, allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _grouped(lhs, rhs, group_sizes, cfg: GroupedMatmulConfig, transpose_rhs: bool = False):
-    """out [M, N] = ragged lhs @ rhs[g] (rhs [G, K, N] read transposed when transpose_rhs)."""
+def _epilogue_scratch(epilogue, bn):
+    """SMEM the epilogue asks for (e.g. bias vectors), or none."""
+    make = getattr(epilogue, "scratch", None)
+    return make(bn) if make else None
+
+
+def plain_epilogue(accs, **_):
+    """The product itself (fp32 accumulator; cast to the output dtype by the caller)."""
+    return accs[0]
+
+
+def grouped_call(lhs, rhs_list, group_sizes, cfg: GroupedMatmulConfig, *, transpose_rhs=False,
+                 epilogue=plain_epilogue, extra=(), out_dtype=None):
+    """out [M, N] = epilogue(ragged lhs @ rhs[g] for rhs in rhs_list) (rhs [G, K, N], or [G, N, K]^T)."""
     m, k = lhs.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    m_pad = -(-m // cfg.block_m) * cfg.block_m
-    lhs_p = lhs if m_pad == m else jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
-    table = _tile_table(group_sizes, m, cfg.block_m)
-    n_t = -(-table.shape[0] // cfg.band) * cfg.band  # whole bands; extra entries have 0 rows
-    table = jnp.pad(table, ((0, n_t - table.shape[0]), (0, 0)))
+    n = rhs_list[0].shape[1] if transpose_rhs else rhs_list[0].shape[2]
+    if n % cfg.block_n or k % cfg.block_k:
+        raise ValueError(f"N={n}, K={k} must be multiples of {cfg.block_n=}, {cfg.block_k=}")
+    m_run = max(m, cfg.block_m)  # a tile is never taller than the array
+    lhs_p = lhs if m_run == m else jnp.pad(lhs, ((0, m_run - m), (0, 0)))
+    table = _tile_table(group_sizes, m_run, cfg.block_m)
+    n_entries = -(-table.shape[0] // cfg.band) * cfg.band  # whole bands; extra entries have 0 rows
+    table = jnp.pad(table, ((0, n_entries - table.shape[0]), (0, 0)))
     n_tiles_n = n // cfg.block_n
-    out = _kernel(
-        functools.partial(_forward_kernel, cfg=cfg, k=k, transpose_rhs=transpose_rhs,
-                          n_tiles_n=n_tiles_n), cfg,
-        out_type=jax.ShapeDtypeStruct((m_pad, n), lhs.dtype),
-        grid=(n_tiles_n * n_t,), grid_names=("i",),
-    )(table, lhs_p, rhs)
-    return out if m_pad == m else out[:m]
+    body = functools.partial(_forward_kernel, cfg=cfg, k=k, n_rhs=len(rhs_list), transpose_rhs=transpose_rhs,
+                             n_tiles_n=n_tiles_n, n_entries=n_entries, epilogue=epilogue)
+    out = kernel_call(body, cfg, out_type=jax.ShapeDtypeStruct((m_run, n), out_dtype or lhs.dtype))(
+        table, lhs_p, *rhs_list, *extra)
+    return out if m_run == m else out[:m]
 
 
 # ----------------------------------------------------------------------------- d rhs
 
 
-def _drhs_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, cfg):
-    """d rhs[g][k tile, n tile] = sum over the group's row blocks of lhs_blk^T @ dout_blk."""
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    ni, ki, g = lax.axis_index("n"), lax.axis_index("k"), lax.axis_index("g")
-    start, end = starts_ref[g], ends_ref[g]
-    first_blk = lax.div(start, jnp.int32(bm))
-    n_blk = lax.div(end + (bm - 1), jnp.int32(bm)) - first_blk
+def _iota(shape, interpret: bool):
+    """int32 row index of a [rows, cols] tile (in the wgmma layout on the GPU)."""
+    x = lax.broadcasted_iota(jnp.int32, shape, 0)
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
-    def acc_scope(acc_ref):
-        def step(idx, l_smem, d_smem):
-            row0 = (first_blk + idx[0]) * bm
-            edge = (row0 < start) | (row0 + bm > end)
 
-            @pl.when(edge)
-            def _():  # zero rows of other groups (first / last block of the group)
-                rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bm, bk), 0),
-                                         plgpu.Layout.WGMMA) + row0
-                keep = ((rows >= start) & (rows < end)).astype(l_smem.dtype)
-                l_smem[...] = l_smem[...] * keep
-                plgpu.commit_smem()
-            plgpu.wgmma(acc_ref, plgpu.transpose_ref(l_smem, (1, 0)), d_smem)
+def _drhs_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, cfg, n_tiles_k: int, n_tiles_n: int):
+    """d rhs[g][k0 + 64 w + [0, 64), n tile] = sum over the group's 64-row blocks of lhs^T @ dout."""
+    bn, br = cfg.block_n, 64  # br: rows per step (the reduction)
+    bk = 64 * WGS  # K rows of a tile, 64 per consumer
+    m, kdim = lhs_ref.shape
+    tf = transforms(lhs_ref.dtype)
 
-        @pl.when(end > start)
-        def _():
-            plgpu.emit_pipeline(
-                step, grid=(n_blk,),
-                in_specs=[plgpu.BlockSpec((bm, bk), lambda i: (first_blk + i, ki), delay_release=1,
-                                          transforms=_mgpu.smem_transforms(lhs_ref.dtype)),
-                          plgpu.BlockSpec((bm, bn), lambda i: (first_blk + i, ni), delay_release=1,
-                                          transforms=_mgpu.smem_transforms(lhs_ref.dtype))],
-                max_concurrent_steps=cfg.stages,
-            )(lhs_ref, dout_ref)
-        return acc_ref[...]
+    def pipeline(body, context, steps, blk0):
+        specs = [plgpu.BlockSpec((br, bk), lambda i: (blk0 + i, 0), transforms=tf),
+                 plgpu.BlockSpec((br, bn), lambda i: (blk0 + i, 0), transforms=tf)]
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
+            num_compute_wgs=WGS, max_concurrent_steps=cfg.stages, compute_context=context)
 
-    acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn), jnp.float32))  # starts at 0
+    ignore = lambda *_, **__: None
+    allocs = pipeline(ignore, ignore, m // br, 0).get_allocations(lhs_ref.at[:, pl.ds(0, bk)],
+                                                                  dout_ref.at[:, pl.ds(0, bn)])
 
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bk, bn), out_ref.dtype))
-    def _store(o_smem):
-        o_smem[...] = acc.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
+    @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((WGS, 64, bn), out_ref.dtype, transforms=tf),
+                       t_scr=interpret_scratch(cfg, (64, br), lhs_ref.dtype), collective_axes="wg")
+    def _scope(allocs, o_smem, t_scr):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((starts_ref.shape[0] * n_tiles_k * n_tiles_n,), collective_axes="sm")
+        def _tile(info):
+            i = info.index[0]  # group-major: one expert's rows stay in L2 while its tiles run
+            g = lax.div(i, jnp.int32(n_tiles_k * n_tiles_n))
+            r = lax.rem(i, jnp.int32(n_tiles_k * n_tiles_n))
+            ki, ni = lax.div(r, jnp.int32(n_tiles_n)), lax.rem(r, jnp.int32(n_tiles_n))
+            k0 = jnp.minimum(ki * bk, kdim - bk)  # the last K tile is shifted back (kdim >= bk)
+            mine = k0 + wg * 64  # this consumer's K rows [mine, mine + 64)
+            owner = mine >= ki * bk  # not already written by the previous K tile
+            start, end = starts_ref[g], ends_ref[g]
+            blk0 = lax.div(start, jnp.int32(br))
+            steps = jnp.where(end > start, lax.div(end + br - 1, jnp.int32(br)) - blk0, 0)
+
+            def body(idx, l_smem, d_smem, acc):
+                row0 = (blk0 + idx[0]) * br
+                a = l_smem.at[:, pl.ds(wg * 64, 64)]
+
+                @pl.when(owner & ((row0 < start) | (row0 + br > end)))
+                def _():  # zero rows of other groups (first / last block): this consumer's half only
+                    rows = _iota((br, 64), cfg.interpret) + row0
+                    keep = ((rows >= start) & (rows < end)).astype(a.dtype)
+                    a[...] = a[...] * keep
+                    plgpu.commit_smem()
+
+                @pl.when(owner)
+                def _():
+                    mma(acc, a, d_smem, transpose_a=True, scratch=None if t_scr is None else t_scr.at[wg])
+                    plgpu.wgmma_wait(0)
+                return acc
+
+            def context(run):
+                def with_acc(acc_ref):
+                    acc = run(acc_ref)[...]
+
+                    @pl.when(owner)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store
+                        o_smem[wg] = acc.astype(o_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[g, pl.ds(mine, 64), pl.ds(ni * bn, bn)])
+                pl.run_scoped(with_acc, plgpu.ACC((64, bn), jnp.float32))
+
+            pipeline(body, context, steps, blk0)(lhs_ref.at[:, pl.ds(k0, bk)], dout_ref.at[:, pl.ds(ni * bn, bn)],
+                                                 allocations=allocs)
+
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _grouped_drhs(lhs, dout, group_sizes, g: int, cfg: GroupedMatmulConfig):
-    """d rhs [G, K, N] = per group lhs_g^T @ dout_g."""
+def grouped_drhs(lhs, dout, group_sizes, g: int, cfg: GroupedMatmulConfig):
+    """d rhs [G, K, N] = per group lhs_g^T @ dout_g (empty groups: zeros)."""
     m, k = lhs.shape
     n = dout.shape[1]
-    m_pad = -(-m // cfg.block_m) * cfg.block_m
-    pad = lambda x: x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    m_pad = -(-m // 64) * 64
+    k_pad = max(k, 64 * WGS)  # a K tile is 128 rows
+    lhs = jnp.pad(lhs, ((0, m_pad - m), (0, k_pad - k))) if (m_pad, k_pad) != (m, k) else lhs
+    dout = jnp.pad(dout, ((0, m_pad - m), (0, 0))) if m_pad != m else dout
     ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    return _kernel(
-        functools.partial(_drhs_kernel, cfg=cfg), cfg,
-        out_type=jax.ShapeDtypeStruct((g, k, n), lhs.dtype),
-        grid=(n // cfg.block_n, k // cfg.block_k, g), grid_names=("n", "k", "g"),
-    )(starts, ends, pad(lhs), pad(dout))
+    n_tiles_k, n_tiles_n = -(-k_pad // (64 * WGS)), n // cfg.block_n
+    body = functools.partial(_drhs_kernel, cfg=cfg, n_tiles_k=n_tiles_k, n_tiles_n=n_tiles_n)
+    out = kernel_call(body, cfg, out_type=jax.ShapeDtypeStruct((g, k_pad, n), lhs.dtype))(starts, ends, lhs, dout)
+    return out if k_pad == k else out[:, :k]
 
 
 # ----------------------------------------------------------------------------- public op
@@ -238,20 +365,19 @@ def _grouped_drhs(lhs, dout, group_sizes, g: int, cfg: GroupedMatmulConfig):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, group_sizes, cfg):
-    return _grouped(lhs, rhs, group_sizes, cfg)
+    return grouped_call(lhs, [rhs], group_sizes, cfg)
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, cfg):
-    return _grouped(lhs, rhs, group_sizes, cfg), (lhs, rhs, group_sizes)
+    return grouped_call(lhs, [rhs], group_sizes, cfg), (lhs, rhs, group_sizes)
 
 
 def _gmm_bwd(cfg, res, dout):
     lhs, rhs, group_sizes = res
     dout = dout.astype(lhs.dtype)
-    k = lhs.shape[1]
-    cfg_t = dataclasses.replace(cfg, block_n=128 if k % 128 == 0 else 64)
-    dlhs = _grouped(dout, rhs, group_sizes, cfg_t, transpose_rhs=True)
-    drhs = _grouped_drhs(lhs, dout, group_sizes, rhs.shape[0], cfg)
+    dlhs = grouped_call(dout, [rhs], group_sizes, dataclasses.replace(cfg, block_n=pick_block_n(lhs.shape[1])),
+                        transpose_rhs=True)
+    drhs = grouped_drhs(lhs, dout, group_sizes, rhs.shape[0], cfg)
     return dlhs, drhs, None
 
 
