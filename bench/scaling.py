@@ -115,30 +115,42 @@ def section_train(gpus: int, tmp: Path, steps: int) -> None:
               f"{r['peak_gib_per_gpu'] or 0:.2f} | {r['plan_gib_per_gpu']:.2f} |")
 
 
-def section_determinism(gpus: int, tmp: Path, steps: int) -> None:
+def _first_difference(a: list, b: list) -> str:
+    """Where two per-step metric lists first differ, and their largest relative difference."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if not diff:
+        return "identical"
+    rel = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b) if x is not None and y is not None)
+    return f"step {diff[0] + 1}, max rel {rel:.2e}"
+
+
+def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, limit: int = 0) -> None:
     spec = "specs/gpt_oss_tiny.yaml"
     base = [f"task.steps={steps}", "task.eval_every=0", "checkpoint.every=0"]
     meshes = {1: [[]], 2: [["mesh.dp=2"], ["mesh.tp=2"], ["mesh.ep=2"], ["mesh.fsdp=2"]],
               4: [["mesh.dp=2", "mesh.tp=2"], ["mesh.fsdp=2", "mesh.ep=2"]],
               8: [["mesh.dp=8"], ["mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]]}
-    print(f"\n## determinism: {spec}, {steps} steps, deterministic mode")
-    print("| GPUs | mesh | losses identical | checksum identical | tokens/s (det) | tokens/s (fast) |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n## determinism: {spec}, {steps} steps, deterministic mode, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print("| GPUs | mesh | loss vs 1 GPU | grad norm vs 1 GPU | checksum identical | tokens/s (det) | tokens/s (fast) |")
+    print("|---|---|---|---|---|---|---|")
     reference = None
     for n in mesh_sets(gpus):
-        for i, overrides in enumerate(meshes[n]):
+        for i, overrides in enumerate(meshes[n][:limit or None]):
             det = run_one(spec, n, base + overrides + ["parallel.deterministic=true"], tmp)
             # the cost of determinism: the fast collectives on the first mesh of each size
-            fast = run_one(spec, n, base + overrides + ["parallel.deterministic=false"], tmp) if i == 0 else {}
+            quick = (run_one(spec, n, base + overrides + ["parallel.deterministic=false"], tmp)
+                     if fast and i == 0 else {})
             if "error" in det:
-                print(f"| {n} | {' '.join(overrides) or '-'} | failed: {det['error']} | | | |")
+                print(f"| {n} | {' '.join(overrides) or '-'} | failed: {det['error']} | | | | |")
                 continue
             losses = [m.get("loss") for m in det["manifest"]["metrics"]]
+            norms = [m.get("grad_norm") for m in det["manifest"]["metrics"]]
             checksum = det["manifest"]["params_checksum"]
-            reference = reference or (losses, checksum)
-            fast_tps = fast["manifest"].get("tokens_per_s") if "manifest" in fast else None
-            print(f"| {n} | {' '.join(overrides) or '-'} | {losses == reference[0]} | {checksum == reference[1]} | "
-                  f"{det['manifest'].get('tokens_per_s') or 0:,.0f} | {fast_tps or 0:,.0f} |")
+            reference = reference or (losses, norms, checksum)
+            fast_tps = quick["manifest"].get("tokens_per_s") if "manifest" in quick else None
+            print(f"| {n} | {' '.join(overrides) or '-'} | {_first_difference(losses, reference[0])} | "
+                  f"{_first_difference(norms, reference[1])} | {checksum == reference[2]} | "
+                  f"{det['manifest'].get('tokens_per_s') or 0:,.0f} | {fast_tps or 0:,.0f} |", flush=True)
 
 
 def main() -> None:
@@ -147,12 +159,17 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--generate-meshes", type=int, default=2, help="1: tensor parallel only; 2: also expert")
+    parser.add_argument("--no-fast", action="store_true", help="determinism: skip the fast-mode comparison runs")
+    parser.add_argument("--det-meshes", type=int, default=0, help="determinism: the first N meshes of each size")
+    parser.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS for every configuration")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--report", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.chdir(ROOT)
+    if args.xla_flags:
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), args.xla_flags]).strip()
     if args.worker:
         worker(args.worker, args.overrides, args.out, args.report)
         return
@@ -165,7 +182,7 @@ def main() -> None:
             elif name == "train":
                 section_train(gpus, Path(tmp), args.steps)
             elif name == "determinism":
-                section_determinism(gpus, Path(tmp), args.steps)
+                section_determinism(gpus, Path(tmp), args.steps, fast=not args.no_fast, limit=args.det_meshes)
             else:
                 parser.error(f"unknown section {name!r}")
 
