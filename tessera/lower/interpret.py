@@ -100,7 +100,8 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     p = period(region, n)
     stacked = [path for path in region_param_paths(region)
                if params[path].ndim and params[path].shape[0] == n]
-    xs_params = {path: params[path].reshape((n // p, p) + params[path].shape[1:]) for path in stacked}
+    xs_params = {path: jax.tree.map(lambda a: a.reshape((n // p, p) + a.shape[1:]), params[path])
+                 for path in stacked}  # a packed (MXFP4) parameter is a pytree of two stacked arrays
     shared = {path: v for path, v in params.items() if path not in xs_params}
 
     def body(carry, xs):
@@ -108,7 +109,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
         new_states = []
         for j in range(p):
             here = dict(shared)
-            here.update({path: v[j] for path, v in layer_params.items()})
+            here.update({path: jax.tree.map(lambda a: a[j], v) for path, v in layer_params.items()})
             index = (it * p + j).astype(jnp.int32)
             st = None if layer_state is None else layer_state[j]
             carry, st = eval_region(region, [index, *carry], here, ctx, st, layer=j)

@@ -18,9 +18,11 @@ import numpy as np
 import optax
 
 from tessera.ir.types import Graph
-from tessera.lower.context import LowerCtx, jnp_dtype
+from tessera.lower.context import LowerCtx
 from tessera.lower.interpret import eval_region, init_state
+from tessera.lower.reference import mxfp4
 from tessera.lower.reference.losses import cross_entropy
+from tessera.lower import storage
 from tessera.lower import sampling
 
 Params = dict[str, jax.Array]
@@ -34,11 +36,7 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def storage_dtype(ir_dtype: str):
-    """The jax dtype parameters of an IR element type are stored in (block formats: bf16 until packed storage)."""
-    if ir_dtype in ("mxfp4", "fp8", "fp4_e2m1", "fp6_e2m3", "fp6_e3m2"):
-        return jnp.bfloat16
-    return jnp_dtype(ir_dtype)
+storage_dtype = storage.storage_dtype  # the jax dtype of a plain parameter (packed ones: storage.abstract)
 
 
 @dataclasses.dataclass
@@ -86,9 +84,9 @@ class Program:
         return self._cache["det"]
 
     # ---- parameters ----------------------------------------------------------------------------
-    def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """Every parameter's shape and storage dtype, by path."""
-        return {path: jax.ShapeDtypeStruct(tuple(d.size for d in p.type.dims), storage_dtype(p.type.dtype))
+    def param_shapes(self) -> dict[str, Any]:
+        """What each parameter is held as, by path: a ShapeDtypeStruct, or MXFP4 of two for packed types."""
+        return {path: storage.abstract(tuple(d.size for d in p.type.dims), p.type.dtype)
                 for path, p in self.graph.params.items()}
 
     def init(self, seed: int = 0) -> Params:
@@ -99,15 +97,18 @@ class Program:
     def _init(self, seed):
         key = jax.random.key(seed)
         params = {}
-        for path, sds in self.param_shapes().items():
-            p, shape, dt = self.graph.params[path], sds.shape, sds.dtype
+        for path, held in self.param_shapes().items():
+            p = self.graph.params[path]
+            packed = isinstance(held, mxfp4.MXFP4)
+            shape, dt = (held.shape, jnp.float32) if packed else (held.shape, held.dtype)
             if p.init.kind == "normal":
                 k = jax.random.fold_in(key, zlib.crc32(path.encode()))
-                params[path] = (jax.random.normal(k, shape, jnp.float32) * p.init.std).astype(dt)
+                value = (jax.random.normal(k, shape, jnp.float32) * p.init.std).astype(dt)
             elif p.init.kind == "ones":
-                params[path] = jnp.ones(shape, dt)
+                value = jnp.ones(shape, dt)
             else:
-                params[path] = jnp.zeros(shape, dt)
+                value = jnp.zeros(shape, dt)
+            params[path] = mxfp4.quantize(value) if packed else value  # packed: the fp32 draw, quantised
         return params
 
     def load_weights(self, directory) -> Params:
@@ -115,12 +116,14 @@ class Program:
         from tessera.lower.weights import load_hf_weights
 
         shapes = self.param_shapes()
+        packed = {path for path, held in shapes.items() if isinstance(held, mxfp4.MXFP4)}
         params = load_hf_weights(directory, family=self.exp.model.file.stem, args=dict(self.exp.model.args),
-                                 dtypes=lambda path: shapes[path].dtype)
+                                 dtypes=lambda path: None if path in packed else shapes[path].dtype, packed=packed)
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks parameters {missing}")
-        return {path: jnp.asarray(params[path], shapes[path].dtype) for path in shapes}
+        return {path: jax.tree.map(lambda a, want: jnp.asarray(a, want.dtype), params[path], shapes[path])
+                for path in shapes}
 
     # ---- forward and loss ----------------------------------------------------------------------
     def _ctx(self, **kw) -> LowerCtx:
@@ -332,6 +335,7 @@ def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
     graph = program_graph(exp)
     h = program_hash(exp, graph)
     if h not in _PROGRAMS:
+        storage.check_packed(exp, graph)  # packed params: an inference task, groups that fit the shape and mesh
         plan = None
         if exp.mesh.size > 1:
             from tessera.lower.shard.step import make_plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,8 @@ from tessera.lower.hf import mapping
 from tessera.lower.hf import config as hf_config
 from tessera.lower.hf.config import check_config, dims_from_args, hf_config_from_args, read_config
 from tessera.lower.hf.io import SINGLE, TensorSource
+from tessera.lower.hf.mxfp4 import decode_packed, encode_mxfp4, packed_from_hf, packed_to_hf
+from tessera.lower.reference.mxfp4 import MXFP4
 
 __all__ = ["load_hf_weights", "save_hf_weights", "save_weights", "hf_config_from_args", "expected_params"]
 
@@ -41,9 +43,12 @@ def expected_params(family_name: str, args: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_hf_weights(directory: str | Path, *, family: str, args: dict,
-                    dtypes: DtypeFn | None = None) -> dict[str, jax.Array]:
-    """Read config.json + *.safetensors of an HF checkpoint into Tessera parameters {path: array}."""
+def load_hf_weights(directory: str | Path, *, family: str, args: dict, dtypes: DtypeFn | None = None,
+                    packed: Collection[str] = ()) -> dict[str, Any]:
+    """Read config.json + *.safetensors of an HF checkpoint into Tessera parameters {path: array}.
+
+    Paths in `packed` become MXFP4 pytrees: an MXFP4 tensor's bytes are kept as stored (no decode), a
+    dense one is quantised."""
     directory = Path(directory)
     fam = hf_config.family(family)
     config, config_path = read_config(directory)
@@ -56,12 +61,13 @@ def load_hf_weights(directory: str | Path, *, family: str, args: dict,
     for rule in rules:
         names = mapping.expand(rule, dims["L"])
         consumed.update(names)
-        layers = [_read(source, name, rule, dims, directory, problems, dtypes) for name in names]
+        layers = [_read(source, name, rule, dims, directory, problems, dtypes, packed) for name in names]
         if any(a is None for a in layers):
             continue
         for j, path in enumerate(rule.paths):
             parts = [a[j] for a in layers]
-            params[path] = jnp.asarray(np.stack(parts) if rule.per_layer else parts[0])
+            whole = jax.tree.map(lambda *xs: np.stack(xs), *parts) if rule.per_layer else parts[0]
+            params[path] = jax.tree.map(jnp.asarray, whole)
     known = [n for rule in rules for n in mapping.expand(rule, dims["L"])]
     for name in sorted(source.names() - consumed):
         if _tolerated(name, dims):
@@ -74,7 +80,7 @@ def load_hf_weights(directory: str | Path, *, family: str, args: dict,
 
 
 def _read(source: TensorSource, name: str, rule: mapping.Rule, dims: dict, directory: Path,
-          problems: list, dtypes: DtypeFn) -> tuple[np.ndarray, ...] | None:
+          problems: list, dtypes: DtypeFn, packed: Collection[str] = ()) -> tuple[Any, ...] | None:
     # one HF tensor -> its Tessera array(s) in their final dtypes (cast per layer, so that decoded MXFP4
     # never sits in memory in fp32 for all layers at once), or None after recording what is wrong with it
     want = rule.hf_shape(dims)
@@ -87,8 +93,17 @@ def _read(source: TensorSource, name: str, rule: mapping.Rule, dims: dict, direc
         problems.append(Diagnostic(f"tensor `{name}` in {relpath(source.where(name))} has shape {list(got)}, "
                                    f"expected {list(want)} from model.args"))
         return None
+    if all(path in packed for path in rule.paths) and name in source.mxfp4 and rule.mxfp4:
+        codes, scales = packed_from_hf(*source.get_packed(name))  # the bytes as stored, HF's transpose undone
+        pairs = zip(rule.transform.load(codes, dims), rule.transform.load(scales, dims))
+        return tuple(MXFP4(c, s) for c, s in pairs)
     outs = rule.transform.load(source.get(name), dims)
-    return tuple(np.asarray(x, dtype=dtypes(path)) for x, path in zip(outs, rule.paths))
+    return tuple(_pack(x) if path in packed else np.asarray(x, dtype=dtypes(path)) for x, path in zip(outs, rule.paths))
+
+
+def _pack(w: np.ndarray) -> MXFP4:
+    # a dense [..., K, N] weight quantised to Tessera's packed layout (the HF encoder, then its layout undone)
+    return MXFP4(*packed_from_hf(*encode_mxfp4(w)))
 
 
 def _tolerated(name: str, dims: dict) -> bool:
@@ -107,13 +122,25 @@ def save_hf_weights(params: dict[str, jax.Array], directory: str | Path, *, fami
     expected = expected_params(fam.name, args)
     _check_params(params, expected)
     tensors = {}
-    for rule in fam.rules(dims["tied"]):
-        arrays = [np.asarray(jax.device_get(params[p])) for p in rule.paths]
+    rules = fam.rules(dims["tied"])
+    keep_packed = {rule.hf for rule in rules if rule.mxfp4 and all(isinstance(params[p], MXFP4) for p in rule.paths)}
+    for rule in rules:
+        arrays = [jax.tree.map(np.asarray, jax.device_get(params[p])) for p in rule.paths]
+        if rule.hf not in keep_packed:  # HF holds this tensor dense: dequantise any packed part
+            arrays = [decode_packed(a) if isinstance(a, MXFP4) else a for a in arrays]
         names = mapping.expand(rule, dims["L"])
         for i, name in enumerate(names):
-            parts = tuple(a[i] for a in arrays) if rule.per_layer else tuple(arrays)
-            tensors[name] = np.ascontiguousarray(rule.transform.save(parts, dims))
+            parts = tuple(jax.tree.map(lambda x: x[i], a) for a in arrays) if rule.per_layer else tuple(arrays)
+            if rule.hf in keep_packed:  # codes and scales through the same layout change, then HF's transpose
+                blocks, scales = packed_to_hf(rule.transform.save(tuple(a.codes for a in parts), dims),
+                                              rule.transform.save(tuple(a.scales for a in parts), dims))
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            else:
+                tensors[name] = np.ascontiguousarray(rule.transform.save(parts, dims))
     directory.mkdir(parents=True, exist_ok=True)
+    if keep_packed:  # transformers' MXFP4 loader: every module not listed here holds MXFP4 experts
+        extra_config = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": list(
+            mapping.MXFP4_NOT_CONVERTED)}, **(extra_config or {})}
     config = hf_config_from_args(fam.name, args, extra_config)
     config.setdefault("dtype", str(np.asarray(params["embed/table"]).dtype))
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

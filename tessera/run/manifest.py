@@ -65,7 +65,8 @@ def params_checksum(params: dict[str, Any]) -> str:
     """sha256 hex digest of the parameters' bytes (C order, as stored), concatenated in sorted path order."""
     h = hashlib.sha256()
     for path in sorted(params):
-        h.update(np.ascontiguousarray(to_host(params[path])).tobytes())
+        for leaf in jax.tree.leaves(params[path]):  # a packed (MXFP4) parameter: its codes, then its scales
+            h.update(np.ascontiguousarray(to_host(leaf)).tobytes())
     return h.hexdigest()
 
 

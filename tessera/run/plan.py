@@ -64,12 +64,11 @@ def pick_device(name: str | None) -> tuple[str, Device]:
 
 # ---- the report ----------------------------------------------------------------------------------------
 
-_BLOCK_FORMATS = ("mxfp4", "fp8", "fp4_e2m1", "fp6_e2m3", "fp6_e3m2")
-
-
 def array_bits(dtype: str) -> float:
-    """Bits per element of the array the program holds for a param (block formats live as bf16 today)."""
-    return 16.0 if dtype in _BLOCK_FORMATS else cost.bits_per_element(dtype)
+    """Bits per element of what the program holds for a param (mxfp4 packed: 4.25; fp8/fp6/fp4: bf16, 16)."""
+    from tessera.lower.storage import storage_bits
+
+    return storage_bits(dtype)
 
 
 def optimizer_states(exp) -> int:
@@ -300,7 +299,7 @@ def _compiled_bytes(exp, train: bool) -> dict | None:
 
 
 def _ours_as_compiled(exp, train: bool) -> float:
-    """Our per-device total for the program as it compiles: block formats held as bf16, as it stores them."""
+    """Our per-device total for the program as it compiles: params as it holds them (`array_bits`)."""
     from tessera.lower.program import program_graph
 
     graph, sizes = program_graph(exp), cost.task_dims(exp)

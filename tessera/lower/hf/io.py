@@ -74,6 +74,10 @@ class TensorSource:
             return decode_mxfp4(self._get(name + "_blocks"), self._get(name + "_scales"))
         return self._get(name)
 
+    def get_packed(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An MXFP4 pair's raw bytes as stored: (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32])."""
+        return self._get(name + "_blocks"), self._get(name + "_scales")
+
     def _slice(self, name: str):
         return self._handles[self.files[name]].get_slice(name)
 

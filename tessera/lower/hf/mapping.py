@@ -50,6 +50,7 @@ class Rule:
     paths: tuple[str, ...]  # ("layers/attention/q",)
     shape: str  # HF shape as dimension expressions: "H*hd D"
     transform: Transform = IDENTITY
+    mxfp4: bool = False  # HF may store it as an MXFP4 `_blocks`/`_scales` pair (transform acts on `out` only)
 
     @property
     def per_layer(self) -> bool:
@@ -61,8 +62,8 @@ class Rule:
         return tuple(math.prod(int(f) if f.isdigit() else dims[f] for f in e.split("*")) for e in self.shape.split())
 
 
-def _r(hf: str, paths: str, shape: str, transform: Transform = IDENTITY) -> Rule:
-    return Rule(hf, tuple(paths.split()), shape, transform)
+def _r(hf: str, paths: str, shape: str, transform: Transform = IDENTITY, mxfp4: bool = False) -> Rule:
+    return Rule(hf, tuple(paths.split()), shape, transform, mxfp4)
 
 
 _L = "model.layers.{i}."
@@ -88,10 +89,11 @@ GPT_OSS_RULES: tuple[Rule, ...] = _ENDS + (_UNEMBED,) + _ATTN_NORMS + (
     _r(_L + "self_attn.sinks", "layers/attention/sinks", "H"),
     _r(_L + "mlp.router.weight", "layers/moe/router", "E D", TRANSPOSE),
     _r(_L + "mlp.router.bias", "layers/moe/router_bias", "E"),
-    _r(_L + "mlp.experts.gate_up_proj", "layers/moe/experts/gate layers/moe/experts/up", "E D 2*F", DEINTERLEAVE),
+    _r(_L + "mlp.experts.gate_up_proj", "layers/moe/experts/gate layers/moe/experts/up", "E D 2*F", DEINTERLEAVE,
+       mxfp4=True),
     _r(_L + "mlp.experts.gate_up_proj_bias", "layers/moe/experts/gate_bias layers/moe/experts/up_bias", "E 2*F",
        DEINTERLEAVE),
-    _r(_L + "mlp.experts.down_proj", "layers/moe/experts/down", "E F D"),
+    _r(_L + "mlp.experts.down_proj", "layers/moe/experts/down", "E F D", mxfp4=True),
     _r(_L + "mlp.experts.down_proj_bias", "layers/moe/experts/down_bias", "E D"),
 )
 
@@ -101,6 +103,9 @@ LLAMA_RULES: tuple[Rule, ...] = _ENDS + _ATTN_NORMS + (
     _r(_L + "mlp.down_proj.weight", "layers/mlp/down", "D F", TRANSPOSE),
 )
 LLAMA_UNTIED_RULES = LLAMA_RULES + (_UNEMBED,)
+
+# What an MXFP4 GPT-OSS checkpoint's quantization_config leaves dense (everything but the experts).
+MXFP4_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 
 # Tensors some checkpoints carry that hold no parameter (non-persistent buffers saved by old versions).
 IGNORED = (re.compile(r"\.rotary_emb\.inv_freq$"),)

@@ -42,3 +42,24 @@ def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = np.abs(np.abs(scaled)[..., None] - E2M1[:8]).argmin(-1).astype(np.uint8)
     codes |= (np.signbit(scaled) & (codes > 0)).astype(np.uint8) << 3
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def packed_from_hf(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HF blocks [..., out, in/32, 16] + scales [..., out, in/32] -> Tessera's packed (codes [..., in/2, out],
+    scales [..., in/32, out]) (tessera/lower/reference/mxfp4.py): the same bytes, the [out, in] transpose undone."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}")
+    codes = blocks.reshape(blocks.shape[:-2] + (-1,))  # [..., out, in/2]: byte b holds elements 2b, 2b+1
+    return np.swapaxes(codes, -1, -2), np.swapaxes(scales, -1, -2)
+
+
+def packed_to_hf(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `packed_from_hf`: (codes, scales) in Tessera's layout -> HF (blocks, scales)."""
+    blocks = np.swapaxes(codes, -1, -2)  # [..., out, in/2]
+    return (np.ascontiguousarray(blocks.reshape(blocks.shape[:-1] + (-1, GROUP // 2))),
+            np.ascontiguousarray(np.swapaxes(scales, -1, -2)))
+
+
+def decode_packed(w) -> np.ndarray:
+    """A packed weight in Tessera's layout (anything with `codes` and `scales`) -> fp32 [..., in, out]."""
+    return decode_mxfp4(*packed_to_hf(np.asarray(w.codes), np.asarray(w.scales)))

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.reference._dtypes import wide
+from tessera.lower.reference import mxfp4
 
 from tessera.lower.reference.activations import clamped_swiglu
 
@@ -38,13 +39,13 @@ def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top
 
 
 def _expert_ffn_dense(x, gate, up, down, gate_bias, up_bias, down_bias, act):
-    # x [T, D] through every expert -> [T, E, D], fp32
+    # x [T, D] through every expert -> [T, E, D], fp32; packed (MXFP4) expert matrices dequantised first
     ct = wide(x.dtype)
     f32 = dict(preferred_element_type=ct)
-    g = jnp.einsum("td,edf->tef", x, gate.astype(x.dtype), **f32) + gate_bias.astype(ct)
-    u = jnp.einsum("td,edf->tef", x, up.astype(x.dtype), **f32) + up_bias.astype(ct)
+    g = jnp.einsum("td,edf->tef", x, mxfp4.dense(gate, x.dtype), **f32) + gate_bias.astype(ct)
+    u = jnp.einsum("td,edf->tef", x, mxfp4.dense(up, x.dtype), **f32) + up_bias.astype(ct)
     h = act(g.astype(x.dtype), u.astype(x.dtype))
-    return jnp.einsum("tef,efd->ted", h, down.astype(x.dtype), **f32) + down_bias.astype(ct)
+    return jnp.einsum("tef,efd->ted", h, mxfp4.dense(down, x.dtype), **f32) + down_bias.astype(ct)
 
 
 def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
@@ -57,11 +58,17 @@ def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
     return jnp.einsum("te,ted->td", combine, y).astype(x.dtype)
 
 
+def _operand(w, dtype):
+    # an expert matrix as ragged_dot takes it: packed MXFP4 as is (dequantised inside), else cast
+    return w if isinstance(w, mxfp4.MXFP4) else w.astype(dtype)
+
+
 def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
-        act: Activation = GPT_OSS_ACT, ragged_dot=jax.lax.ragged_dot) -> jax.Array:
+        act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot) -> jax.Array:
     """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `ragged_dot` per group.
 
-    `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul).
+    `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul);
+    gate, up and down may be packed `MXFP4` experts, which it must then accept (`mxfp4.any_ragged_dot` does).
     """
     t, _ = x.shape
     n_experts = gate.shape[0]
@@ -74,9 +81,9 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     xs = x[token]  # [T*k, D]
     ct = wide(x.dtype)
     rd = functools.partial(ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
-    g = rd(xs, gate.astype(x.dtype)) + gate_bias.astype(ct)[sorted_expert]  # [T*k, F]
-    u = rd(xs, up.astype(x.dtype)) + up_bias.astype(ct)[sorted_expert]
+    g = rd(xs, _operand(gate, x.dtype)) + gate_bias.astype(ct)[sorted_expert]  # [T*k, F]
+    u = rd(xs, _operand(up, x.dtype)) + up_bias.astype(ct)[sorted_expert]
     h = act(g.astype(x.dtype), u.astype(x.dtype))
-    y = rd(h, down.astype(x.dtype)) + down_bias.astype(ct)[sorted_expert]  # [T*k, D]
+    y = rd(h, _operand(down, x.dtype)) + down_bias.astype(ct)[sorted_expert]  # [T*k, D]
     y = y * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=t).astype(x.dtype)

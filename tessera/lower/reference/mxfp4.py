@@ -32,7 +32,27 @@ class MXFP4(NamedTuple):
 
     @property
     def ndim(self) -> int:
+        """The logical rank (codes and scales have the same)."""
         return self.codes.ndim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes plus scales (4.25 bits per logical element)."""
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def abstract(shape: tuple[int, ...]) -> MXFP4:
+    """ShapeDtypeStructs of the packed form of a logical [..., K, N] weight (nothing allocated)."""
+    *lead, k, n = shape
+    if k % GROUP:
+        raise ValueError(f"MXFP4 needs the contraction dimension ({k}) to be a multiple of {GROUP}")
+    sds = jax.ShapeDtypeStruct
+    return MXFP4(sds((*lead, k // 2, n), jnp.uint8), sds((*lead, k // GROUP, n), jnp.uint8))
+
+
+def dense(w, dtype):
+    """`w` as a plain array of `dtype`: an MXFP4 weight dequantised, anything else cast."""
+    return dequantize(w, dtype) if isinstance(w, MXFP4) else w.astype(dtype)
 
 
 def dequantize(w: MXFP4, dtype=jnp.bfloat16) -> jax.Array:
@@ -70,6 +90,24 @@ def matmul(x: jax.Array, w: MXFP4, *, preferred_element_type=None) -> jax.Array:
 
 
 def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_element_type=None) -> jax.Array:
-    """`jax.lax.ragged_dot` with packed experts rhs [G, K, N]: rows of lhs [M, K] grouped by group_sizes [G]."""
+    """`jax.lax.ragged_dot` with packed experts rhs [G, K, N]: rows of lhs [M, K] grouped by group_sizes [G].
+
+    With fewer rows than groups (decoding) each row gathers its group's packed bytes and only those
+    M weights are dequantised (M·K·N instead of G·K·N); rows past sum(group_sizes) give zeros.
+    """
+    m, g = lhs.shape[0], rhs.codes.shape[0]
+    if m < g:
+        ends = jnp.cumsum(group_sizes)
+        gid = jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right")  # [M] group of row m
+        w = dequantize(jax.tree.map(lambda a: a[jnp.minimum(gid, g - 1)], rhs), lhs.dtype)  # [M, K, N]
+        out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=preferred_element_type)
+        return jnp.where((gid < g)[:, None], out, jnp.zeros((), out.dtype))
     return jax.lax.ragged_dot(lhs, dequantize(rhs, lhs.dtype), group_sizes,
                               preferred_element_type=preferred_element_type)
+
+
+def any_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
+    """`jax.lax.ragged_dot` that also takes a packed MXFP4 rhs (then `ragged_dot` above)."""
+    if isinstance(rhs, MXFP4):
+        return ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
