@@ -1,0 +1,251 @@
+"""Weight-only MXFP4 grouped matmul (MoE experts) that dequantises in registers (Pallas, Triton backend).
+
+Semantics: `reference.mxfp4.ragged_dot`: lhs [M, K] rows sorted by group, packed experts rhs [G, K, N]
+(codes uint8 [G, K/2, N], low nibble = even k; scales uint8 [G, K/32, N]), group_sizes [G] (sum <= M,
+rows past the sum give 0, empty groups allowed): out[r] = lhs[r] @ dequantize(rhs[group(r)]).
+
+The packed layout splits the product without interleaving nibbles:
+    x @ W = x[:, 0::2] @ W_lo + x[:, 1::2] @ W_hi        (W_lo / W_hi: the low / high nibbles, [K/2, N])
+A tile table built outside the kernel lists, per group, its runs of up to `block_m` consecutive rows
+(groups need not start on a block boundary: rows are gathered, so each expert's weights are read once
+per run, and at decode sizes once). Each program takes one table entry x one N tile x one of `splits`
+K ranges: it streams [block_k/2, block_n] code bytes and their scales, turns every nibble into an
+E4M3 bit pattern (E2M1 s|e|m -> s000|0e|m00: the same value times 2^-6, zero and the subnormal 0.5
+included) and converts it to bf16 in registers, multiplies by the 2^(s-127) scale and feeds two
+tensor-core dots. Split-K partials (fp32) are summed outside; at decode M that buffer is tiny.
+
+Backend: `pl.pallas_call` lowered through Triton (jax 0.10-0.12; CPU interpreter for CI). Forward only;
+the gradient w.r.t. lhs goes through the reference (dequantised weights), packed weights get none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from tessera.lower.reference import mxfp4 as ref
+
+DTYPES = (jnp.dtype(jnp.bfloat16),)
+FP8_SHIFT = 64.0  # E2M1 bits read as E4M3 are the value times 2^-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Config:
+    """block_m rows x block_n columns per program, block_k of K per step, K split `splits` ways."""
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 64
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    interpret: bool = False  # the Pallas interpreter (CPU)
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton tiles)")
+        if self.block_k < 32:
+            raise ValueError(f"{self.block_k=} must be >= 32 (one MXFP4 scale group)")
+        if self.splits < 1:
+            raise ValueError(f"{self.splits=} must be >= 1")
+
+
+def _block_k(k: int) -> int:
+    """The largest power-of-two step <= 256 that divides K (K=2880: 64)."""
+    return next(b for b in (256, 128, 64, 32) if k % b == 0)
+
+
+def default_config(m: int, k: int, n: int, g: int, *, interpret: bool = False) -> Mxfp4Config:
+    """Decode (few rows per expert): 16-row tiles, K split until ~4 programs per SM; prefill: 64 x 128."""
+    rows_per_group = max(1, m // max(g, 1))
+    block_m = 16 if rows_per_group <= 16 else 64
+    block_n = 128
+    active = min(m, g) if block_m == 16 else -(-m // block_m) + g
+    programs = active * -(-n // block_n)
+    steps = k // _block_k(k)
+    splits = max(1, min(8, steps // 4, -(-528 // programs)))  # 528 = 4 x 132 SMs
+    return Mxfp4Config(block_m=block_m, block_n=block_n, block_k=_block_k(k), splits=splits,
+                       interpret=interpret)
+
+
+def _on_gpu() -> bool:
+    """A CUDA GPU that converts E4M3 in hardware (compute capability >= 8.9)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    cc = str(getattr(dev, "compute_capability", "0"))
+    return dev.platform == "gpu" and tuple(int(p) for p in cc.split(".")[:2]) >= (8, 9)
+
+
+def supported(lhs, rhs, group_sizes, config: Mxfp4Config | None = None) -> bool:
+    """GPU (or the interpreter), bf16 lhs [M, K], packed rhs [G, K, N], int group_sizes [G], K % 32 == 0."""
+    if not isinstance(rhs, ref.MXFP4) or rhs.codes.ndim != 3 or lhs.ndim != 2:
+        return False
+    if not ((config is not None and config.interpret) or _on_gpu()):
+        return False
+    g, k, n = rhs.shape
+    if lhs.shape[1] != k or k % ref.GROUP or group_sizes.shape != (g,):
+        return False
+    if rhs.codes.dtype != jnp.uint8 or rhs.scales.dtype != jnp.uint8 or rhs.scales.shape != (g, k // 32, n):
+        return False
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer) or jnp.dtype(lhs.dtype) not in DTYPES:
+        return False
+    return rhs.codes.size < 2**31 and lhs.size < 2**31  # Triton's int32 offsets
+
+
+def _tile_table(group_sizes, m: int, block_m: int):
+    """int32 [cdiv(m, bm) + G + 1, 3]: (group, first row, rows) per run of <= bm rows of one group.
+
+    Rows past sum(group_sizes) form a virtual group G whose tiles store zeros (ragged_dot's 0);
+    entries past the last run have 0 rows.
+    """
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # + the tail group
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    count = (ends - starts + block_m - 1) // block_m  # runs per group
+    offsets = jnp.cumsum(count)
+    t = jnp.arange(-(-m // block_m) + ends.shape[0], dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    row0 = starts[grp] + (t - offsets[grp] + count[grp]) * block_m
+    rows = jnp.where(t < offsets[-1], jnp.clip(ends[grp] - row0, 0, block_m), 0)
+    return jnp.stack([grp, row0, rows], axis=1).astype(jnp.int32)
+
+
+def _e2m1_to_bf16(nibble):
+    """int32 E2M1 codes (0..15) -> bf16 values times 2^-6, via the E4M3 bit pattern s000 0em0 0."""
+    bits = ((nibble & 7) << 2) | ((nibble & 8) << 4)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.bfloat16)
+
+
+def _kernel(table_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: Mxfp4Config, m: int, k: int, n: int,
+            num_groups: int, steps_per_split: int):
+    """One (table entry, N tile, K split): acc[bm, bn] = x rows @ dequantised expert columns."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    t, ni, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    grp, row0, rows = table_ref[t, 0], table_ref[t, 1], table_ref[t, 2]
+    r = jnp.arange(bm, dtype=jnp.int32)
+    c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
+    row_ok, col_ok = r < rows, c < n
+    out_rows = s * m + row0 + r  # split partials stacked [splits * M, N]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+
+    @pl.when((grp == num_groups) & (rows > 0))  # rows past sum(group_sizes)
+    def _():
+        pltriton.store(out_ref.at[out_rows[:, None], c[None, :]], jnp.zeros((bm, bn), out_ref.dtype),
+                       mask=out_mask)
+
+    @pl.when((grp < num_groups) & (rows > 0))
+    def _():
+        half = jnp.arange(bk // 2, dtype=jnp.int32)  # code rows of one step: k = 2 * j (+1)
+        code_row0 = grp * (k // 2)
+        w_mask = col_ok[None, :]
+        x_mask = row_ok[:, None]
+
+        def step(kk, acc):
+            j = kk * (bk // 2) + half  # [bk/2] code rows
+            codes = pltriton.load(codes_ref.at[(code_row0 + j)[:, None], c[None, :]], mask=w_mask,
+                                  other=0).astype(jnp.int32)  # [bk/2, bn]
+            sc = pltriton.load(scales_ref.at[(grp * (k // 32) + j // 16)[:, None], c[None, :]],
+                               mask=w_mask, other=127).astype(jnp.int32)  # each scale 16 times
+            scale = lax.bitcast_convert_type((sc << 7).astype(jnp.uint16), jnp.bfloat16)  # 2^(s-127)
+            w_lo = _e2m1_to_bf16(codes & 15) * scale
+            w_hi = _e2m1_to_bf16(codes >> 4) * scale
+            xr = (row0 + r)[:, None]
+            x_e = pltriton.load(x_ref.at[xr, (2 * j)[None, :]], mask=x_mask, other=0.0)
+            x_o = pltriton.load(x_ref.at[xr, (2 * j + 1)[None, :]], mask=x_mask, other=0.0)
+            acc += jnp.dot(x_e, w_lo, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(x_o, w_hi, preferred_element_type=jnp.float32)
+
+        lo = s * steps_per_split
+        hi = jnp.minimum(lo + steps_per_split, k // bk)
+        acc = lax.fori_loop(lo, hi, step, jnp.zeros((bm, bn), jnp.float32))
+        pltriton.store(out_ref.at[out_rows[:, None], c[None, :]], (acc * FP8_SHIFT).astype(out_ref.dtype),
+                       mask=out_mask)
+
+
+def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config):
+    """out [M, N] in lhs's dtype (fp32 partials summed when the K range is split)."""
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    steps = k // cfg.block_k
+    per = -(-steps // cfg.splits)
+    splits = -(-steps // per)  # no empty splits
+    cfg = dataclasses.replace(cfg, splits=splits)
+    table = _tile_table(group_sizes, m, cfg.block_m)
+    out_dtype = lhs.dtype if splits == 1 else jnp.float32
+    body = functools.partial(_kernel, cfg=cfg, m=m, k=k, n=n, num_groups=g, steps_per_split=per)
+    out = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((splits * m, n), out_dtype),
+        grid=(table.shape[0], -(-n // cfg.block_n), splits),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=cfg.interpret,
+        name="mxfp4_ragged_dot",
+    )(table, lhs, rhs.codes.reshape(g * k // 2, n), rhs.scales.reshape(g * k // 32, n))
+    if splits == 1:
+        return out
+    return out.reshape(splits, m, n).sum(axis=0).astype(lhs.dtype)
+
+
+# ----------------------------------------------------------------------------- public ops
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mxfp4_dot(lhs, rhs, group_sizes, cfg):
+    return _ragged(lhs, rhs, group_sizes, cfg)
+
+
+def _mxfp4_dot_fwd(lhs, rhs, group_sizes, cfg):
+    return _ragged(lhs, rhs, group_sizes, cfg), (rhs, group_sizes)
+
+
+def _mxfp4_dot_bwd(cfg, res, dout):
+    """d lhs = dout @ W^T per group (the reference, on dequantised weights); packed weights get none."""
+    rhs, group_sizes = res
+    w_t = jnp.swapaxes(ref.dequantize(rhs, dout.dtype), 1, 2)  # [G, N, K]
+    dlhs = lax.ragged_dot(dout, w_t, group_sizes, preferred_element_type=jnp.float32)
+    return dlhs.astype(dout.dtype), None, None
+
+
+_mxfp4_dot.defvjp(_mxfp4_dot_fwd, _mxfp4_dot_bwd)
+
+
+def ragged_dot(lhs, rhs: ref.MXFP4, group_sizes, *, config: Mxfp4Config | None = None):
+    """`reference.mxfp4.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])` dequantising in registers."""
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    cfg = config or default_config(m, k, n, g)
+    return _mxfp4_dot(lhs, rhs, group_sizes.astype(jnp.int32), cfg)
+
+
+def matmul(x, w: ref.MXFP4, *, config: Mxfp4Config | None = None):
+    """x [..., K] @ W [K, N] (one packed matrix) -> [..., N]: the grouped kernel with one group."""
+    k, n = w.shape
+    x2 = x.reshape(-1, k)
+    rhs = ref.MXFP4(w.codes[None], w.scales[None])
+    cfg = config or default_config(x2.shape[0], k, n, 1)
+    out = ragged_dot(x2, rhs, jnp.full((1,), x2.shape[0], jnp.int32), config=cfg)
+    return out.reshape(x.shape[:-1] + (n,))
+
+
+def ragged_dot_reference(lhs, rhs: ref.MXFP4, group_sizes):
+    """The semantics: dequantise, then jax.lax.ragged_dot with fp32 accumulation, lhs's dtype out."""
+    return ref.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+
+def main():
+    """Times the GPT-OSS expert matmuls at decode sizes (run on a GPU)."""
+    from bench.kernels import run_mxfp4
+    run_mxfp4()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""MXFP4 grouped matmul kernel vs reference.mxfp4.ragged_dot: ragged and empty experts, tail rows, split K."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tessera.lower.kernels.mxfp4_matmul import (Mxfp4Config, _tile_table, default_config, matmul, ragged_dot,
+                                                ragged_dot_reference, supported)
+from tessera.lower.reference import mxfp4 as ref
+from tests.lower.kernels._check import assert_close
+
+
+def _inputs(seed, m, k, n, sizes):
+    """bf16 lhs [M, K], random packed experts [G, K, N] (every E2M1 code, scales 2^-9..2^-4), int32 sizes."""
+    rng = np.random.default_rng(seed)
+    g = len(sizes)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    codes = rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)
+    scales = rng.integers(118, 124, (g, k // 32, n), dtype=np.uint8)
+    return lhs, ref.MXFP4(jnp.asarray(codes), jnp.asarray(scales)), jnp.asarray(sizes, jnp.int32)
+
+
+@jax.jit
+def _want(lhs, rhs, sizes):
+    return ragged_dot_reference(lhs.astype(jnp.float32), rhs, sizes)
+
+
+def test_tile_table_covers_every_row_once():
+    """Each row up to m lands in exactly one run of its own group (tail rows: group G)."""
+    sizes = np.array([3, 0, 40, 17, 0, 1], np.int32)
+    m, bm = 70, 16
+    table = np.asarray(_tile_table(jnp.asarray(sizes), m, bm))
+    assert table.shape == (-(-m // bm) + len(sizes) + 1, 3)
+    owner = np.full(m, -1)
+    for grp, row0, rows in table:
+        assert 0 <= rows <= bm
+        assert (owner[row0:row0 + rows] == -1).all()
+        owner[row0:row0 + rows] = grp
+    want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(m - sizes.sum(), 6)])
+    np.testing.assert_array_equal(owner, want)
+
+
+INTERPRET_CASES = [  # m, k, n, sizes, config
+    (37, 128, 96, [5, 0, 20, 0, 9], Mxfp4Config(block_m=16, block_n=64, block_k=64, interpret=True)),
+    (4, 96, 64, [0, 1, 0, 2, 1, 0], Mxfp4Config(block_m=16, block_n=32, block_k=32, splits=2, interpret=True)),
+    (50, 64, 48, [0, 0, 50], Mxfp4Config(block_m=32, block_n=32, block_k=32, interpret=True)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,sizes,cfg", INTERPRET_CASES)
+def test_interpret_forward(m, k, n, sizes, cfg):
+    """Interpreter: ragged groups, empty experts, rows past sum(sizes) = 0, N / M off the tiles, split K."""
+    lhs, rhs, gs = _inputs(m + k, m, k, n, sizes)
+    out = jax.jit(lambda a, b, c: ragged_dot(a, b, c, config=cfg))(lhs, rhs, gs)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert_close(out, _want(lhs, rhs, gs), 1e-2, "out")
+    tail = int(sum(sizes))
+    assert float(jnp.abs(out[tail:].astype(jnp.float32)).max(initial=0.0)) == 0.0
+
+
+def test_interpret_grad_lhs_and_matmul():
+    """d lhs through the custom VJP matches the reference's; matmul is the one-group case."""
+    lhs, rhs, gs = _inputs(3, 20, 64, 32, [7, 0, 13])
+    cfg = Mxfp4Config(block_m=16, block_n=32, block_k=32, interpret=True)
+    ct = jax.random.normal(jax.random.key(9), (20, 32), jnp.float32)
+    loss = lambda f: (lambda x: jnp.vdot(f(x).astype(jnp.float32), ct))
+    got = jax.jit(jax.grad(loss(lambda x: ragged_dot(x, rhs, gs, config=cfg))))(lhs)
+    want = jax.jit(jax.grad(loss(lambda x: ragged_dot_reference(x, rhs, gs))))(lhs.astype(jnp.float32))
+    assert_close(got, want, 1e-2, "dlhs")
+    w = ref.MXFP4(rhs.codes[2], rhs.scales[2])
+    out = matmul(lhs.reshape(4, 5, 64), w, config=cfg)
+    assert_close(out, ref.matmul(lhs.astype(jnp.float32), w).reshape(4, 5, 32), 1e-2, "matmul")
+
+
+def test_supported_and_default_config():
+    """CPU without the interpreter: not supported; wrong dtypes / shapes: not supported; decode splits K."""
+    lhs, rhs, gs = _inputs(0, 8, 64, 32, [8, 0])
+    interp = Mxfp4Config(interpret=True)
+    assert supported(lhs, rhs, gs, interp)
+    assert not supported(lhs, rhs, gs)  # CI has no GPU
+    assert not supported(lhs.astype(jnp.float32), rhs, gs, interp)
+    assert not supported(lhs, ref.dequantize(rhs), gs, interp)
+    assert not supported(lhs[:, :32], rhs, gs, interp)
+    decode = default_config(4, 2880, 5760, 32)
+    assert (decode.block_m, decode.block_k) == (16, 64) and decode.splits > 1
+    assert default_config(8192, 2880, 5760, 32).block_m == 64
+    with pytest.raises(ValueError, match="power of two"):
+        Mxfp4Config(block_n=96)
+
+
+def _routing(tokens: int, top_k: int, g: int, seed: int) -> np.ndarray:
+    """Group sizes of tokens x top_k distinct experts each (decode routing)."""
+    rng = np.random.default_rng(seed)
+    ids = np.concatenate([rng.choice(g, top_k, replace=False) for _ in range(tokens)])
+    return np.bincount(ids, minlength=g).astype(np.int32)
+
+
+GPU_CASES = [  # tokens, top_k, G, K, N
+    (1, 4, 32, 2880, 5760),
+    (8, 4, 32, 2880, 2880),
+    (64, 4, 128, 2880, 5760),
+    (1024, 4, 32, 2880, 5760),  # prefill-sized
+    (3, 2, 8, 512, 200),  # N off the tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k,g,k,n", GPU_CASES)
+def test_gpu_matches_reference(tokens, top_k, g, k, n):
+    """On a GPU: decode and prefill routing against dequantise + ragged_dot, plus a tail of unrouted rows."""
+    sizes = _routing(tokens, top_k, g, seed=tokens + g)
+    m = tokens * top_k + 5  # 5 rows past sum(sizes)
+    lhs, rhs, gs = _inputs(tokens, m, k, n, sizes)
+    assert supported(lhs, rhs, gs)
+    out = jax.jit(ragged_dot)(lhs, rhs, gs)
+    assert_close(out, _want(lhs, rhs, gs), 1e-2, "out")
+    assert float(jnp.abs(out[-5:].astype(jnp.float32)).max()) == 0.0
