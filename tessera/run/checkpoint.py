@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import orbax.checkpoint as ocp
 
 from tessera.diagnostics import Diagnostic, TesseraError
+from tessera.spec.files import by_content, file_records
 
 ABSENT = "(absent)"  # shown for a key one spec has and the other lacks
 
@@ -91,8 +92,13 @@ def spec_differences(old: dict, new: dict, ignore: Iterable[str] = ()) -> list[t
             if not ignored(k) and a.get(k, missing) != b.get(k, missing)]
 
 
-def check_compatible(exp, saved_spec: dict, current_spec: dict, where: Path) -> None:
-    """Refuse to resume from a checkpoint made by a different spec, naming every field that differs."""
+def check_compatible(exp, saved_spec: dict, current_spec: dict, where: Path, saved_files: dict | None = None) -> None:
+    """Refuse to resume from a checkpoint made by a different spec, naming every field that differs.
+
+    Files the save recorded (`saved_files`: path and fingerprint) compare by content, so a moved checkout resumes
+    and an edited model file does not."""
+    if saved_files:
+        saved_spec, current_spec = by_content(saved_spec, saved_files), by_content(current_spec, file_records(current_spec))
     diffs = spec_differences(saved_spec, current_spec, RESUMABLE_CHANGES)
     if not diffs:
         return

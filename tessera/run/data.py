@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from tessera.diagnostics import RunError
+from tessera.spec.files import file_fingerprint
 
 PAD, SEP = 0, 1  # synthetic tasks: token 0 begins a sequence, token 1 separates question and answer
 SYMBOLS_MAX = 16  # synthetic alphabet size (capped so a tiny model learns it in a couple of minutes)
@@ -171,7 +172,7 @@ class TokenFileSource:
             raise RunError(f"data file {self.path} holds {len(self.tokens)} tokens, fewer than one sequence "
                            f"of seq_len+1 = {seq_len + 1}")
         self._perm: dict[tuple[int, int], np.ndarray] = {}
-        self.fingerprint = _file_fingerprint(self.path)
+        self.fingerprint = file_fingerprint(self.path)
 
     def _order(self, epoch: int, stream: int) -> np.ndarray:
         key = (epoch, stream)
@@ -197,22 +198,6 @@ class TokenFileSource:
 
 def _sha(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _file_fingerprint(path: Path, whole_below: int = 64 << 20, chunk: int = 1 << 20) -> str:
-    """sha256 of the file; above 64 MiB, of its size and 16 evenly spaced 1 MiB chunks ("sampled:" prefix)."""
-    size = path.stat().st_size
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        if size <= whole_below:
-            for block in iter(lambda: fh.read(chunk), b""):
-                h.update(block)
-            return h.hexdigest()
-        h.update(str(size).encode())
-        for k in range(16):
-            fh.seek((size - chunk) * k // 15)
-            h.update(fh.read(chunk))
-    return "sampled:" + h.hexdigest()
 
 
 def build_source(task, vocab: int, base_dir: Path | None = None) -> Source:

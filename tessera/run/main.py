@@ -21,6 +21,7 @@ from tessera.run.checkpoint import check_compatible
 from tessera.run.context import RunContext
 from tessera.run.manifest import MANIFEST, Manifest, load_manifest
 from tessera.run.metrics import MetricsLog
+from tessera.spec.files import file_records
 
 RUNS_DIR = Path("runs")
 SPEC_FILE = "spec.yaml"
@@ -103,7 +104,7 @@ def _start_manifest(run_dir: Path, exp, overrides, spec_file, weights, resuming:
     extra = {"run_dir": str(run_dir), "weights": str(weights) if weights else None}
     if resuming and (run_dir / MANIFEST).exists():
         record = load_manifest(run_dir)
-        record.update(spec=exp.resolved(), spec_hash=exp.spec_hash, status="running", error=None, ended_at=None,
+        record.update(spec=exp.resolved(), spec_hash=exp.spec_hash, files=file_records(exp.resolved()), status="running", error=None, ended_at=None,
                       **extra)
         record.setdefault("resumed", [])
         manifest = Manifest(run_dir, record)
@@ -144,7 +145,8 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
     request_deterministic_kernels(exp)
     run_dir, resuming = _choose_dir(exp, out, resume)
     if resuming and (run_dir / MANIFEST).exists():  # refuse before touching another spec's run directory
-        check_compatible(exp, load_manifest(run_dir)["spec"], exp.resolved(), run_dir / MANIFEST)
+        saved = load_manifest(run_dir)
+        check_compatible(exp, saved["spec"], exp.resolved(), run_dir / MANIFEST, saved.get("files"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / SPEC_FILE).write_text(yaml.safe_dump(exp.resolved(), sort_keys=False))
     spec_file = Path(spec_file).resolve() if spec_file else None

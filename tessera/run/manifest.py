@@ -4,7 +4,9 @@ The manifest is rewritten as the run goes (write to a temporary file, then `os.r
 that is killed still leaves a valid manifest up to its last flushed step. Other tools read these
 fixed top-level keys: `spec` (the resolved spec, itself a valid spec), `spec_hash`, `ir_hash`,
 `versions`, `devices`, `seed`, `metrics` (records with `step`, and `loss` when training) and
-`params_checksum` (sha256 over the final parameters' bytes in sorted path order).
+`params_checksum` (sha256 over the final parameters' bytes in sorted path order). `files` records each
+file the spec names (path, path relative to the working directory, fingerprint): `spec_hash` hashes files by
+content, and `tessera replay` finds them again from another checkout.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from tessera.spec.files import file_records
 
 MANIFEST = "manifest.json"
 FIXED_KEYS = ("spec", "spec_hash", "ir_hash", "versions", "devices", "seed", "metrics", "params_checksum")
@@ -117,7 +121,8 @@ class Manifest:
               extra: dict | None = None) -> "Manifest":
         """A fresh manifest for `exp` with status `running`, written at once."""
         record = {
-            "spec": exp.resolved(), "spec_hash": exp.spec_hash, "ir_hash": ir_hash, "versions": versions(),
+            "spec": exp.resolved(), "spec_hash": exp.spec_hash, "files": file_records(exp.resolved()),
+            "ir_hash": ir_hash, "versions": versions(),
             "devices": devices(), "seed": seed, "metrics": [], "params_checksum": None,
             "name": exp.name, "task": exp.task.kind, "backend": jax.default_backend(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": _overrides(overrides),

@@ -6,6 +6,7 @@ exactly, so equality here is bit equality.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import math
 import sys
@@ -17,6 +18,7 @@ import yaml
 from tessera.diagnostics import RunError
 from tessera.run.checkpoint import spec_differences
 from tessera.run.manifest import MANIFEST, load_manifest
+from tessera.spec.files import by_content, locate
 
 RUNS_DIR, SPEC_FILE = Path("runs"), "spec.yaml"
 
@@ -63,6 +65,23 @@ def _replay_dir(manifest: dict) -> Path:
     return RUNS_DIR / f"{manifest.get('name', 'run')}-{stamp}-{str(manifest.get('spec_hash'))[:8]}-replay"
 
 
+def _relocated_spec(manifest: dict) -> dict:
+    """The manifest's spec with each named file pointed at a path holding the recorded content (the recorded
+    path, else the recorded path relative to the working directory: another checkout of the same project)."""
+    spec = copy.deepcopy(manifest["spec"])
+    for dotted, record in (manifest.get("files") or {}).items():
+        found, tried = locate(record)
+        if found is None:
+            raise RunError(f"{dotted}: no file holds the content the run used (sha256 {record.get('sha256')}); "
+                           f"tried {tried}. Run replay from the project's root, with the files the run used.")
+        *parents, leaf = dotted.split(".")
+        node = spec
+        for part in parents:
+            node = node[part]
+        node[leaf] = found
+    return spec
+
+
 def replay(manifest_path: str | Path, out: str | Path | None = None, *,
            load_spec: Callable[[Path], Any] | None = None, compile_fn=None,
            stream: TextIO | None = None) -> tuple[dict, dict, list[str]]:
@@ -75,7 +94,7 @@ def replay(manifest_path: str | Path, out: str | Path | None = None, *,
         raise RunError(f"{target} already holds a run; replay needs a fresh directory")
     target.mkdir(parents=True, exist_ok=True)
     spec_path = target / SPEC_FILE
-    spec_path.write_text(yaml.safe_dump(original["spec"], sort_keys=False))
+    spec_path.write_text(yaml.safe_dump(_relocated_spec(original), sort_keys=False))
     exp = (load_spec or _load_spec_file)(spec_path)
     result = run_experiment(exp, out=target, weights=original.get("weights"), compile_fn=compile_fn,
                             overrides=original.get("overrides"), stream=stream)
@@ -100,7 +119,7 @@ def diff_command(a: str, b: str, stream: TextIO | None = None) -> int:
     """Print spec differences, then the first metric difference and the checksums; exit 0 only if identical."""
     stream = stream or sys.stdout
     ma, mb = load_manifest(a), load_manifest(b)
-    spec = spec_differences(ma["spec"], mb["spec"])
+    spec = spec_differences(by_content(ma["spec"], ma.get("files")), by_content(mb["spec"], mb.get("files")))
     for key, va, vb in spec:
         print(f"spec {key}: {va!r} -> {vb!r}", file=stream)
     if ma.get("ir_hash") != mb.get("ir_hash"):

@@ -11,11 +11,9 @@ from pydantic import ValidationError
 from tessera.diagnostics import Diagnostic, Span, TesseraError, relpath
 from tessera.spec import checks, errors
 from tessera.spec.compose import apply_overrides, load_tree, parse_overrides
+from tessera.spec.files import FILE_KEYS
 from tessera.spec.schema import DEFAULT_RULES, Experiment
 from tessera.spec.source import Node
-
-# Paths in a spec that are files to read: made absolute against the file that wrote them, and must exist.
-FILE_KEYS = (("model", "file"), ("task", "data", "path"), ("task", "tokens_file"))
 
 
 def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, Any] | None = ()) -> Experiment:

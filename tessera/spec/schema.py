@@ -114,6 +114,10 @@ class Parallel(Section):
     remat: Literal["none", "dots", "full"] = Field(
         "none", description="rematerialisation: none | dots (save matmul outputs only) | full")
     deterministic: bool = Field(True, description="fixed-order reductions: bitwise-reproducible on any mesh")
+    expert_capacity: float | None = Field(
+        None, gt=0, description="expert parallel capacity factor (fast mode): each destination shard receives at "
+        "most ceil(factor · T·k / ep) copies from each source device routing T tokens; copies beyond it are "
+        "dropped and counted (metric moe_dropped). null: dropless. Ignored with ep=1 and in deterministic mode")
 
 
 _LOSS_SCALE_HELP = "expected none, dynamic or static(<positive number>), e.g. static(1024)"
@@ -201,7 +205,9 @@ class Experiment(Section):
 
     @property
     def spec_hash(self) -> str:
-        """sha256 of the canonical (sorted-key JSON) resolved spec."""
-        text = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """sha256 of the canonical (sorted-key JSON) resolved spec, named files by content rather than path."""
+        from tessera.spec.files import portable
+
+        text = json.dumps(portable(self.resolved()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from tessera.diagnostics import RunError
 from tessera.run.checkpoint import Checkpoints, check_compatible
+from tessera.spec.files import file_records
 from tessera.run.context import Interrupt, RunContext
 from tessera.run.data import STREAM_EVAL, SyntheticSource, build_source
 from tessera.run.manifest import now, params_checksum
@@ -68,7 +69,8 @@ class Trainer:
             self.ctx.metrics.truncate_after(0)  # a directory reused without a checkpoint starts over
             return 0
         meta = self.ckpts.read_meta(latest)
-        check_compatible(self.exp, meta["spec"], self.exp.resolved(), self.ckpts.directory / str(latest))
+        check_compatible(self.exp, meta["spec"], self.exp.resolved(), self.ckpts.directory / str(latest),
+                         meta.get("files"))
         self.state, meta = self.ckpts.restore(latest, state)
         self.records = list(meta["metrics"])
         self.ctx.metrics.truncate_after(latest)
@@ -135,7 +137,7 @@ class Trainer:
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` steps with everything needed to continue exactly."""
         meta = {"step": step, "data_step": step, "seed": int(self.task.seed), "spec": self.exp.resolved(),
-                "spec_hash": self.exp.spec_hash, "metrics": self.records}
+                "spec_hash": self.exp.spec_hash, "files": file_records(self.exp.resolved()), "metrics": self.records}
         self.ckpts.save(step, self.state, meta)
         self.ctx.manifest.flush()  # a checkpoint and the manifest's metrics agree up to `step`
 
