@@ -145,5 +145,28 @@ def apply_overrides(root: Node, overrides: list[tuple[list[tuple[str, Span]], No
         name, span = segments[-1]
         value.key_span = span
         old = node.value.get(name)
+        if name == "kind" and old is not None and old.value != value.value:
+            _switch_kind(node, tuple(s for s, _ in segments[:-1]), value.value)
         node.value[name] = merge(old, value) if old is not None else value
         node.value[name].key_span = span
+
+
+def _kind_fields(path: tuple[str, ...], kind: Any) -> set[str] | None:
+    """The keys a `kind`-keyed section at `path` accepts for `kind` (None: not such a section, or unknown kind)."""
+    from tessera.spec import tasks
+
+    unions = {("task",): (tasks.TrainTask, tasks.GenerateTask, tasks.ForwardTask, tasks.BenchTask),
+              ("task", "data"): (tasks.SyntheticData, tasks.TokenData)}
+    for model in unions.get(path, ()):
+        if model.model_fields["kind"].annotation.__args__[0] == kind:
+            return set(model.model_fields)
+    return None
+
+
+def _switch_kind(section: Node, path: tuple[str, ...], kind: Any) -> None:
+    """`--set task.kind=generate` on a train spec: the old kind's own fields go, the shared ones (seed) stay."""
+    keep = _kind_fields(path, kind)
+    if keep is None:  # an unknown kind: validation reports it, with the old fields for context
+        return
+    for key in [k for k in section.value if k not in keep]:
+        del section.value[key]

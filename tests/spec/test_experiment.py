@@ -147,3 +147,17 @@ def test_every_field_has_a_description() -> None:
     for model in models:
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_set_task_kind_switches_kinds() -> None:
+    """`--set task.kind=...` replaces the old kind's own fields; shared ones stay; missing ones are reported."""
+    root = Path(__file__).resolve().parents[2] / "specs"
+    exp = load_experiment(root / "gpt_oss_tiny.yaml",
+                          overrides=["task.seed=7", "task.kind=generate", "task.prompts=[[1, 2, 3]]"])
+    assert isinstance(exp.task, GenerateTask) and exp.task.prompts == [[1, 2, 3]] and exp.task.seed == 7
+    with pytest.raises(TesseraError) as err:
+        load_experiment(root / "gpt_oss_tiny.yaml", overrides=["task.kind=generate"])
+    assert [(d.key, d.message) for d in err.value.diagnostics] == [("task.prompts", "missing required key `prompts`")]
+    data = load_experiment(root / "gpt_oss_tiny.yaml", overrides=["task.data.kind=tokens", "task.data.path=" +
+                                                                   str(root / "gpt_oss_tiny.yaml")])
+    assert data.task.data.kind == "tokens"
