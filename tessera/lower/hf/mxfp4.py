@@ -36,9 +36,10 @@ def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"MXFP4 needs the input dimension ({wt.shape[-1]}) to be a multiple of {GROUP}")
     g = wt.reshape(wt.shape[:-1] + (-1, GROUP))  # [..., out, G, 32]
     amax = np.abs(g).max(-1)
-    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 6.0)), 0).astype(np.int32)
+    mant, e = np.frexp(np.maximum(amax, np.float32(1e-38)) / np.float32(6.0))  # mant in [0.5, 1)
+    exp = np.where(amax > 0, e - (mant == 0.5), 0).astype(np.int32)  # ceil(log2(amax / 6)), exactly
     exp = np.clip(exp, -127, 127)
-    scaled = g / np.ldexp(np.float32(1.0), exp)[..., None]
+    scaled = np.ldexp(g, -exp[..., None]).astype(np.float32)
     codes = np.abs(np.abs(scaled)[..., None] - E2M1[:8]).argmin(-1).astype(np.uint8)
     codes |= (np.signbit(scaled) & (codes > 0)).astype(np.uint8) << 3
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)

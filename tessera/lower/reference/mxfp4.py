@@ -61,8 +61,8 @@ def dequantize(w: MXFP4, dtype=jnp.bfloat16) -> jax.Array:
     c = w.codes.astype(jnp.int32)
     lo, hi = table[c & 0x0F], table[c >> 4]  # [..., K/2, N] the even and the odd k
     v = jnp.stack([lo, hi], axis=-2).reshape(w.shape)  # interleave along K
-    scale = jnp.exp2(w.scales.astype(jnp.float32) - 127.0)  # [..., K/32, N]
-    v = v.reshape(w.shape[:-2] + (-1, GROUP, w.shape[-1])) * scale[..., None, :]
+    v = v.reshape(w.shape[:-2] + (-1, GROUP, w.shape[-1]))  # [..., K/32, 32, N]
+    v = jnp.ldexp(v, w.scales.astype(jnp.int32)[..., None, :] - 127)  # exact (exp2 is not, on XLA:CPU)
     return v.reshape(w.shape).astype(dtype)
 
 
@@ -73,9 +73,10 @@ def quantize(w: jax.Array) -> MXFP4:
     wf = jnp.asarray(w, jnp.float32)
     g = wf.reshape(wf.shape[:-2] + (-1, GROUP, wf.shape[-1]))  # [..., K/32, 32, N]
     amax = jnp.max(jnp.abs(g), axis=-2)
-    exp = jnp.where(amax > 0, jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-38) / 6.0)), 0.0)
+    mant, e = jnp.frexp(jnp.maximum(amax, 1e-38) / 6.0)  # amax/6 = mant * 2^e, mant in [0.5, 1)
+    exp = jnp.where(amax > 0, e - (mant == 0.5), 0)  # ceil(log2(amax / 6)), exactly (log2 is not)
     exp = jnp.clip(exp, -127, 127)
-    scaled = g / jnp.exp2(exp)[..., None, :]
+    scaled = jnp.ldexp(g, -exp[..., None, :])
     mags = jnp.asarray(E2M1[:8], jnp.float32)
     idx = jnp.argmin(jnp.abs(jnp.abs(scaled)[..., None] - mags), axis=-1).astype(jnp.uint8)
     idx = idx | ((jnp.signbit(scaled) & (idx > 0)).astype(jnp.uint8) << 3)
