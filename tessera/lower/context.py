@@ -38,6 +38,7 @@ class LowerCtx:
     deterministic: bool = True
     shard: Any = None  # tessera.lower.shard.collectives.ShardEnv inside shard_map, None on one device
     report: Any = None  # a dict that kernel selection records its choices in ({op label: implementation})
+    aux: Any = None  # a dict of step counters lowerings add int32 scalars to ({name: count}), e.g. moe_dropped
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

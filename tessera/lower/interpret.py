@@ -107,20 +107,23 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     def body(carry, xs):
         it, layer_params, layer_state = xs
         new_states = []
+        inner = ctx if ctx.aux is None else ctx.replace(aux={})  # counters leave the scan as its outputs
         for j in range(p):
             here = dict(shared)
             here.update({path: jax.tree.map(lambda a: a[j], v) for path, v in layer_params.items()})
             index = (it * p + j).astype(jnp.int32)
             st = None if layer_state is None else layer_state[j]
-            carry, st = eval_region(region, [index, *carry], here, ctx, st, layer=j)
+            carry, st = eval_region(region, [index, *carry], here, inner, st, layer=j)
             carry = tuple(carry)
             new_states.append(st)
-        return carry, (None if layer_state is None else new_states)
+        return carry, ((None if layer_state is None else new_states), inner.aux)
 
     if ctx.mode == "train" and remat in _REMAT_POLICIES:
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
     xs = (jnp.arange(n // p, dtype=jnp.int32), xs_params, state)
-    carry, new_state = jax.lax.scan(body, tuple(ins), xs)
+    carry, (new_state, aux) = jax.lax.scan(body, tuple(ins), xs)
+    for name, per_step in (aux or {}).items():
+        ctx.aux[name] = ctx.aux.get(name, 0) + jnp.sum(per_step)
     return list(carry), new_state
 
 

@@ -131,9 +131,9 @@ class Program:
         return LowerCtx(kernels=getattr(exp, "kernels", "reference"), backend=jax.default_backend(),
                         deterministic=exp.parallel.deterministic, **kw)
 
-    def _forward(self, params, tokens, mode: str = "train", shard=None):
-        (logits,), _ = eval_region(self.graph.body, [tokens], params, self._ctx(mode=mode, shard=shard),
-                                   remat=self.exp.parallel.remat)
+    def _forward(self, params, tokens, mode: str = "train", shard=None, aux=None):
+        ctx = self._ctx(mode=mode, shard=shard, aux=aux)  # aux: a dict the lowerings add step counters to
+        (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.exp.parallel.remat)
         return logits
 
     def forward(self, params: Params, tokens) -> jax.Array:
@@ -169,23 +169,37 @@ class Program:
             raise ValueError("this program was compiled without an optimizer (task is not `train`)")
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
+    def _loss_and_counts(self, params, batch):
+        """(loss, {counter: int32 scalar}): the fast sharded loss also returns the step's counters (moe_dropped)."""
+        if self.plan is not None and not self.deterministic:
+            from tessera.lower.shard.step import sharded_loss
+            return sharded_loss(self, self.plan, counted=True)(params, batch)
+        return self._loss(params, batch), {}
+
+    def _counters(self, counts: dict) -> dict:
+        """Metrics from per-microbatch counters: moe_dropped iff parallel.expert_capacity is set (0 where none drop)."""
+        if self.exp.parallel.expert_capacity is None:
+            return {}
+        return {"moe_dropped": jnp.sum(counts.get("moe_dropped", jnp.zeros((), jnp.int32)))}
+
     def _train_step(self, state: TrainState, batch):
-        if self.deterministic:
-            return self._det().train_step(state, batch)
+        if self.deterministic:  # dropless: the whole model per canonical shard
+            state, metrics = self._det().train_step(state, batch)
+            return state, {**metrics, **self._counters({})}
         m = int(getattr(self.exp.task, "microbatches", 1) or 1)
         micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
 
         def accumulate(carry, mb):  # microbatches summed in a fixed order
-            loss, grads = jax.value_and_grad(self._loss)(state.params, mb)
-            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+            (loss, counts), grads = jax.value_and_grad(self._loss_and_counts, has_aux=True)(state.params, mb)
+            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), counts
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
-        (loss, grads), _ = jax.lax.scan(accumulate, zero, micro)
+        (loss, grads), counts = jax.lax.scan(accumulate, zero, micro)
         grads = jax.tree.map(lambda g: g / m, grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
-        metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads), **self._counters(counts)}
         if self.lr_fn is not None:
             metrics["lr"] = self.lr_fn(opt_state)
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tessera.lower.shard.collectives import ShardEnv, vocab_cross_entropy_sums
+from tessera.lower.shard.expert import step_count
 from tessera.lower.shard.context import check_context, context_axes, token_spec
 from tessera.lower.shard.mesh import build_mesh
 from tessera.lower.shard.rules import AxisRules, partition_spec
@@ -54,7 +55,10 @@ class ShardPlan:
         if r.sequence_parallel and r.axes("heads"):
             out.append(f"all_gather(seq over {'*'.join(r.axes('heads'))})")
         if r.axes("experts"):
-            out.append(f"psum(expert outputs over {'*'.join(r.axes('experts'))})")
+            out.append(f"all_to_all(expert dispatch and return over {'*'.join(r.axes('experts'))})")
+            same = [a for a in r.axes("experts") if a not in r.axes("batch")]  # tokens alike: 1/ep each, gathered
+            if same:
+                out.append(f"all_gather(expert outputs over {'*'.join(same)})")
         if r.axes("layers"):
             out.append("ppermute(activations between pipeline stages over pp)")
         return out
@@ -75,7 +79,7 @@ def make_plan(exp, graph, devices=None) -> ShardPlan:
         check_stages(exp, graph)
     dims = tuple((path, p.type.names) for path, p in graph.params.items())
     specs = {path: partition_spec(rules, p.type.names) for path, p in graph.params.items()}
-    return ShardPlan(mesh, ShardEnv(rules, dims), specs)
+    return ShardPlan(mesh, ShardEnv(rules, dims, exp.parallel.expert_capacity), specs)
 
 
 def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
@@ -83,20 +87,28 @@ def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
     return {k: token_spec(plan.rules, jnp.ndim(v)) for k, v in batch.items()}
 
 
-def _logits(prog, plan: ShardPlan, params, tokens, mode: str):
-    """(logits, is-last-stage or None): through the pipeline stages when pp > 1."""
+def _logits(prog, plan: ShardPlan, params, tokens, mode: str, aux: dict | None = None):
+    """(logits, is-last-stage or None): through the pipeline stages when pp > 1; counters into `aux` (no pp)."""
     if dict(plan.rules.sizes).get("pp", 1) == 1:
-        return prog._forward(params, tokens, mode, shard=plan.env), None
+        return prog._forward(params, tokens, mode, shard=plan.env, aux=aux), None
     from tessera.lower.shard.pipeline import pipeline_logits
     ctx = prog._ctx(mode=mode, shard=plan.env)
     return pipeline_logits(prog, plan.env, params, tokens, prog.exp.parallel.pipeline.microbatches, ctx)
 
 
-def sharded_loss(prog, plan: ShardPlan):
-    """loss(params, batch) -> fp32 scalar: the mean next-token loss, computed under shard_map."""
+def sharded_loss(prog, plan: ShardPlan, counted: bool = False):
+    """loss(params, batch) -> fp32 scalar: the mean next-token loss, computed under shard_map.
+
+    counted: (loss, {counter: int32}) instead, the step's counters (moe_dropped) summed over layers and devices;
+    none are collected through a pipeline (pp > 1), where the MoE capacity does not apply either.
+    """
+    if counted and dict(plan.rules.sizes).get("pp", 1) > 1:
+        plain = sharded_loss(prog, plan)
+        return lambda params, batch: (plain(params, batch), {})
 
     def local(params, batch):
-        logits, last = _logits(prog, plan, params, batch["tokens"], "train")
+        aux = {} if counted else None
+        logits, last = _logits(prog, plan, params, batch["tokens"], "train", aux)
         total, count = vocab_cross_entropy_sums(plan.env, logits, batch["targets"], batch.get("mask"))
         axes = plan.rules.axes("batch") + context_axes(plan.rules)
         if last is not None:  # pipeline: the last stage's sums count, the others' are zeros
@@ -104,7 +116,8 @@ def sharded_loss(prog, plan: ShardPlan):
             axes = axes + ("pp",)
         if axes:
             total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
-        return total / jnp.maximum(count, 1.0)
+        loss = total / jnp.maximum(count, 1.0)
+        return loss if aux is None else (loss, {k: step_count(plan.env, v) for k, v in aux.items()})
 
     def loss(params, batch):
         fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, _batch_specs(plan, batch)),

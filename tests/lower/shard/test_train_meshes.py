@@ -92,6 +92,6 @@ def test_generation_under_tp_matches_one_device(results):
 def test_fast_mode_names_its_collectives(results):
     got = results[("gpt_oss", "train", False, "fsdp=2,tp=2,ep=2")]["collectives"]
     assert any(c.startswith("all_gather(params over fsdp)") for c in got)
-    assert "psum(heads partials over tp)" in got and "psum(expert outputs over ep)" in got
+    assert "psum(heads partials over tp)" in got and "all_to_all(expert dispatch and return over ep)" in got
     sp = results[("gpt_oss", "train", False, "sp+tp=2,dp=4")]["collectives"]
     assert "psum_scatter(heads partials over tp)" in sp and "all_gather(seq over tp)" in sp
