@@ -62,6 +62,8 @@ def test_quantize_and_dequantize_match_the_hf_codec_bit_for_bit(shape, seed):
     w = rng.standard_normal(shape).astype(np.float32) * np.exp2(rng.integers(-12, 12, shape[:-2] + (1, shape[-1])))
     w[..., :32, 0] = 0.0  # an all-zero group
     w[..., 1, -1] = 1e-30  # a tiny value next to ordinary ones
+    ties = np.asarray([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5] * 4, np.float32) * np.asarray([1, -1] * 16) * 8
+    w[..., 32:64, 1] = ties[: w[..., 32:64, 1].shape[-1]]  # exactly between two E2M1 values: to the smaller
     ours = mxfp4.quantize(jnp.asarray(w))
     codes, scales = packed_from_hf(*encode_mxfp4(w))
     np.testing.assert_array_equal(np.asarray(ours.codes), codes)

@@ -77,8 +77,10 @@ def quantize(w: jax.Array) -> MXFP4:
     exp = jnp.where(amax > 0, e - (mant == 0.5), 0)  # ceil(log2(amax / 6)), exactly (log2 is not)
     exp = jnp.clip(exp, -127, 127)
     scaled = jnp.ldexp(g, -exp[..., None, :])
-    mags = jnp.asarray(E2M1[:8], jnp.float32)
-    idx = jnp.argmin(jnp.abs(jnp.abs(scaled)[..., None] - mags), axis=-1).astype(jnp.uint8)
+    # nearest magnitude, ties to the smaller (as argmin over the distances): count the midpoints passed
+    mids = [(a + b) / 2 for a, b in zip(E2M1[:7], E2M1[1:8])]
+    mag = jnp.abs(scaled)
+    idx = sum((mag > m).astype(jnp.uint8) for m in mids)  # no [..., 8] distance tensor: init of 20b fits
     idx = idx | ((jnp.signbit(scaled) & (idx > 0)).astype(jnp.uint8) << 3)
     idx = idx.reshape(wf.shape)  # [..., K, N]
     codes = idx[..., 0::2, :] | (idx[..., 1::2, :] << 4)
