@@ -5,8 +5,8 @@ The body must be `pre ops → repeat → post ops` (every shipped model is). Eac
 [s·L/pp, (s+1)·L/pp) (the `layers` dim of stacked parameters is split over pp). At tick t stage 0 feeds
 microbatch t, every stage runs its layers on what it holds and passes the result to the next stage; the
 last stage collects microbatch t-(pp-1). Gradients flow back through the transposed ppermutes, so the
-backward pass runs the same schedule reversed (all forwards, then all backwards: GPipe; a `1f1b`
-schedule computes the same numbers in this order, see docs/parallel.md).
+backward pass runs the same schedule reversed (all forwards, then all backwards: GPipe). The `1f1b`
+schedule's gradients come from pipeline_1f1b.py; its loss value alone (no gradient) runs this forward.
 """
 
 from __future__ import annotations
