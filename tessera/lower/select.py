@@ -84,6 +84,11 @@ def ragged_dot(ctx, label: str):
 
     def dot(lhs, rhs, group_sizes, preferred_element_type=None):
         if isinstance(rhs, mxfp4.MXFP4):
+            from tessera.lower.kernels import mxfp4_matmul as mk
+
+            if mk.supported(lhs, rhs, group_sizes):
+                _record(ctx, label, "mxfp4_ragged_dot (Pallas, Triton: dequantised in registers)")
+                return mk.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
             _record(ctx, label, f"{REFERENCE}: MXFP4 experts dequantised")
             return mxfp4.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
         if gm.supported(lhs, rhs, group_sizes):

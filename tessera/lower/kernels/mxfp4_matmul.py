@@ -44,6 +44,7 @@ class Mxfp4Config:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    group_dots: bool = False  # per 32-k scale group: dots of [bm, 16] x [16, bn], scale on the fp32 partial
     interpret: bool = False  # the Pallas interpreter (CPU)
 
     def __post_init__(self):
@@ -113,7 +114,9 @@ def _tile_table(group_sizes, m: int, block_m: int):
     count = (ends - starts + block_m - 1) // block_m  # runs per group
     offsets = jnp.cumsum(count)
     t = jnp.arange(-(-m // block_m) + ends.shape[0], dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    # compare_all: one [T, G] comparison (the default binary search is a device loop, ~100 us at decode)
+    grp = jnp.searchsorted(offsets, t, side="right", method="compare_all")
+    grp = jnp.minimum(grp, ends.shape[0] - 1).astype(jnp.int32)
     row0 = starts[grp] + (t - offsets[grp] + count[grp]) * block_m
     rows = jnp.where(t < offsets[-1], jnp.clip(ends[grp] - row0, 0, block_m), 0)
     return jnp.stack([grp, row0, rows], axis=1).astype(jnp.int32)
@@ -123,6 +126,37 @@ def _e2m1_to_bf16(nibble):
     """int32 E2M1 codes (0..15) -> bf16 values times 2^-6, via the E4M3 bit pattern s000 0em0 0."""
     bits = ((nibble & 7) << 2) | ((nibble & 8) << 4)
     return lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.bfloat16)
+
+
+def _load_step(x_ref, codes_ref, scales_ref, j, srow, *, grp, row0, r, c, row_ok, col_ok, k: int):
+    """Code rows j [rows] (int32 codes [rows, bn]), scale rows srow, x's even / odd columns [bm, rows]."""
+    w_mask = col_ok[None, :]
+    codes = pltriton.load(codes_ref.at[(grp * (k // 2) + j)[:, None], c[None, :]], mask=w_mask, other=0)
+    sc = pltriton.load(scales_ref.at[(grp * (k // 32) + srow)[:, None], c[None, :]], mask=w_mask, other=127)
+    xr, x_mask = (row0 + r)[:, None], row_ok[:, None]
+    x_e = pltriton.load(x_ref.at[xr, (2 * j)[None, :]], mask=x_mask, other=0.0)
+    x_o = pltriton.load(x_ref.at[xr, (2 * j + 1)[None, :]], mask=x_mask, other=0.0)
+    return codes.astype(jnp.int32), sc.astype(jnp.int32), x_e, x_o
+
+
+def _step(load, kk, acc, *, bk: int):
+    """acc + one K step: dequantise [bk/2, bn] code bytes (scales read per code row), two dots."""
+    j = kk * (bk // 2) + jnp.arange(bk // 2, dtype=jnp.int32)
+    codes, sc, x_e, x_o = load(j, j // 16)  # each scale byte read for its 16 code rows
+    scale = lax.bitcast_convert_type((sc << 7).astype(jnp.uint16), jnp.bfloat16)  # 2^(s-127), exact
+    acc += jnp.dot(x_e, _e2m1_to_bf16(codes & 15) * scale, preferred_element_type=jnp.float32)
+    return acc + jnp.dot(x_o, _e2m1_to_bf16(codes >> 4) * scale, preferred_element_type=jnp.float32)
+
+
+def _step_grouped(load, kk, acc, *, bk: int):
+    """acc + one K step as bk/32 scale groups: dots on unscaled values, the column scale on the fp32 partial."""
+    for gi in range(bk // 32):
+        j = kk * (bk // 2) + gi * 16 + jnp.arange(16, dtype=jnp.int32)
+        codes, sc, x_e, x_o = load(j, jnp.full((1,), kk * (bk // 32) + gi, jnp.int32))
+        part = jnp.dot(x_e, _e2m1_to_bf16(codes & 15), preferred_element_type=jnp.float32)
+        part += jnp.dot(x_o, _e2m1_to_bf16(codes >> 4), preferred_element_type=jnp.float32)
+        acc += part * lax.bitcast_convert_type(sc << 23, jnp.float32)  # [1, bn] 2^(s-127), exact
+    return acc
 
 
 def _kernel(table_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: Mxfp4Config, m: int, k: int, n: int,
@@ -144,26 +178,9 @@ def _kernel(table_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: Mxfp4Confi
 
     @pl.when((grp < num_groups) & (rows > 0))
     def _():
-        half = jnp.arange(bk // 2, dtype=jnp.int32)  # code rows of one step: k = 2 * j (+1)
-        code_row0 = grp * (k // 2)
-        w_mask = col_ok[None, :]
-        x_mask = row_ok[:, None]
-
-        def step(kk, acc):
-            j = kk * (bk // 2) + half  # [bk/2] code rows
-            codes = pltriton.load(codes_ref.at[(code_row0 + j)[:, None], c[None, :]], mask=w_mask,
-                                  other=0).astype(jnp.int32)  # [bk/2, bn]
-            sc = pltriton.load(scales_ref.at[(grp * (k // 32) + j // 16)[:, None], c[None, :]],
-                               mask=w_mask, other=127).astype(jnp.int32)  # each scale 16 times
-            scale = lax.bitcast_convert_type((sc << 7).astype(jnp.uint16), jnp.bfloat16)  # 2^(s-127)
-            w_lo = _e2m1_to_bf16(codes & 15) * scale
-            w_hi = _e2m1_to_bf16(codes >> 4) * scale
-            xr = (row0 + r)[:, None]
-            x_e = pltriton.load(x_ref.at[xr, (2 * j)[None, :]], mask=x_mask, other=0.0)
-            x_o = pltriton.load(x_ref.at[xr, (2 * j + 1)[None, :]], mask=x_mask, other=0.0)
-            acc += jnp.dot(x_e, w_lo, preferred_element_type=jnp.float32)
-            return acc + jnp.dot(x_o, w_hi, preferred_element_type=jnp.float32)
-
+        load = functools.partial(_load_step, x_ref, codes_ref, scales_ref, grp=grp, row0=row0, r=r, c=c,
+                                 row_ok=row_ok, col_ok=col_ok, k=k)
+        step = functools.partial(_step_grouped if cfg.group_dots else _step, load, bk=bk)
         lo = s * steps_per_split
         hi = jnp.minimum(lo + steps_per_split, k // bk)
         acc = lax.fori_loop(lo, hi, step, jnp.zeros((bm, bn), jnp.float32))
@@ -171,8 +188,8 @@ def _kernel(table_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: Mxfp4Confi
                        mask=out_mask)
 
 
-def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config):
-    """out [M, N] in lhs's dtype (fp32 partials summed when the K range is split)."""
+def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config, out_dtype):
+    """out [M, N] in out_dtype (fp32 partials summed when the K range is split)."""
     m, k = lhs.shape
     g, _, n = rhs.shape
     steps = k // cfg.block_k
@@ -180,11 +197,11 @@ def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config):
     splits = -(-steps // per)  # no empty splits
     cfg = dataclasses.replace(cfg, splits=splits)
     table = _tile_table(group_sizes, m, cfg.block_m)
-    out_dtype = lhs.dtype if splits == 1 else jnp.float32
+    part_dtype = out_dtype if splits == 1 else jnp.float32
     body = functools.partial(_kernel, cfg=cfg, m=m, k=k, n=n, num_groups=g, steps_per_split=per)
     out = pl.pallas_call(
         body,
-        out_shape=jax.ShapeDtypeStruct((splits * m, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((splits * m, n), part_dtype),
         grid=(table.shape[0], -(-n // cfg.block_n), splits),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
@@ -192,38 +209,43 @@ def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config):
     )(table, lhs, rhs.codes.reshape(g * k // 2, n), rhs.scales.reshape(g * k // 32, n))
     if splits == 1:
         return out
-    return out.reshape(splits, m, n).sum(axis=0).astype(lhs.dtype)
+    return out.reshape(splits, m, n).sum(axis=0).astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------- public ops
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mxfp4_dot(lhs, rhs, group_sizes, cfg):
-    return _ragged(lhs, rhs, group_sizes, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _mxfp4_dot(lhs, rhs, group_sizes, cfg, out_dtype):
+    return _ragged(lhs, rhs, group_sizes, cfg, out_dtype)
 
 
-def _mxfp4_dot_fwd(lhs, rhs, group_sizes, cfg):
-    return _ragged(lhs, rhs, group_sizes, cfg), (rhs, group_sizes)
+def _mxfp4_dot_fwd(lhs, rhs, group_sizes, cfg, out_dtype):
+    return _ragged(lhs, rhs, group_sizes, cfg, out_dtype), (lhs, rhs, group_sizes)
 
 
-def _mxfp4_dot_bwd(cfg, res, dout):
+def _mxfp4_dot_bwd(cfg, out_dtype, res, dout):
     """d lhs = dout @ W^T per group (the reference, on dequantised weights); packed weights get none."""
-    rhs, group_sizes = res
-    w_t = jnp.swapaxes(ref.dequantize(rhs, dout.dtype), 1, 2)  # [G, N, K]
-    dlhs = lax.ragged_dot(dout, w_t, group_sizes, preferred_element_type=jnp.float32)
-    return dlhs.astype(dout.dtype), None, None
+    lhs, rhs, group_sizes = res
+    w_t = jnp.swapaxes(ref.dequantize(rhs, lhs.dtype), 1, 2)  # [G, N, K]
+    dlhs = lax.ragged_dot(dout.astype(lhs.dtype), w_t, group_sizes, preferred_element_type=jnp.float32)
+    return dlhs.astype(lhs.dtype), None, None
 
 
 _mxfp4_dot.defvjp(_mxfp4_dot_fwd, _mxfp4_dot_bwd)
 
 
-def ragged_dot(lhs, rhs: ref.MXFP4, group_sizes, *, config: Mxfp4Config | None = None):
-    """`reference.mxfp4.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])` dequantising in registers."""
+def ragged_dot(lhs, rhs: ref.MXFP4, group_sizes, *, preferred_element_type=None,
+               config: Mxfp4Config | None = None):
+    """`reference.mxfp4.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])` dequantising in registers.
+
+    fp32 accumulation; the result in preferred_element_type (default lhs's dtype).
+    """
     m, k = lhs.shape
     g, _, n = rhs.shape
     cfg = config or default_config(m, k, n, g)
-    return _mxfp4_dot(lhs, rhs, group_sizes.astype(jnp.int32), cfg)
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    return _mxfp4_dot(lhs, rhs, group_sizes.astype(jnp.int32), cfg, out_dtype)
 
 
 def matmul(x, w: ref.MXFP4, *, config: Mxfp4Config | None = None):

@@ -30,8 +30,8 @@ NOT_SELECTED = "XLA's fusion is as fast (bench/RESULTS.md, rmsnorm rows)"
 
 @dataclasses.dataclass(frozen=True)
 class RmsNormConfig:
-    """block_r rows per program (each whole), num_warps warps."""
-    block_r: int = 1
+    """block_r rows per program (each whole), num_warps warps (2 x 4: fastest of 4 variants at D=2880)."""
+    block_r: int = 2
     num_warps: int = 4
     interpret: bool = False
 
@@ -91,32 +91,51 @@ def _fwd_kernel(*refs, cfg: RmsNormConfig, eps: float, residual: bool):
     pltriton.store(rstd_ref.at[rows], rstd, mask=rows < n)
 
 
-def _bwd_kernel(*refs, cfg: RmsNormConfig, residual: bool):
-    """dh = rstd * (g - yhat * mean(g * yhat)) (+ the cotangent of h), g = dy * scale, yhat = h * rstd."""
+def _bwd_kernel(*refs, cfg: RmsNormConfig, residual: bool, rows_per_program: int):
+    """dh = rstd * (g - yhat * mean(g * yhat)) (+ the cotangent of h), g = dy * scale, yhat = h * rstd.
+
+    A program walks `rows_per_program` rows in blocks of block_r and also writes its partial
+    d scale = sum over its rows of dy * yhat (fp32 [programs, D], summed outside).
+    """
     if residual:
-        h_ref, dy_ref, dh_out_ref, s_ref, rstd_ref, dh_ref = refs
+        h_ref, dy_ref, dh_out_ref, s_ref, rstd_ref, dh_ref, ds_ref = refs
     else:
-        h_ref, dy_ref, s_ref, rstd_ref, dh_ref = refs
+        h_ref, dy_ref, s_ref, rstd_ref, dh_ref, ds_ref = refs
     n, d = h_ref.shape
-    rows, cols, mask = _tile(n, d, cfg)
-    at = (rows[:, None], cols[None, :])
-    hf = pltriton.load(h_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
-    dy = pltriton.load(dy_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+    cols = jnp.arange(pl.next_power_of_2(d), dtype=jnp.int32)
     s = pltriton.load(s_ref.at[cols], mask=cols < d, other=0.0).astype(jnp.float32)
-    rstd = pltriton.load(rstd_ref.at[rows], mask=rows < n, other=0.0)[:, None]
-    g, yhat = dy * s[None, :], hf * rstd
-    dh = rstd * (g - yhat * (jnp.sum(g * yhat, axis=1, keepdims=True) / d))
-    if residual:
-        dh += pltriton.load(dh_out_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
-    pltriton.store(dh_ref.at[at], dh.astype(dh_ref.dtype), mask=mask)
+    pid = pl.program_id(0)  # read outside the loop (the interpreter substitutes it at the top level only)
+
+    def block(i, ds):
+        rows = pid * rows_per_program + i * cfg.block_r + jnp.arange(cfg.block_r, dtype=jnp.int32)
+        mask = (rows < n)[:, None] & (cols < d)[None, :]
+        at = (rows[:, None], cols[None, :])
+        hf = pltriton.load(h_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+        dy = pltriton.load(dy_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+        rstd = pltriton.load(rstd_ref.at[rows], mask=rows < n, other=0.0)[:, None]
+        g, yhat = dy * s[None, :], hf * rstd
+        dh = rstd * (g - yhat * (jnp.sum(g * yhat, axis=1, keepdims=True) / d))
+        if residual:
+            dh += pltriton.load(dh_out_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+        pltriton.store(dh_ref.at[at], dh.astype(dh_ref.dtype), mask=mask)
+        return ds + jnp.sum(dy * yhat, axis=0)
+
+    ds = jax.lax.fori_loop(0, rows_per_program // cfg.block_r, block, jnp.zeros(cols.shape, jnp.float32))
+    pltriton.store(ds_ref.at[jnp.full((1, 1), pid, jnp.int32), cols[None, :]], ds[None, :], mask=(cols < d)[None, :])
 
 
-def _call(body, cfg: RmsNormConfig, n: int, out_shape, *args):
+def _call(body, cfg: RmsNormConfig, programs: int, out_shape, *args):
     return pl.pallas_call(
-        body, out_shape=out_shape, grid=(pl.cdiv(n, cfg.block_r),),
+        body, out_shape=out_shape, grid=(programs,),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=cfg.interpret, name="rms_norm",
     )(*args)
+
+
+def _rows_per_program(n: int, block_r: int) -> int:
+    """Rows per backward program: ~512 programs (4 per SM of an H100/H200), a multiple of block_r."""
+    per = max(block_r, pl.next_power_of_2(-(-n // 512)))
+    return -(-per // block_r) * block_r
 
 
 def _forward(x2, r2, scale, eps: float, cfg: RmsNormConfig):
@@ -125,7 +144,7 @@ def _forward(x2, r2, scale, eps: float, cfg: RmsNormConfig):
     res = r2 is not None
     out = [jax.ShapeDtypeStruct((n, d), x2.dtype)] * (2 if res else 1) + [jax.ShapeDtypeStruct((n,), jnp.float32)]
     body = functools.partial(_fwd_kernel, cfg=cfg, eps=eps, residual=res)
-    outs = _call(body, cfg, n, out, *((x2, r2, scale) if res else (x2, scale)))
+    outs = _call(body, cfg, pl.cdiv(n, cfg.block_r), out, *((x2, r2, scale) if res else (x2, scale)))
     return (outs[0], outs[1], outs[2]) if res else (outs[0], x2, outs[1])
 
 
@@ -144,13 +163,15 @@ def _fused_bwd(eps, cfg, has_res, res, cts):
     h, scale, rstd = res
     dy, dh_out = cts
     n, d = h.shape
-    body = functools.partial(_bwd_kernel, cfg=cfg, residual=has_res)
+    per = _rows_per_program(n, cfg.block_r)
+    programs = pl.cdiv(n, per)
+    body = functools.partial(_bwd_kernel, cfg=cfg, residual=has_res, rows_per_program=per)
     args = (h, dy.astype(h.dtype)) + ((dh_out.astype(h.dtype),) if has_res else ()) + (scale, rstd)
-    dh = _call(body, cfg, n, jax.ShapeDtypeStruct((n, d), h.dtype), *args)
-    if not has_res:  # h is x itself: its cotangent joins dx outside the kernel
+    out = (jax.ShapeDtypeStruct((n, d), h.dtype), jax.ShapeDtypeStruct((programs, d), jnp.float32))
+    dh, dscale = _call(body, cfg, programs, out, *args)
+    if not has_res:  # h is x itself: its cotangent (zero unless h is used) joins dx outside the kernel
         dh = (dh.astype(jnp.float32) + dh_out.astype(jnp.float32)).astype(h.dtype)
-    dscale = jnp.sum(dy.astype(jnp.float32) * h.astype(jnp.float32) * rstd[:, None], axis=0)
-    return dh, (dh if has_res else None), dscale.astype(scale.dtype)
+    return dh, (dh if has_res else None), dscale.sum(axis=0).astype(scale.dtype)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

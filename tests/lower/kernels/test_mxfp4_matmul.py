@@ -46,6 +46,7 @@ def test_tile_table_covers_every_row_once():
 INTERPRET_CASES = [  # m, k, n, sizes, config
     (37, 128, 96, [5, 0, 20, 0, 9], Mxfp4Config(block_m=16, block_n=64, block_k=64, interpret=True)),
     (4, 96, 64, [0, 1, 0, 2, 1, 0], Mxfp4Config(block_m=16, block_n=32, block_k=32, splits=2, interpret=True)),
+    (21, 128, 64, [9, 0, 12], Mxfp4Config(block_m=16, block_n=64, block_k=64, group_dots=True, interpret=True)),
     (50, 64, 48, [0, 0, 50], Mxfp4Config(block_m=32, block_n=32, block_k=32, interpret=True)),
 ]
 
@@ -71,6 +72,9 @@ def test_interpret_grad_lhs_and_matmul():
     want = jax.jit(jax.grad(loss(lambda x: ragged_dot_reference(x, rhs, gs))))(lhs.astype(jnp.float32))
     assert_close(got, want, 1e-2, "dlhs")
     w = ref.MXFP4(rhs.codes[2], rhs.scales[2])
+    out32 = jax.jit(lambda x: ragged_dot(x, rhs, gs, preferred_element_type=jnp.float32, config=cfg))(lhs)
+    assert out32.dtype == jnp.float32
+    assert_close(out32, _want(lhs, rhs, gs), 1e-5, "fp32 out")
     out = matmul(lhs.reshape(4, 5, 64), w, config=cfg)
     assert_close(out, ref.matmul(lhs.astype(jnp.float32), w).reshape(4, 5, 32), 1e-2, "matmul")
 
@@ -118,3 +122,19 @@ def test_gpu_matches_reference(tokens, top_k, g, k, n):
     out = jax.jit(ragged_dot)(lhs, rhs, gs)
     assert_close(out, _want(lhs, rhs, gs), 1e-2, "out")
     assert float(jnp.abs(out[-5:].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_select_picks_the_kernel():
+    """kernels: auto on a GPU: select.ragged_dot runs the kernel for packed experts, reports it, fp32 out."""
+    from tessera.lower import select
+    from tessera.lower.context import LowerCtx
+
+    sizes = _routing(8, 4, 32, seed=1)
+    lhs, rhs, gs = _inputs(1, 32, 2880, 5760, sizes)
+    ctx = LowerCtx(kernels="auto", backend="gpu", report={})
+    out = jax.jit(lambda a, b, c: select.ragged_dot(ctx, "experts")(a, b, c, preferred_element_type=jnp.float32))(
+        lhs, rhs, gs)
+    assert ctx.report["experts"].startswith("mxfp4_ragged_dot")
+    assert out.dtype == jnp.float32
+    assert_close(out, _want(lhs, rhs, gs), 1e-5, "out")
