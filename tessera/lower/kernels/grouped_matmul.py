@@ -29,6 +29,7 @@ from tessera.lower.kernels import _mgpu
 
 MEMORY_REGISTERS = 40  # the TMA warpgroup's registers; the consumers share the rest
 WGS = 2  # consumer warpgroups per CTA
+ALIGN = 8  # row tiles start on multiples of 8 (the SMEM tiling's row count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class GroupedMatmulConfig:
     stages: int = 4
     band: int = 8  # row tiles visited together (L2 reuse of lhs rows and expert weights)
     skip_idle: bool = True  # a consumer whose half of the tile has no rows issues no MMAs
+    drhs_groups: int = 4  # d rhs: groups summed by one pipeline (the producer never stalls between them)
     interpret: bool = False  # the CPU interpreter (tests)
 
     def __post_init__(self):
@@ -115,25 +117,28 @@ def interpret_scratch(cfg, shape, dtype):
 # ----------------------------------------------------------------------------- tile table
 
 
-def _tile_table(group_sizes, m: int, block_m: int):
+def _tile_table(group_sizes, m: int, block_m: int, align: int = ALIGN):
     """int32 [m // block_m + G + 2, 4]: (group, first row loaded, first kept row in tile, rows).
 
-    Group g's rows [s, e) take tiles starting at s, s + bm, ...; a tile is loaded from
-    r0 = min(start, m - bm) so it never reads past m, and keeps rows [start - r0, + rows).
+    Group g's rows [s, e) take tiles starting at s' = s rounded down to `align` (TMA tiles start on
+    an 8-row boundary), s' + bm, ...; a tile is loaded from r0 = min(start, m - bm) so it never
+    reads past m (m is a multiple of `align`), and keeps rows [max(s, start) - r0, + rows).
     Rows past sum(group_sizes) form group G, whose tiles store zeros. Unused entries have 0 rows.
     """
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.minimum(jnp.cumsum(sizes), m)
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # + the tail group
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    count = (ends - starts + block_m - 1) // block_m  # tiles per group (0 for an empty one)
+    base = starts // align * align
+    count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)  # tiles per group
     offsets = jnp.cumsum(count)
     t = jnp.arange(m // block_m + ends.shape[0] + 1, dtype=jnp.int32)
     grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), ends.shape[0] - 1).astype(jnp.int32)
-    start = starts[grp] + (t - offsets[grp] + count[grp]) * block_m
-    rows = jnp.where(t < offsets[-1], jnp.clip(ends[grp] - start, 0, block_m), 0)
+    start = base[grp] + (t - offsets[grp] + count[grp]) * block_m
+    lo = jnp.maximum(starts[grp], start)
+    rows = jnp.where(t < offsets[-1], jnp.clip(jnp.minimum(ends[grp], start + block_m) - lo, 0, block_m), 0)
     r0 = jnp.clip(jnp.minimum(start, m - block_m), 0, None)
-    return jnp.stack([grp, r0, start - r0, rows], axis=1).astype(jnp.int32)
+    return jnp.stack([grp, r0, lo - r0, rows], axis=1).astype(jnp.int32)
 
 
 def _banded(i, n_tiles_n: int, band: int):
@@ -164,7 +169,7 @@ def store_rows(o_smem, out_ref, row0, first, rows, col0, height: int, width: int
 
 def _forward_kernel(table_ref, lhs_ref, *refs, cfg, k: int, n_rhs: int, transpose_rhs: bool,
                     n_tiles_n: int, n_entries: int, epilogue):
-    """Persistent loop over (table entry, N tile); `epilogue(accs, grp, ni, wg, scratch)` -> tile."""
+    """Persistent loop over (table entry, N tile); `epilogue(accs, grp=, ni=, ...)` -> fp32 tile."""
     rhs_refs, extra, out_ref = refs[:n_rhs], refs[n_rhs:-1], refs[-1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     hm = bm // WGS  # rows per consumer warpgroup
@@ -188,14 +193,15 @@ def _forward_kernel(table_ref, lhs_ref, *refs, cfg, k: int, n_rhs: int, transpos
     t_scr = interpret_scratch(cfg, (bk, bn), lhs_ref.dtype) if transpose_rhs else None
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((WGS, hm, bn), out_ref.dtype),
-                       scratch=_epilogue_scratch(epilogue, bn), t_scr=t_scr, collective_axes="wg")
-    def _scope(allocs, o_smem, scratch, t_scr):
+                       t_scr=t_scr, collective_axes="wg")
+    def _scope(allocs, o_smem, t_scr):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((n_entries * n_tiles_n,), collective_axes="sm")
         def _tile(info):
             ni, t = _banded(info.index[0], n_tiles_n, cfg.band)
             grp, r0, first, rows = (table_ref[t, i] for i in range(4))
+            r0 = pl.multiple_of(r0, ALIGN)
             lo = jnp.clip(first - wg * hm, 0, hm)  # this consumer's rows [lo, hi) of its half
             cnt = jnp.clip(first + rows - wg * hm, 0, hm) - lo
             busy = (grp < num_groups) & ((cnt > 0) if cfg.skip_idle else True)
@@ -214,8 +220,8 @@ def _forward_kernel(table_ref, lhs_ref, *refs, cfg, k: int, n_rhs: int, transpos
             def context(run):
                 def with_accs(*acc_refs):
                     accs = run(acc_refs)
-                    tile = epilogue([a[...] for a in accs], grp=grp, ni=ni, wg=wg, scratch=scratch,
-                                    extra=extra, num_groups=num_groups, bn=bn)
+                    tile = epilogue([a[...] for a in accs], grp=grp, ni=ni, extra=extra, num_groups=num_groups,
+                                    bn=bn, interpret=cfg.interpret)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store
                     o_smem[wg] = tile.astype(o_smem.dtype)
                     plgpu.commit_smem()
@@ -233,12 +239,6 @@ def _forward_kernel(table_ref, lhs_ref, *refs, cfg, k: int, n_rhs: int, transpos
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _epilogue_scratch(epilogue, bn):
-    """SMEM the epilogue asks for (e.g. bias vectors), or none."""
-    make = getattr(epilogue, "scratch", None)
-    return make(bn) if make else None
-
-
 def plain_epilogue(accs, **_):
     """The product itself (fp32 accumulator; cast to the output dtype by the caller)."""
     return accs[0]
@@ -251,7 +251,7 @@ def grouped_call(lhs, rhs_list, group_sizes, cfg: GroupedMatmulConfig, *, transp
     n = rhs_list[0].shape[1] if transpose_rhs else rhs_list[0].shape[2]
     if n % cfg.block_n or k % cfg.block_k:
         raise ValueError(f"N={n}, K={k} must be multiples of {cfg.block_n=}, {cfg.block_k=}")
-    m_run = max(m, cfg.block_m)  # a tile is never taller than the array
+    m_run = max(-(-m // ALIGN) * ALIGN, cfg.block_m)  # tiles start on 8-row boundaries, fit in the array
     lhs_p = lhs if m_run == m else jnp.pad(lhs, ((0, m_run - m), (0, 0)))
     table = _tile_table(group_sizes, m_run, cfg.block_m)
     n_entries = -(-table.shape[0] // cfg.band) * cfg.band  # whole bands; extra entries have 0 rows
@@ -273,90 +273,136 @@ def _iota(shape, interpret: bool):
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
-def _drhs_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, cfg, n_tiles_k: int, n_tiles_n: int):
-    """d rhs[g][k0 + 64 w + [0, 64), n tile] = sum over the group's 64-row blocks of lhs^T @ dout."""
+def _drhs_table(group_sizes, m: int, br: int, per_chunk: int):
+    """Steps of d rhs: ([E + 1, 4] (group, row block, first row, rows), [C] first step, [C] end).
+
+    Each group lists the br-row blocks its rows [s, e) touch (a block shared by two groups is
+    listed for both); an empty group lists one block with 0 rows, so its d rhs is written (zeros).
+    Chunk c (groups [c * per_chunk, ...)) owns steps [lo[c], hi[c]). The last row is a sentinel.
+    """
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    first_blk = jnp.minimum(starts // br, m // br - 1)
+    count = jnp.where(ends > starts, (ends - 1) // br - first_blk + 1, 1)
+    offsets = jnp.cumsum(count)
+    g = group_sizes.shape[0]
+    t = jnp.arange(m // br + g + 1, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), g - 1).astype(jnp.int32)
+    blk = first_blk[grp] + t - (offsets[grp] - count[grp])
+    lo = jnp.maximum(starts[grp], blk * br)
+    rows = jnp.clip(jnp.minimum(ends[grp], (blk + 1) * br) - lo, 0, br)
+    live = t < offsets[-1]
+    table = jnp.stack([jnp.where(live, grp, -1), jnp.where(live, blk, 0), lo - blk * br, jnp.where(live, rows, 0)], 1)
+    firsts = offsets - count
+    c = jnp.arange(0, g, per_chunk)
+    hi = jnp.concatenate([firsts[c[1:]], offsets[-1:]])
+    return table.astype(jnp.int32), firsts[c].astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _drhs_kernel(table_ref, lo_ref, hi_ref, lhs_ref, dout_ref, out_ref, *, cfg, n_tiles_k: int, n_tiles_n: int):
+    """d rhs[g][k0 + 64 w + [0, 64), n tile] for every group g of a chunk, in one pipeline.
+
+    The pipeline walks the chunk's 64-row blocks; after a group's last block the consumer writes
+    its accumulator out (TMA) and zeroes it. One pipeline per (chunk, K tile, N tile) keeps the
+    TMA producer running across the chunk's groups (a group alone is only ~4 blocks).
+    """
     bn, br = cfg.block_n, 64  # br: rows per step (the reduction)
     bk = 64 * WGS  # K rows of a tile, 64 per consumer
     m, kdim = lhs_ref.shape
     tf = transforms(lhs_ref.dtype)
 
-    def pipeline(body, context, steps, blk0):
-        specs = [plgpu.BlockSpec((br, bk), lambda i: (blk0 + i, 0), transforms=tf),
-                 plgpu.BlockSpec((br, bn), lambda i: (blk0 + i, 0), transforms=tf)]
+    def pipeline(body, context, lo, steps):
+        specs = [plgpu.BlockSpec((br, bk), lambda i: (table_ref[lo + i, 1], 0), transforms=tf),
+                 plgpu.BlockSpec((br, bn), lambda i: (table_ref[lo + i, 1], 0), transforms=tf)]
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
             num_compute_wgs=WGS, max_concurrent_steps=cfg.stages, compute_context=context)
 
     ignore = lambda *_, **__: None
-    allocs = pipeline(ignore, ignore, m // br, 0).get_allocations(lhs_ref.at[:, pl.ds(0, bk)],
+    allocs = pipeline(ignore, ignore, 0, m // br).get_allocations(lhs_ref.at[:, pl.ds(0, bk)],
                                                                   dout_ref.at[:, pl.ds(0, bn)])
+    base = plgpu.SMEM((WGS, 64, bn), jnp.float32) if cfg.interpret else None
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((WGS, 64, bn), out_ref.dtype, transforms=tf),
-                       t_scr=interpret_scratch(cfg, (64, br), lhs_ref.dtype), collective_axes="wg")
-    def _scope(allocs, o_smem, t_scr):
+                       t_scr=interpret_scratch(cfg, (64, br), lhs_ref.dtype), base=base, collective_axes="wg")
+    def _scope(allocs, o_smem, t_scr, base):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((starts_ref.shape[0] * n_tiles_k * n_tiles_n,), collective_axes="sm")
+        @plgpu.nd_loop((lo_ref.shape[0] * n_tiles_k * n_tiles_n,), collective_axes="sm")
         def _tile(info):
-            i = info.index[0]  # group-major: one expert's rows stay in L2 while its tiles run
-            g = lax.div(i, jnp.int32(n_tiles_k * n_tiles_n))
+            i = info.index[0]  # chunk-major: a chunk's rows stay in L2 while its tiles run
+            c = lax.div(i, jnp.int32(n_tiles_k * n_tiles_n))
             r = lax.rem(i, jnp.int32(n_tiles_k * n_tiles_n))
             ki, ni = lax.div(r, jnp.int32(n_tiles_n)), lax.rem(r, jnp.int32(n_tiles_n))
             k0 = jnp.minimum(ki * bk, kdim - bk)  # the last K tile is shifted back (kdim >= bk)
             mine = k0 + wg * 64  # this consumer's K rows [mine, mine + 64)
             owner = mine >= ki * bk  # not already written by the previous K tile
-            start, end = starts_ref[g], ends_ref[g]
-            blk0 = lax.div(start, jnp.int32(br))
-            steps = jnp.where(end > start, lax.div(end + br - 1, jnp.int32(br)) - blk0, 0)
+            lo, hi = lo_ref[c], hi_ref[c]
 
             def body(idx, l_smem, d_smem, acc):
-                row0 = (blk0 + idx[0]) * br
+                e = lo + idx[0]
+                grp, first, rows = table_ref[e, 0], table_ref[e, 2], table_ref[e, 3]
                 a = l_smem.at[:, pl.ds(wg * 64, 64)]
 
-                @pl.when(owner & ((row0 < start) | (row0 + br > end)))
-                def _():  # zero rows of other groups (first / last block): this consumer's half only
-                    rows = _iota((br, 64), cfg.interpret) + row0
-                    keep = ((rows >= start) & (rows < end)).astype(a.dtype)
-                    a[...] = a[...] * keep
+                @pl.when(owner & ((first > 0) | (rows < br)))
+                def _():  # zero rows of other groups: this consumer's half only
+                    ids = _iota((br, 64), cfg.interpret)
+                    a[...] = a[...] * ((ids >= first) & (ids < first + rows)).astype(a.dtype)
                     plgpu.commit_smem()
 
                 @pl.when(owner)
                 def _():
                     mma(acc, a, d_smem, transpose_a=True, scratch=None if t_scr is None else t_scr.at[wg])
                     plgpu.wgmma_wait(0)
+
+                @pl.when(owner & ((e + 1 == hi) | (table_ref[e + 1, 0] != grp)))
+                def _():  # the group's last block: write d rhs[grp] tile, restart the sum
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store
+                    o_smem[wg] = _take_acc(acc, None if base is None else base.at[wg]).astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[grp, pl.ds(mine, 64), pl.ds(ni * bn, bn)])
                 return acc
 
             def context(run):
                 def with_acc(acc_ref):
-                    acc = run(acc_ref)[...]
-
-                    @pl.when(owner)
-                    def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store
-                        o_smem[wg] = acc.astype(o_smem.dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[g, pl.ds(mine, 64), pl.ds(ni * bn, bn)])
+                    if base is not None:  # the interpreter's stand-in for zeroing (see _take_acc)
+                        base[wg] = jnp.zeros((64, bn), jnp.float32)
+                    run(acc_ref)  # every group's sum is written inside the pipeline
                 pl.run_scoped(with_acc, plgpu.ACC((64, bn), jnp.float32))
 
-            pipeline(body, context, steps, blk0)(lhs_ref.at[:, pl.ds(k0, bk)], dout_ref.at[:, pl.ds(ni * bn, bn)],
-                                                 allocations=allocs)
+            pipeline(body, context, lo, hi - lo)(lhs_ref.at[:, pl.ds(k0, bk)], dout_ref.at[:, pl.ds(ni * bn, bn)],
+                                                allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _take_acc(acc_ref, base_ref):
+    """The accumulator's value, then zero it (on the GPU).
+
+    The interpreter cannot store to an accumulator: there `base_ref` (fp32 SMEM) keeps the value
+    at the last restart and the difference is returned.
+    """
+    value = acc_ref[...]
+    if base_ref is None:
+        acc_ref[...] = plgpu.layout_cast(jnp.zeros(value.shape, jnp.float32), plgpu.Layout.WGMMA)
+        return value
+    out = value - base_ref[...]
+    base_ref[...] = value
+    return out
 
 
 def grouped_drhs(lhs, dout, group_sizes, g: int, cfg: GroupedMatmulConfig):
     """d rhs [G, K, N] = per group lhs_g^T @ dout_g (empty groups: zeros)."""
     m, k = lhs.shape
     n = dout.shape[1]
-    m_pad = -(-m // 64) * 64
+    m_pad = max(-(-m // 64) * 64, 64)
     k_pad = max(k, 64 * WGS)  # a K tile is 128 rows
     lhs = jnp.pad(lhs, ((0, m_pad - m), (0, k_pad - k))) if (m_pad, k_pad) != (m, k) else lhs
     dout = jnp.pad(dout, ((0, m_pad - m), (0, 0))) if m_pad != m else dout
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    table, lo, hi = _drhs_table(group_sizes, m_pad, 64, cfg.drhs_groups)
     n_tiles_k, n_tiles_n = -(-k_pad // (64 * WGS)), n // cfg.block_n
     body = functools.partial(_drhs_kernel, cfg=cfg, n_tiles_k=n_tiles_k, n_tiles_n=n_tiles_n)
-    out = kernel_call(body, cfg, out_type=jax.ShapeDtypeStruct((g, k_pad, n), lhs.dtype))(starts, ends, lhs, dout)
+    out = kernel_call(body, cfg, out_type=jax.ShapeDtypeStruct((g, k_pad, n), lhs.dtype))(table, lo, hi, lhs, dout)
     return out if k_pad == k else out[:, :k]
 
 

@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import grouped_matmul as gm
@@ -34,24 +35,24 @@ def _activation(g, u, alpha: float, limit: float):
 
 
 def _epilogue(alpha: float, limit: float, has_bias: bool):
-    """Epilogue for grouped_call: biases (fetched by TMA into SMEM), then the activation."""
-    def epilogue(accs, *, grp, ni, wg, scratch, extra, num_groups, bn):
+    """Epilogue for grouped_call: + biases (read from HBM as column vectors), then the activation."""
+    def epilogue(accs, *, grp, ni, extra, num_groups, bn, interpret):
         g, u = accs
         if has_bias:
-            bias_smem, bars = scratch
-            for j, ref in enumerate(extra):  # gate_bias, up_bias [G, F] fp32
-                plgpu.copy_gmem_to_smem(ref.at[jnp.minimum(grp, num_groups - 1), pl_ds(ni * bn, bn)],
-                                        bias_smem.at[wg, j], bars.at[wg])
-            plgpu.barrier_wait(bars.at[wg])
             live = (grp < num_groups).astype(jnp.float32)  # rows past sum(group_sizes): no bias, h = 0
-            g = g + bias_smem[wg, 0][None, :] * live
-            u = u + bias_smem[wg, 1][None, :] * live
+            row = jnp.minimum(grp, num_groups - 1)
+            b = [_column(ref.at[row], pl_ds(ni * bn, bn), interpret) * live for ref in extra]
+            g = g + lax.broadcast_in_dim(b[0], g.shape, (1,))
+            u = u + lax.broadcast_in_dim(b[1], u.shape, (1,))
         return _activation(g, u, alpha, limit)
-
-    if has_bias:
-        epilogue.scratch = lambda bn: (plgpu.SMEM((gm.WGS, 2, bn), jnp.float32),
-                                       plgpu.Barrier(num_arrivals=2, num_barriers=gm.WGS))
     return epilogue
+
+
+def _column(ref, idx, interpret: bool):
+    """A [bn] fp32 vector from HBM in the layout of an accumulator's columns (the interpreter: plain)."""
+    if interpret:
+        return ref[idx]
+    return plgpu.load(ref, idx, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
 
 def pl_ds(start, size):
