@@ -225,9 +225,9 @@ def _torch_grouped_mm(lhs, rhs, sizes, backward: bool):
         return time_torch(lambda: torch._grouped_mm(a, b, offs=offs))
     a.requires_grad_(True)
     b.requires_grad_(True)
-    out = torch._grouped_mm(a, b, offs=offs)
-    g = torch.randn_like(out)
-    return time_torch(lambda: torch.autograd.grad(out, (a, b), g, retain_graph=True))
+    g = torch.randn_like(torch._grouped_mm(a, b, offs=offs))
+    # forward + backward, as the Tessera row (jax.vjp then the pullback) times it
+    return time_torch(lambda: torch.autograd.grad(torch._grouped_mm(a, b, offs=offs), (a, b), g))
 
 
 def run_moe(check: bool = False) -> None:
@@ -276,6 +276,8 @@ def run_moe(check: bool = False) -> None:
             if direction == "fwd":
                 record(case, "lax.ragged_dot (XLA)", lambda: time_jax(wrap(ragged), *args, iters=3),
                        flops * mult)
+    from bench.moe_variants import fused_rows
+    fused_rows()  # gate/up GEMM + clamped SwiGLU, fused vs unfused
 
 
 def run_dense(check: bool = False) -> None:

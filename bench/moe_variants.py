@@ -92,9 +92,10 @@ def bwd() -> None:
         cfg = dataclasses.replace(gm.GroupedMatmulConfig(), **v)
         record("dlhs 5760->2880", f"tessera {v}", lambda: time_jax(
             lambda c, b: gm.grouped_call(c, [b], gs, cfg, transpose_rhs=True), ct, rhs), flops)
-    for v in [dict(block_n=192), dict(block_n=128), dict(block_n=192, stages=3), dict(block_n=64, stages=6)]:
+    for v in [dict(), dict(drhs_groups=8), dict(drhs_groups=16), dict(drhs_groups=2), dict(stages=3),
+              dict(block_n=128), dict(block_n=128, stages=5)]:
         cfg = dataclasses.replace(gm.GroupedMatmulConfig(), **v)
-        record("drhs 2880x5760", f"tessera {v}", lambda: time_jax(
+        record("drhs 2880x5760", f"tessera {v or 'default'}", lambda: time_jax(
             lambda a, c: gm.grouped_drhs(a, c, gs, G, cfg), lhs, ct), flops)
 
     def fb(f):
@@ -107,27 +108,30 @@ def bwd() -> None:
     record(case, "torch._grouped_mm", lambda: _torch_grouped_mm(lhs, rhs, sizes, True), 3 * flops)
 
 
-def fused() -> None:
+def fused(variants=(dict(), dict(stages=6), dict(block_m=256, stages=3))) -> None:
     """Fused gate/up + clamped SwiGLU vs the unfused pair of grouped GEMMs + XLA activation."""
     sizes, x, gate, gs, _ = _big(2880)
     up = (jax.random.normal(jax.random.key(7), gate.shape, jnp.float32) * 0.05).astype(gate.dtype)
     gb, ub = (jax.random.normal(jax.random.key(s), (G, 2880)) for s in (1, 2))
-    flops, case = 2.0 * M * D * 5760, f"gate/up+swiglu M{M} G{G} 2880->2x2880"
-    for v in [dict(), dict(stages=6), dict(stages=3)]:
+    flops, case = 2.0 * M * D * 5760, f"moe gate/up+swiglu M{M} G{G} 2880->2x2880"
+    for v in variants:
         cfg = gsw.config_for(2880, **v)
-        record(case, f"tessera fused {v or 'default'}", lambda: time_jax(
+        record(case, f"tessera fused {v or ''}".strip(), lambda: time_jax(
             lambda x, a, b: gsw.grouped_swiglu(x, a, b, gs, gate_bias=gb, up_bias=ub, config=cfg), x, gate, up), flops)
-    cfg = gsw.config_for(2880)
-    record(case, "tessera fused, no bias", lambda: time_jax(
-        lambda x, a, b: gsw.fused_call(x, a, b, None, None, gs, alpha=1.702, limit=7.0, cfg=cfg), x, gate, up), flops)
+    rows = jnp.repeat(jnp.arange(G), gs, total_repeat_length=M)
 
-    def unfused(x, a, b):
-        g = gm.grouped_matmul(x, a, gs).astype(jnp.float32) + gb[jnp.repeat(jnp.arange(G), gs, total_repeat_length=M)]
-        u = gm.grouped_matmul(x, b, gs).astype(jnp.float32) + ub[jnp.repeat(jnp.arange(G), gs, total_repeat_length=M)]
+    def unfused(x, a, b):  # as reference/moe.py computes it, on the grouped GEMM kernel
+        g = gm.grouped_matmul(x, a, gs).astype(jnp.float32) + gb[rows]
+        u = gm.grouped_matmul(x, b, gs).astype(jnp.float32) + ub[rows]
         return gsw.clamped_swiglu(g.astype(x.dtype), u.astype(x.dtype), alpha=1.702, limit=7.0)
     record(case, "tessera unfused (2 gmm + XLA act)", lambda: time_jax(unfused, x, gate, up), flops)
     cat = jnp.concatenate([gate, up], axis=2)
-    record(case, "torch._grouped_mm [gate|up] (no act)", lambda: _torch_grouped_mm(x, cat, sizes, False), flops)
+    record(case, "torch._grouped_mm [gate|up], no act", lambda: _torch_grouped_mm(x, cat, sizes, False), flops)
+
+
+def fused_rows() -> None:
+    """The fused rows of bench/kernels.py's table (default tiles only)."""
+    fused(variants=(dict(),))
 
 
 def main() -> None:
