@@ -76,7 +76,8 @@ def _local_value_and_grad(prog, plan, data: tuple[str, ...]):
     def local(params, batch):
         stages, s = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
         first, last = s == 0, s == stages - 1
-        w = jnp.ones(batch["tokens"].shape, jnp.float32) if batch.get("mask") is None else batch["mask"].astype(jnp.float32)
+        mask = batch.get("mask")
+        w = jnp.ones(batch["tokens"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)  # [b, s]
         count = jnp.maximum(jax.lax.psum(jnp.sum(w), data) if data else jnp.sum(w), 1.0)
         micro = lambda a: a.reshape((m_total, a.shape[0] // m_total) + a.shape[1:])  # [M, mb, s]
         tok, tgt, wm = micro(batch["tokens"]), micro(batch["targets"]), micro(w)
@@ -105,6 +106,7 @@ def _local_value_and_grad(prog, plan, data: tuple[str, ...]):
             stash = stash.at[slot].set(jnp.where(ok_f, recv_f, stash[slot]))
             y = layers(p, jnp.where(first, embed(p, tok[m_f]), recv_f))
             (_, l), pull = jax.vjp(lambda q, x: stage(q, x, m_b), p, stash[m_b % k])
+            # an idle slot recomputes zeros or an earlier real input (finite): zero cotangents, exactly zero grads
             gy = varying(jnp.where(ok_b & ~last, recv_b, 0.0).astype(y.dtype), vma(y))
             gq, gx = pull((gy, varying(jnp.where(ok_b & last, 1.0, 0.0).astype(l.dtype), vma(l))))
             grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, gq)
