@@ -436,6 +436,29 @@ def run_mxfp4(check: bool = False, experts=((32, 5760), (32, 2880), (128, 5760),
         del rhs, w
 
 
+def tune_mxfp4(check: bool = False) -> None:
+    """MXFP4 kernel tile variants (K splits, N tile, warps, pipelining depth) at three decode shapes."""
+    import dataclasses
+    from tessera.lower.kernels.mxfp4_matmul import default_config, ragged_dot
+    variants = [{}, dict(splits=1), dict(splits=4), dict(splits=8), dict(block_n=64), dict(block_n=256),
+                dict(num_warps=8), dict(num_stages=2), dict(num_stages=4)]
+    k = 2880
+    for tokens, g, n in [(1, 32, 5760), (8, 128, 5760), (64, 32, 2880)]:
+        rhs, m = _mxfp4_experts(g, k, n), tokens * 4
+        routings = _decode_routings(tokens, 4, g, count=8)
+        nbytes = np.mean([(s > 0).sum() for s in routings]) * (k // 2 + k // 32) * n + 2 * m * (k + n)
+        lhs = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+        base = default_config(m, k, n, g)
+        for kw in variants:
+            cfg = dataclasses.replace(base, **kw)
+            name = "tessera " + (" ".join(f"{a}={b}" for a, b in kw.items()) or f"default (splits={base.splits})")
+            fn = lambda x, r, s, cfg=cfg: ragged_dot(x, r, s, config=cfg)
+            record(f"tune mxfp4 M{m} G{g} {k}->{n}", name,
+                   lambda: time_rotating(fn, (lhs, rhs), [jnp.asarray(s) for s in routings], iters=10),
+                   nbytes, "GB/s")
+        del rhs
+
+
 def run_rms_norm(check: bool = False) -> None:
     """x + r -> RMSNorm * scale (GPT-OSS width 2880), fused kernel vs XLA's fusion, GB/s of the minimal traffic.
 
@@ -481,7 +504,8 @@ def main() -> None:
     opts = ap.parse_args()
     print(f"devices: {jax.devices()}  jax {jax.__version__}")
     groups = {"attention": run_attention, "moe": run_moe, "dense": run_dense, "tune": tune_attention,
-              "decode": run_decode, "mxfp4": run_mxfp4, "rmsnorm": run_rms_norm}
+              "decode": run_decode, "mxfp4": run_mxfp4, "rmsnorm": run_rms_norm,
+              "tune_mxfp4": tune_mxfp4}
     for name in opts.only.split(","):
         if name in groups:
             groups[name](check=opts.check)
