@@ -98,17 +98,11 @@ class Program:
         key = jax.random.key(seed)
         params = {}
         for path, held in self.param_shapes().items():
-            p = self.graph.params[path]
-            packed = isinstance(held, mxfp4.MXFP4)
-            shape, dt = (held.shape, jnp.float32) if packed else (held.shape, held.dtype)
-            if p.init.kind == "normal":
-                k = jax.random.fold_in(key, zlib.crc32(path.encode()))
-                value = (jax.random.normal(k, shape, jnp.float32) * p.init.std).astype(dt)
-            elif p.init.kind == "ones":
-                value = jnp.ones(shape, dt)
+            init, k = self.graph.params[path].init, jax.random.fold_in(key, zlib.crc32(path.encode()))
+            if isinstance(held, mxfp4.MXFP4):
+                params[path] = _init_packed(init, k, held.shape)
             else:
-                value = jnp.zeros(shape, dt)
-            params[path] = mxfp4.quantize(value) if packed else value  # packed: the fp32 draw, quantised
+                params[path] = _init_array(init, k, held.shape, held.dtype)
         return params
 
     def load_weights(self, directory) -> Params:
@@ -298,6 +292,22 @@ class Program:
     def matmul_precision(self) -> str:
         """fp32 compute means fp32 matmuls (not TF32 or bf16 passes, GPUs' default); else the backend's default."""
         return "highest" if self.graph.attrs.get("compute", "f32") in ("f32", "f64") else "default"
+
+
+def _init_array(init, key, shape, dtype):
+    """One parameter's initial value: normal(0, std) drawn in fp32, ones or zeros."""
+    if init.kind == "normal":
+        return (jax.random.normal(key, shape, jnp.float32) * init.std).astype(dtype)
+    return (jnp.ones if init.kind == "ones" else jnp.zeros)(shape, dtype)
+
+
+def _init_packed(init, key, shape):
+    """A packed (MXFP4) parameter's initial value, drawn in fp32 and quantised one slice of its leading dim at
+    a time: quantising reduces over groups, so a whole stacked draw would sit in memory (20b: 66 GiB peak)."""
+    if len(shape) < 3:
+        return mxfp4.quantize(_init_array(init, key, shape, jnp.float32))
+    one = lambda i: mxfp4.quantize(_init_array(init, jax.random.fold_in(key, i), shape[1:], jnp.float32))  # noqa: E731
+    return jax.lax.map(one, jnp.arange(shape[0], dtype=jnp.uint32))
 
 
 def _with_precision(fn, precision: str):
