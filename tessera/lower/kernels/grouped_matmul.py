@@ -4,14 +4,17 @@ Semantics of `jax.lax.ragged_dot`: lhs [M, K] rows sorted by group, rhs [G, K, N
 (sum <= M; rows past the sum give 0; empty groups allowed): out[r] = lhs[r] @ rhs[group(r)].
 
 Forward (and d lhs, the same kernel reading rhs transposed): a persistent grid, one CTA per SM,
-walks (row tile, N tile) pairs. Row tiles start at their group's first row (a group of s rows
-takes ceil(s / block_m) tiles, so a tile never mixes groups); a tile that would run past M is
-shifted back and keeps only its own rows. Each CTA has a TMA producer warpgroup and two
-consumer warpgroups, each owning half of the tile's rows; a consumer whose half holds no rows
-of the tile skips its MMAs. The epilogue writes the tile through SMEM and stores only the
-tile's rows (a ladder of power-of-two TMA stores), while the producer fetches the next tile.
-d rhs[g] = lhs_g^T @ dout_g (`_drhs`): the same persistent scheme over (group, K tile, N tile),
-reducing over the group's 64-row blocks; rows of other groups are zeroed in SMEM.
+walks (row tile, N tile) pairs in bands (`_banded`). Row tiles follow their group: they start at
+the group's first row rounded down to 8 (TMA tiles start on the SMEM tiling's 8-row boundary), so
+a group of s rows takes about ceil(s / block_m) tiles instead of one per block it touches; a tile
+that would run past M is shifted back. Each CTA has a TMA producer warpgroup and two consumer
+warpgroups (`emit_pipeline_warp_specialized`), each owning half of the tile's rows; a consumer
+whose half holds none of the tile's rows skips its MMAs. The epilogue writes the tile through SMEM
+and stores only the tile's own rows (a ladder of power-of-two TMA stores, so neighbouring groups
+are never overwritten) while the producer already loads the next tile.
+d rhs[g] = lhs_g^T @ dout_g (`grouped_drhs`): persistent over (chunk of groups, K tile, N tile);
+one pipeline walks the chunk's 64-row blocks, zeroing rows of other groups in SMEM, and writes
+(then restarts) the accumulator after each group's last block.
 """
 
 from __future__ import annotations
