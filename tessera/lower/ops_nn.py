@@ -253,8 +253,8 @@ def _moe(ctx, op, attrs, ins, params):
     have = names(op.values[0])
     x = align(ins[0], have, BSE)
     if ctx.shard is not None:
-        y = shard_ops.moe(ctx.shard, x, _cast(params, x.dtype), top_k=attrs["top_k"],
-                          act=functools.partial(_act, attrs["act"]),  # packed experts: dequantised per layer
+        y = shard_ops.moe(ctx.shard, x, _cast(params, x.dtype, EXPERT_MATRICES), top_k=attrs["top_k"],
+                          act=functools.partial(_act, attrs["act"]),  # packed experts go to ragged_dot as is
                           ragged_dot=select.ragged_dot(ctx, f"{op_scope(op)} experts"), aux=ctx.aux)
         return [align(y.astype(_dtype(op)), BSE, have)]
     b, s, e = x.shape
