@@ -133,3 +133,8 @@ def stream(lo, hi, stages: int, sources):
         for _, _, _, free in sources:
             plgpu.barrier_wait(free.at[slot])
     lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)
+
+
+def num_sms(interpret: bool, *, fallback: int = 2) -> int:
+    """Streaming multiprocessors of the GPU (the size of a persistent grid); `fallback` when interpreting."""
+    return fallback if interpret else jax.devices()[0].core_count

@@ -29,9 +29,10 @@ from tessera.lower.reference.attention import attention as attention_reference
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
     """Tile sizes of the forward and backward kernels; `interpret` runs them on the CPU interpreter."""
-    block_q: int = 64  # query rows per compute warpgroup; a CTA holds 2 warpgroups
+    block_q: int = 64  # query rows per compute warpgroup; a work item is 2 warpgroups' rows
     block_kv: int = 128
     stages: int = 2  # K/V tiles in flight
+    num_ctas: int | None = None  # persistent grid; None: one CTA per SM
     block_q_bwd: int = 64
     block_kv_bwd: int = 64
     interpret: bool = False
@@ -42,6 +43,8 @@ class FlashConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 64")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be at least 2")
+        if self.num_ctas is not None and self.num_ctas < 1:
+            raise ValueError(f"{self.num_ctas=} must be at least 1")
 
 
 def default_config(head_dim: int, window: int | None = None) -> FlashConfig:
@@ -69,116 +72,175 @@ def supported(q, k, v, *, sinks=None, causal=True, window=None, q_offset=0, conf
 
 # ----------------------------------------------------------------------------- forward kernel
 
+_WGS = 2  # compute warpgroups per CTA (3 measured slower on an H200 at head dim 64: 265 vs 359 TFLOP/s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """The persistent schedule: items (tile, batch, head), heaviest (latest causal) tiles first."""
+    n_tiles: int
+    bsz: int
+    hq: int
+    grid: int
+    rows: int
+    block_kv: int
+    mask: MaskSpec
+
+    def count(self, cta):
+        """Items CTA `cta` runs: cta, cta + grid, cta + 2 grid, ..."""
+        total = self.n_tiles * self.bsz * self.hq
+        return lax.div(jnp.int32(total) - cta + (self.grid - 1), jnp.int32(self.grid))
+
+    def item(self, cta, i):
+        """(batch, head, first row, first/last KV block) of the CTA's i-th item."""
+        w = cta + i * self.grid
+        per_tile = self.bsz * self.hq
+        tile = self.n_tiles - 1 - lax.div(w, jnp.int32(per_tile))
+        rest = lax.rem(w, jnp.int32(per_tile))
+        b, h = lax.div(rest, jnp.int32(self.hq)), lax.rem(rest, jnp.int32(self.hq))
+        row = tile * self.rows
+        p = row + self.mask.q_offset
+        lo, hi = self.mask.key_range(p, p + self.rows - 1, self.block_kv)
+        return b, h, row, lo, hi
+
 
 def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars, *,
-                    cfg: FlashConfig, mask: MaskSpec, has_sinks: bool, group: int, qk_scale: float,
-                    n_tiles: int):
-    """One CTA: rows [t*2*block_q, (t+1)*2*block_q) of head h in batch b; wg 0/1 compute, wg 2 loads."""
-    q_smem2, k_smem, v_smem, row_smem2 = smem
+                    cfg: FlashConfig, work: _Work, has_sinks: bool, group: int, qk_scale: float):
+    """Persistent CTA: warpgroups 0 and 1 compute 64-row halves of each item, warpgroup 2 loads K/V.
+
+    Q (and the sink row) of the next item is prefetched into the other half of a double buffer;
+    each item's output leaves through the half that held its Q. The K/V ring and its barriers
+    run on across items, so the producer fills the next item's pipeline during an epilogue.
+    """
+    q_smem, k_smem, v_smem, row_smem = smem  # [2, 2, bq, d], [stages, bkv, d] x2, [2, 2, bq]
     q_bar, row_bar, k_bar, v_bar, k_free, v_free, sched = bars
-    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-    head_dim, dtype = q_smem2.shape[-1], q_smem2.dtype
-    b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
-    tile = n_tiles - 1 - lax.axis_index("t")  # heaviest (latest) causal tiles first
-    cta_row = tile * (2 * bq)
-    lo, hi = mask.key_range(cta_row + mask.q_offset, cta_row + 2 * bq - 1 + mask.q_offset, bkv)
+    n, bq, bkv, stages = _WGS, cfg.block_q, cfg.block_kv, cfg.stages
+    mask = work.mask
+    head_dim, dtype = q_smem.shape[-1], q_smem.dtype
+    cta, wg = lax.axis_index("c"), lax.axis_index("wg")
+    n_items = work.count(cta)
 
     def sched_sync():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    @pl.when(wg < 2)
+    @pl.when(wg < n)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        row0 = cta_row + wg * bq
-        p0 = row0 + mask.q_offset
-        q_smem, row_smem = q_smem2.at[wg], row_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(sink_ref.at[h, pl.ds(wg * bq, bq)], row_smem, row_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
-        plgpu.barrier_wait(row_bar.at[wg])
-        m = _mgpu.load_rows(row_smem, interpret=cfg.interpret)  # sink * log2e, or NEG_BIG
-        interp = cfg.interpret
-        carry = (_mgpu.zeros((bq, head_dim), interpret=interp), m,
-                 _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp))
 
-        @pl.when(hi > lo)
-        def _():
-            plgpu.barrier_wait(k_bar.at[0])
+        def load_q(i, buf):
+            b, h, row, _, _ = work.item(cta, i)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row + wg * bq, bq), h], q_smem.at[buf, wg],
+                                    q_bar.at[buf * n + wg])
+            plgpu.copy_gmem_to_smem(sink_ref.at[h], row_smem.at[buf, wg], row_bar.at[buf * n + wg])
 
-        pl.when(wg == 1)(sched_sync)
+        pl.when(n_items > 0)(functools.partial(load_q, 0, 0))
+        pl.when(wg == 1)(sched_sync)  # warpgroup 1 starts one schedule phase late: the ping-pong
 
-        def step(kv, carry, masked):
-            acc, m, l = carry
-            slot = lax.rem(kv - lo, stages)
+        def item_body(i, g):  # g: K/V steps this CTA consumed before item i
+            buf = lax.rem(i, 2)
 
-            # the schedule barrier lets the other warpgroup's softmax start while this wgmma runs
-            s = _mgpu.mma(q_smem, k_smem.at[slot], (bq, bkv), transpose_b=True, interpret=interp,
-                          then=sched_sync)
-            s = s * qk_scale  # [bq, bkv] scores in log2 units
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                s = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            plgpu.barrier_arrive(sched)  # softmax done
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)  # tensor cores free again
+            def prefetch():  # the other half is free once item i-1's output has been read out
+                @pl.when(i + 1 < n_items)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    load_q(i + 1, 1 - buf)
+            b, h, row, lo, hi = work.item(cta, i)
+            pl.when(hi == lo)(prefetch)  # otherwise during the first PV product, off the critical path
+            acc, m, l = _attend(q_smem.at[buf, wg], row_smem.at[buf, wg], q_bar.at[buf * n + wg],
+                                row_bar.at[buf * n + wg], row + wg * bq + mask.q_offset, lo, hi, g,
+                                k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched), cfg=cfg,
+                                mask=mask, has_sinks=has_sinks, qk_scale=qk_scale, first_pv=prefetch)
+            inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
+            q_smem.at[buf, wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+            row_smem.at[buf, wg][...] = m + jnp.log2(l)  # log2-sum-exp2 (sink included); -inf if empty
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[buf, wg], out_ref.at[b, pl.ds(row + wg * bq, bq), h])
+            plgpu.copy_smem_to_gmem(row_smem.at[buf, wg], lse_ref.at[b, h, pl.ds(row + wg * bq, bq)])
+            return g + (hi - lo)
 
-            def wait_next_k():
-                nxt = kv + 1
-                pl.when(nxt < hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(nxt - lo, stages)]))
-            acc = _mgpu.mma(p16, v_smem.at[slot], acc.shape, acc=acc, interpret=interp,
-                            then=wait_next_k)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
-
-        full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
-        carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-        acc, m, l = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-        pl.when(wg == 0)(sched_sync)
-
-        inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
-        q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-        row_smem[...] = m + jnp.log2(l)  # log2-sum-exp2 of the row (sink included); -inf if empty
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, pl.ds(row0, bq), h])
-        plgpu.copy_smem_to_gmem(row_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
+        lax.fori_loop(n_items - n_items, n_items, item_body, n_items - n_items)
+        pl.when(wg == 0)(sched_sync)  # balance the offset so every schedule phase completes
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @pl.when(wg == n)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(h, jnp.int32(group))
 
-        def load(kv, slot):
-            src = (b, pl.ds(kv * bkv, bkv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+        def item_loads(i, g):
+            b, h, _, lo, hi = work.item(cta, i)
+            kv_head = lax.div(h, jnp.int32(group))
 
-        for i in range(stages):
-            pl.when(lo + i < hi)(functools.partial(load, lo + i, i))
+            def one(kv, g):
+                slot = lax.rem(g, stages)
+                src = (b, pl.ds(kv * bkv, bkv), kv_head)
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+                return g + 1
+            return lax.fori_loop(lo, hi, one, g)
+        total = lax.fori_loop(n_items - n_items, n_items, item_loads, n_items - n_items)
 
-        def refill(kv, _):
-            slot = lax.rem(kv - lo, stages)
-            src = (b, pl.ds(kv * bkv, bkv), kv_head)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
-        lax.fori_loop(lo + stages, hi, refill, None)
-
-        def drain(kv, _):  # observe the last release of each slot before the CTA exits
-            slot = lax.rem(kv - lo, stages)
+        def drain(g, _):  # observe the last release of each slot before the CTA exits
+            slot = lax.rem(g, stages)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
-        lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
+def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
+            cfg: FlashConfig, mask: MaskSpec, has_sinks: bool, qk_scale: float, first_pv):
+    """One warpgroup's online softmax over KV blocks [lo, hi): (acc [bq, d], m, l) in log2 units.
+
+    `first_pv()` runs while the first P @ V product is in flight.
+    """
+    k_bar, v_bar, k_free, v_free, sched = bars
+    bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
+    dtype = q_smem.dtype
+    plgpu.barrier_wait(q_bar)
+    plgpu.barrier_wait(row_bar)
+    m = _mgpu.load_rows(row_smem, interpret=interp)  # sink * log2e, or NEG_BIG
+    carry = (_mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp), m,
+             _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp))
+    pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g, stages)]))
+
+    def sync_after_issue():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    def step(kv, carry, masked):
+        acc, m, l = carry
+        slot = lax.rem(g + kv - lo, stages)
+        # the schedule barrier lets the other warpgroup's softmax start while this wgmma runs
+        s = _mgpu.mma(q_smem, k_smem.at[slot], (bq, bkv), transpose_b=True, interpret=interp,
+                      then=sync_after_issue)
+        plgpu.barrier_arrive(k_free.at[slot])
+        if masked:
+            s = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)  # log2 units; the scale folds into an FMA
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_arrive(sched)  # softmax done
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(sched)  # tensor cores free again
+
+        def wait_next_k():
+            pl.when(kv == lo)(first_pv)
+            nxt = kv + 1
+            pl.when(nxt < hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g + nxt - lo, stages)]))
+        acc = _mgpu.mma(p16, v_smem.at[slot], acc.shape, acc=acc, interpret=interp, then=wait_next_k)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+    full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
+    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
 # ----------------------------------------------------------------------------- forward driver
@@ -197,31 +259,34 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
     """(out [B, S, Hq, D], lse [B, Hq, S_pad] log2 units) of the forward kernel."""
     bsz, s, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
-    rows = 2 * cfg.block_q
+    n, rows = _WGS, _WGS * cfg.block_q
     s_pad, t_pad = _round_up(s, rows), _round_up(t, cfg.block_kv)
     qp, kp, vp = _pad_seq(q, s_pad), _pad_seq(k, t_pad), _pad_seq(v, t_pad)
     sink_rows = sinks.astype(jnp.float32) * _mgpu.LOG2E if has_sinks else jnp.full((hq,), _mgpu.NEG_BIG)
-    sink_rows = jnp.broadcast_to(sink_rows[:, None], (hq, rows)).astype(jnp.float32)
+    sink_rows = jnp.broadcast_to(sink_rows[:, None], (hq, cfg.block_q)).astype(jnp.float32)
     stages = min(cfg.stages, max(t_pad // cfg.block_kv, 2))
     cfg = dataclasses.replace(cfg, stages=stages)
     tf = _mgpu.smem_transforms(q.dtype)
-    smem = (plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=tf),
+    smem = (plgpu.SMEM((2, n, cfg.block_q, d), q.dtype, transforms=tf),
             plgpu.SMEM((stages, cfg.block_kv, d), q.dtype, transforms=tf),
             plgpu.SMEM((stages, cfg.block_kv, d), q.dtype, transforms=tf),
-            plgpu.SMEM((2, cfg.block_q), jnp.float32))
-    bars = (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+            plgpu.SMEM((2, n, cfg.block_q), jnp.float32))
+    bars = (plgpu.Barrier(num_barriers=2 * n), plgpu.Barrier(num_barriers=2 * n),
             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2))
+            plgpu.Barrier(num_arrivals=n, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=n, num_barriers=stages), plgpu.Barrier(num_arrivals=n))
     mask = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=t)
-    body = functools.partial(_forward_kernel, cfg=cfg, mask=mask, has_sinks=has_sinks,
-                             group=hq // hkv, qk_scale=scale * _mgpu.LOG2E, n_tiles=s_pad // rows)
+    n_items = (s_pad // rows) * bsz * hq
+    grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
+    work = _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask)
+    body = functools.partial(_forward_kernel, cfg=cfg, work=work, has_sinks=has_sinks,
+                             group=hq // hkv, qk_scale=scale * _mgpu.LOG2E)
     out, lse = _mgpu.kernel_call(
         body, interpret=cfg.interpret,
         out_type=(jax.ShapeDtypeStruct((bsz, s_pad, hq, d), q.dtype),
                   jax.ShapeDtypeStruct((bsz, hq, s_pad), jnp.float32)),
-        grid=(hq, s_pad // rows, bsz), grid_names=("h", "t", "b"),
-        num_threads=3, thread_name="wg", scratch_types=(smem, bars),
+        grid=(grid,), grid_names=("c",),
+        num_threads=n + 1, thread_name="wg", scratch_types=(smem, bars),
     )(qp, kp, vp, sink_rows)
     return out[:, :s], lse
 

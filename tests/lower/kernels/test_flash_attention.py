@@ -51,8 +51,9 @@ def _check(shape, dtype, *, causal, window, with_sinks, config=None, seed=0, q_o
 
 
 def test_interpret_causal_window_sinks_gqa():
-    """CPU interpreter: GQA 2:1, causal, window 48 < block, sinks, S not a multiple of the block."""
-    cfg = FlashConfig(block_q=64, block_kv=64, interpret=True)
+    """CPU interpreter: GQA 2:1, causal, window 48 < block, sinks, S not a multiple of the block;
+    one persistent CTA runs both heads (Q double buffer, K/V ring carried across items)."""
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
     _check((1, 100, 100, 2, 1, 64), jnp.bfloat16, causal=True, window=48, with_sinks=True, config=cfg)
 
 
@@ -64,8 +65,9 @@ def test_interpret_full_attention_fp16():
 
 
 def test_interpret_query_offset_chunked_prefill():
-    """CPU interpreter: 64 queries at positions 128..191 of 192 keys (a prefill chunk), window 100."""
-    cfg = FlashConfig(block_q=64, block_kv=64, interpret=True)
+    """CPU interpreter: 64 queries at positions 128..191 of 192 keys (a prefill chunk), window 100;
+    one CTA runs both heads, so the 2-slot K/V ring wraps within and across items."""
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
     _check((1, 64, 192, 2, 1, 64), jnp.bfloat16, causal=True, window=100, with_sinks=True,
            config=cfg, seed=2, q_offset=128)
 
@@ -82,18 +84,24 @@ def test_unsupported_shapes_fall_back():
 
 
 GPU_CASES = [
-    # (b, s, t, hq, hkv, d), dtype, causal, window, sinks
-    ((2, 256, 256, 8, 2, 64), jnp.bfloat16, True, None, True),
-    ((1, 300, 300, 4, 1, 128), jnp.float16, True, 40, True),
-    ((1, 520, 520, 4, 4, 64), jnp.bfloat16, True, 200, False),
-    ((2, 256, 256, 4, 1, 128), jnp.bfloat16, False, None, True),
-    ((1, 1000, 1000, 8, 1, 64), jnp.bfloat16, True, 128, True),
-    ((1, 128, 384, 2, 1, 64), jnp.bfloat16, False, 100, False),
+    # (b, s, t, hq, hkv, d), dtype, causal, window, sinks, config (None: the default)
+    ((2, 256, 256, 8, 2, 64), jnp.bfloat16, True, None, True, None),
+    ((1, 300, 300, 4, 1, 128), jnp.float16, True, 40, True, None),
+    ((1, 520, 520, 4, 4, 64), jnp.bfloat16, True, 200, False, None),
+    ((2, 256, 256, 4, 1, 128), jnp.bfloat16, False, None, True, None),
+    ((1, 1000, 1000, 8, 1, 64), jnp.bfloat16, True, 128, True, None),
+    ((1, 128, 384, 2, 1, 64), jnp.bfloat16, False, 100, False, None),
+    ((2, 1000, 1000, 8, 2, 64), jnp.bfloat16, True, None, True, FlashConfig(stages=3)),
+    ((1, 700, 700, 4, 1, 64), jnp.float16, True, 100, False, FlashConfig(block_kv=64, stages=4,
+                                                                        num_ctas=5)),
+    ((1, 640, 640, 4, 2, 128), jnp.bfloat16, True, None, True, FlashConfig(num_ctas=1 << 30)),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,dtype,causal,window,with_sinks", GPU_CASES)
-def test_gpu_matches_reference(shape, dtype, causal, window, with_sinks):
-    """On a Hopper GPU: several shapes, windows smaller and larger than a block, both dtypes."""
-    _check(shape, dtype, causal=causal, window=window, with_sinks=with_sinks, seed=hash(shape) % 97)
+@pytest.mark.parametrize("shape,dtype,causal,window,with_sinks,config", GPU_CASES)
+def test_gpu_matches_reference(shape, dtype, causal, window, with_sinks, config):
+    """On a Hopper GPU: several shapes, windows smaller and larger than a block, both dtypes,
+    deeper K/V rings, persistent grids much smaller than the work and one CTA per item."""
+    _check(shape, dtype, causal=causal, window=window, with_sinks=with_sinks, config=config,
+           seed=sum(shape) % 97)
