@@ -158,8 +158,8 @@ def test_plan_bytes_equal_the_program_bytes_20b():
 
 # ---- Hugging Face checkpoints ------------------------------------------------------------------------------
 
-def _mxfp4_fixture_program():
-    fixture = json.loads((HF_MXFP4 / "fixture.json").read_text())
+def _mxfp4_fixture_program(directory: Path = HF_MXFP4):
+    fixture = json.loads((directory / "fixture.json").read_text())
     overrides = {f"model.args.{k}": v for k, v in fixture["args"].items()}
     overrides["numerics.rules"] = {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "fp32"}
     overrides["task.sample.prompt"] = [1, 2, 3]
@@ -189,6 +189,17 @@ def test_load_keeps_the_checkpoint_bytes_and_save_writes_them_back(tmp_path):
     for path, value in params.items():
         for x, y in zip(jax.tree.leaves(value), jax.tree.leaves(again[path])):
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), path
+
+
+def test_a_dense_checkpoint_is_quantised_on_load():
+    dense_dir = HF_MXFP4.parent / "gpt_oss"
+    params = _mxfp4_fixture_program(dense_dir).load_weights(dense_dir)
+    hf = load_file(str(dense_dir / "model.safetensors"))
+    down = hf["model.layers.0.mlp.experts.down_proj"]  # [E, F, D], dense
+    want = mxfp4.quantize(jnp.asarray(down, jnp.float32))
+    got = params["layers/moe/experts/down"]
+    np.testing.assert_array_equal(np.asarray(got.codes[0]), np.asarray(want.codes))
+    np.testing.assert_array_equal(np.asarray(got.scales[0]), np.asarray(want.scales))
 
 
 def test_checkpoint_round_trip_of_packed_params(tmp_path, programs):
