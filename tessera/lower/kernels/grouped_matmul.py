@@ -171,29 +171,37 @@ def store_rows(o_smem, out_ref, row0, first, rows, col0, height: int, width: int
 # ----------------------------------------------------------------------------- forward
 
 
+def _rhs_tile(rhs_ref, g, ni, bn: int, transpose_rhs: bool):
+    """rhs[g]'s columns [ni * bn, + bn): [K, bn], or rows of the [N, K] matrix read transposed."""
+    view = rhs_ref.at[g]
+    return view.at[pl.ds(ni * bn, bn), :] if transpose_rhs else view.at[:, pl.ds(ni * bn, bn)]
+
+
+def _forward_pipeline(body, context, *, cfg, k: int, dtype, n_rhs: int, transpose_rhs: bool):
+    """The K loop of one tile: lhs [bm, bk] and n_rhs rhs tiles per step, TMA-fed by warpgroup 2."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tf = transforms(dtype)
+    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf)]
+    rhs_spec = (plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=tf) if transpose_rhs else
+                plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=tf))
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k // bk,), memory_registers=MEMORY_REGISTERS, in_specs=specs + [rhs_spec] * n_rhs,
+        wg_axis="wg", num_compute_wgs=WGS, max_concurrent_steps=cfg.stages, compute_context=context)
+
+
 def _forward_kernel(table_ref, lhs_ref, *refs, cfg, k: int, n_rhs: int, transpose_rhs: bool,
                     n_tiles_n: int, n_entries: int, epilogue):
     """Persistent loop over (table entry, N tile); `epilogue(accs, grp=, ni=, ...)` -> fp32 tile."""
     rhs_refs, extra, out_ref = refs[:n_rhs], refs[n_rhs:-1], refs[-1]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bm, bn = cfg.block_m, cfg.block_n
     hm = bm // WGS  # rows per consumer warpgroup
     num_groups = rhs_refs[0].shape[0]
-    tf = transforms(lhs_ref.dtype)
-    rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
-    specs = [plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tf)]
-    specs += [plgpu.BlockSpec(rhs_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                              transforms=tf)] * n_rhs
-
-    def pipeline(body, context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k // bk,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
-            num_compute_wgs=WGS, max_concurrent_steps=cfg.stages, compute_context=context)
-
+    pipeline = functools.partial(_forward_pipeline, cfg=cfg, k=k, dtype=lhs_ref.dtype, n_rhs=n_rhs,
+                                 transpose_rhs=transpose_rhs)
     ignore = lambda *_, **__: None
-    rhs_views = [r.at[0] for r in rhs_refs]
-    rhs_views = [v.at[pl.ds(0, bn), :] if transpose_rhs else v.at[:, pl.ds(0, bn)] for v in rhs_views]
-    allocs = pipeline(ignore, ignore).get_allocations(lhs_ref.at[pl.ds(0, bm)], *rhs_views)
-
+    allocs = pipeline(ignore, ignore).get_allocations(
+        lhs_ref.at[pl.ds(0, bm)], *[_rhs_tile(r, 0, 0, bn, transpose_rhs) for r in rhs_refs])
+    bk = cfg.block_k
     t_scr = interpret_scratch(cfg, (bk, bn), lhs_ref.dtype) if transpose_rhs else None
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((WGS, hm, bn), out_ref.dtype),
@@ -235,9 +243,7 @@ def _forward_kernel(table_ref, lhs_ref, *refs, cfg, k: int, n_rhs: int, transpos
             @pl.when(rows > 0)
             def _():
                 g = jnp.minimum(grp, num_groups - 1)
-                views = [r.at[g] for r in rhs_refs]
-                views = [v.at[pl.ds(ni * bn, bn), :] if transpose_rhs else v.at[:, pl.ds(ni * bn, bn)]
-                         for v in views]
+                views = [_rhs_tile(r, g, ni, bn, transpose_rhs) for r in rhs_refs]
                 pipeline(body, context)(lhs_ref.at[pl.ds(r0, bm)], *views, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -303,6 +309,41 @@ def _drhs_table(group_sizes, m: int, br: int, per_chunk: int):
     return table.astype(jnp.int32), firsts[c].astype(jnp.int32), hi.astype(jnp.int32)
 
 
+DRHS_ROWS = 64  # d rhs: rows per pipeline step (the reduction)
+
+
+def _drhs_pipeline(body, context, lo, steps, *, cfg, table_ref, dtype):
+    """Steps [lo, lo + steps) of the d rhs table: lhs [64 rows, 128 K] and dout [64 rows, bn] tiles."""
+    br, bk, tf = DRHS_ROWS, 64 * WGS, transforms(dtype)
+    specs = [plgpu.BlockSpec((br, bk), lambda i: (table_ref[lo + i, 1], 0), transforms=tf),
+             plgpu.BlockSpec((br, cfg.block_n), lambda i: (table_ref[lo + i, 1], 0), transforms=tf)]
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
+        num_compute_wgs=WGS, max_concurrent_steps=cfg.drhs_stages, compute_context=context)
+
+
+def _drhs_tile(i, wg, n_tiles_k: int, n_tiles_n: int, kdim: int):
+    """Linear tile id -> (chunk, K tile start, N tile, this consumer's first K row, writes it?).
+
+    Chunk-major (a chunk's rows stay in L2 while its tiles run). The last K tile is shifted back
+    to end at kdim (>= 128); a consumer whose 64 rows the previous K tile covers writes nothing.
+    """
+    bk = 64 * WGS
+    c = lax.div(i, jnp.int32(n_tiles_k * n_tiles_n))
+    r = lax.rem(i, jnp.int32(n_tiles_k * n_tiles_n))
+    ki, ni = lax.div(r, jnp.int32(n_tiles_n)), lax.rem(r, jnp.int32(n_tiles_n))
+    k0 = jnp.minimum(ki * bk, kdim - bk)
+    mine = k0 + wg * 64
+    return c, k0, ni, mine, mine >= ki * bk
+
+
+def _keep_rows(a_smem, first, rows, interpret: bool):
+    """Zero the rows of an SMEM tile outside [first, first + rows) (rows of other groups)."""
+    ids = _iota(a_smem.shape, interpret)
+    a_smem[...] = a_smem[...] * ((ids >= first) & (ids < first + rows)).astype(a_smem.dtype)
+    plgpu.commit_smem()
+
+
 def _drhs_kernel(table_ref, lo_ref, hi_ref, lhs_ref, dout_ref, out_ref, *, cfg, n_tiles_k: int, n_tiles_n: int):
     """d rhs[g][k0 + 64 w + [0, 64), n tile] for every group g of a chunk, in one pipeline.
 
@@ -310,18 +351,11 @@ def _drhs_kernel(table_ref, lo_ref, hi_ref, lhs_ref, dout_ref, out_ref, *, cfg, 
     its accumulator out (TMA) and zeroes it. One pipeline per (chunk, K tile, N tile) keeps the
     TMA producer running across the chunk's groups (a group alone is only ~4 blocks).
     """
-    bn, br = cfg.block_n, 64  # br: rows per step (the reduction)
+    bn, br = cfg.block_n, DRHS_ROWS
     bk = 64 * WGS  # K rows of a tile, 64 per consumer
     m, kdim = lhs_ref.shape
     tf = transforms(lhs_ref.dtype)
-
-    def pipeline(body, context, lo, steps):
-        specs = [plgpu.BlockSpec((br, bk), lambda i: (table_ref[lo + i, 1], 0), transforms=tf),
-                 plgpu.BlockSpec((br, bn), lambda i: (table_ref[lo + i, 1], 0), transforms=tf)]
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
-            num_compute_wgs=WGS, max_concurrent_steps=cfg.drhs_stages, compute_context=context)
-
+    pipeline = functools.partial(_drhs_pipeline, cfg=cfg, table_ref=table_ref, dtype=lhs_ref.dtype)
     ignore = lambda *_, **__: None
     allocs = pipeline(ignore, ignore, 0, m // br).get_allocations(lhs_ref.at[:, pl.ds(0, bk)],
                                                                   dout_ref.at[:, pl.ds(0, bn)])
@@ -334,13 +368,7 @@ def _drhs_kernel(table_ref, lo_ref, hi_ref, lhs_ref, dout_ref, out_ref, *, cfg, 
 
         @plgpu.nd_loop((lo_ref.shape[0] * n_tiles_k * n_tiles_n,), collective_axes="sm")
         def _tile(info):
-            i = info.index[0]  # chunk-major: a chunk's rows stay in L2 while its tiles run
-            c = lax.div(i, jnp.int32(n_tiles_k * n_tiles_n))
-            r = lax.rem(i, jnp.int32(n_tiles_k * n_tiles_n))
-            ki, ni = lax.div(r, jnp.int32(n_tiles_n)), lax.rem(r, jnp.int32(n_tiles_n))
-            k0 = jnp.minimum(ki * bk, kdim - bk)  # the last K tile is shifted back (kdim >= bk)
-            mine = k0 + wg * 64  # this consumer's K rows [mine, mine + 64)
-            owner = mine >= ki * bk  # not already written by the previous K tile
+            c, k0, ni, mine, owner = _drhs_tile(info.index[0], wg, n_tiles_k, n_tiles_n, kdim)
             lo, hi = lo_ref[c], hi_ref[c]
 
             def body(idx, l_smem, d_smem, acc):
@@ -348,11 +376,8 @@ def _drhs_kernel(table_ref, lo_ref, hi_ref, lhs_ref, dout_ref, out_ref, *, cfg, 
                 grp, first, rows = table_ref[e, 0], table_ref[e, 2], table_ref[e, 3]
                 a = l_smem.at[:, pl.ds(wg * 64, 64)]
 
-                @pl.when(owner & ((first > 0) | (rows < br)))
-                def _():  # zero rows of other groups: this consumer's half only
-                    ids = _iota((br, 64), cfg.interpret)
-                    a[...] = a[...] * ((ids >= first) & (ids < first + rows)).astype(a.dtype)
-                    plgpu.commit_smem()
+                pl.when(owner & ((first > 0) | (rows < br)))(  # this consumer's half only
+                    functools.partial(_keep_rows, a, first, rows, cfg.interpret))
 
                 @pl.when(owner)
                 def _():
