@@ -5,6 +5,7 @@
 | flash_attention | flash_attention(q, k, v, *, sinks, causal, window, scale, q_offset, config) | supported(...) |
 | decode_attention | decode_attention(q, k, v, *, kv_len, q_offset, sinks, causal, window, scale, config) | supported(...) |
 | grouped_matmul | grouped_matmul(lhs, rhs, group_sizes, *, config) | supported(...) |
+| grouped_swiglu (not selected yet) | grouped_swiglu(x, gate, up, group_sizes, *, gate_bias, up_bias, alpha, limit, config) | supported(...) |
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config) | supported(...) |
 | rms_norm (Triton backend) | rms_norm(x, scale, *, eps, config), add_rms_norm(x, residual, scale, *, eps, config) | supported(...) -> (ok, why) |
 

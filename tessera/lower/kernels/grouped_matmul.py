@@ -57,13 +57,13 @@ class GroupedMatmulConfig:
             raise ValueError(f"{self.stages=}, {self.drhs_stages=} must be at least 2")
 
 
-def pick_block_n(n: int, widths=(192, 128, 256, 64)) -> int:
+def pick_block_n(n: int, widths=(192, 128, 64)) -> int:
     """The first width dividing n (GPT-OSS: 2880 and 5760 both take 192)."""
     return next((w for w in widths if n % w == 0), 64)
 
 
 def default_config(n: int) -> GroupedMatmulConfig:
-    """128-row tiles, N tile 192/128/256/64, whichever divides n first."""
+    """128-row tiles, N tile 192/128/64, whichever divides n first."""
     return GroupedMatmulConfig(block_n=pick_block_n(n))
 
 
