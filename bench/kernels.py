@@ -122,29 +122,19 @@ def _attention_inputs(b, s, hq, hkv, d):
 
 
 def tune_attention(check: bool = False) -> None:
-    """Forward variants (warpgroups, KV tile, stages, ping-pong, persistent grid) vs peers, checked."""
+    """Tile variants (KV tile, ring depth, persistent grid or one CTA per item; backward tiles), checked."""
     from tessera.lower.kernels.flash_attention import FlashConfig, attention_flops, flash_attention
     from tessera.lower.reference.attention import attention as reference
-    one_per_tile = 1 << 30  # a grid of one CTA per work item: the non-persistent launch
-    variants = {  # case -> [(label, FlashConfig kwargs)]
-        (64, True, None): [("grid n2 kv256 s2", dict(block_kv=256, num_ctas=one_per_tile)),
-                           ("n2 kv256 s2", dict(block_kv=256)), ("n2 kv128 s2", dict()),
-                           ("n2 kv128 s3", dict(stages=3)), ("n3 kv128 s2", dict(compute_wgs=3)),
-                           ("n3 kv128 s3", dict(compute_wgs=3, stages=3)),
-                           ("n3 kv128 s4", dict(compute_wgs=3, stages=4)),
-                           ("n3 kv128 s3 no-pp", dict(compute_wgs=3, stages=3, ping_pong=False)),
-                           ("n3 kv64 s4", dict(compute_wgs=3, block_kv=64, stages=4))],
-        (64, True, 128): [("grid n2 kv128 s2", dict(num_ctas=one_per_tile)), ("n2 kv128 s2", dict()),
-                          ("n2 kv64 s4", dict(block_kv=64, stages=4)),
-                          ("n3 kv128 s3", dict(compute_wgs=3, stages=3)),
-                          ("n3 kv64 s4", dict(compute_wgs=3, block_kv=64, stages=4))],
-        (64, False, None): [("n2 kv256 s2", dict(block_kv=256)),
-                            ("n3 kv128 s3", dict(compute_wgs=3, stages=3))],
-        (128, True, None): [("grid n2 kv128 s2", dict(num_ctas=one_per_tile)), ("n2 kv128 s2", dict()),
-                            ("n2 kv64 s4", dict(block_kv=64, stages=4))],
-        (128, True, 128): [("n2 kv128 s2", dict()), ("n2 kv64 s4", dict(block_kv=64, stages=4))],
+    per_item = 1 << 30  # a grid of one CTA per work item: the non-persistent launch
+    variants = {  # (head dim, causal, window, direction) -> [(label, FlashConfig kwargs)]
+        (64, True, None, "fwd"): [("kv128 s4", dict(stages=4)), ("kv128 s3", dict(stages=3)),
+                                  ("kv256 s2", dict(block_kv=256)),
+                                  ("kv128 s4 per-item", dict(stages=4, num_ctas=per_item))],
+        (64, True, 128, "fwd"): [("kv128 s4", dict(stages=4)), ("kv128 s2", dict()),
+                                 ("kv128 s4 per-item", dict(stages=4, num_ctas=per_item))],
+        (64, False, None, "fwd"): [("kv128 s4", dict(stages=4)), ("kv256 s2", dict(block_kv=256))],
     }
-    for (d, causal, window), cfgs in variants.items():
+    for (d, causal, window, direction), cfgs in variants.items():
         b, s, hq, hkv = 4, 4096, 64 if d == 64 else 32, 8
         q, k, v, ct, sinks = _attention_inputs(b, s, hq, hkv, d)
         sk = sinks if window else None
@@ -152,7 +142,7 @@ def tune_attention(check: bool = False) -> None:
         tag += f" w{window}+sinks" if window else ""
         flops = attention_flops(b, s, s, hq, d, causal=causal, window=window)
         ref = None
-        if check:
+        if check and direction == "fwd":
             f32 = lambda x: x.astype(jnp.float32)
             ref = jax.jit(lambda q, k, v: reference(f32(q), f32(k), f32(v), sinks=sk, causal=causal,
                                                     window=window))(q, k, v)
@@ -166,7 +156,11 @@ def tune_attention(check: bool = False) -> None:
                 except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported
                     print(f"  check {tag} {label}: failed: {type(e).__name__}: {str(e)[:400]}")
                     continue
-            record(f"tune fwd {tag}", f"tessera {label}", lambda: time_jax(fn, q, k, v), flops)
+            if direction == "fwd":
+                record(f"tune fwd {tag}", f"tessera {label}", lambda: time_jax(fn, q, k, v), flops)
+            else:
+                record(f"tune bwd {tag}", f"tessera {label}", lambda: time_jax(_grad_fn(fn), q, k, v, ct),
+                       2.5 * flops)
         del ref
 
 

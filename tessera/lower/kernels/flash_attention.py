@@ -48,9 +48,9 @@ class FlashConfig:
 
 
 def default_config(head_dim: int, window: int | None = None) -> FlashConfig:
-    """Measured on an H200: 256-key tiles for head dim 64 over long ranges, else 128; 2 stages."""
-    long_range = window is None or window > 512
-    return FlashConfig(block_kv=256 if head_dim <= 64 and long_range else 128, stages=2,
+    """Measured on an H200 (bench/RESULTS.md): 128-key tiles; a 4-deep ring where SMEM allows (D 64)."""
+    del window  # the same tiles won with and without a 128 window
+    return FlashConfig(block_kv=128, stages=4 if head_dim <= 64 else 2,
                        block_q_bwd=128 if head_dim <= 64 else 64)
 
 
@@ -108,13 +108,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars,
                     cfg: FlashConfig, work: _Work, has_sinks: bool, group: int, qk_scale: float):
     """Persistent CTA: warpgroups 0 and 1 compute 64-row halves of each item, warpgroup 2 loads K/V.
 
-    Q (and the sink row) of the next item is prefetched into the other half of a double buffer;
-    each item's output leaves through the half that held its Q. The K/V ring and its barriers
+    Q (and the sink row) of the next item is prefetched into another slot of a 2- or 3-slot buffer;
+    each item's output leaves through the slot that held its Q. The K/V ring and its barriers
     run on across items, so the producer fills the next item's pipeline during an epilogue.
     """
-    q_smem, k_smem, v_smem, row_smem = smem  # [2, 2, bq, d], [stages, bkv, d] x2, [2, 2, bq]
+    q_smem, k_smem, v_smem, row_smem = smem  # [n_buf, 2, bq, d], [stages, bkv, d] x2, [n_buf, 2, bq]
     q_bar, row_bar, k_bar, v_bar, k_free, v_free, sched = bars
     n, bq, bkv, stages = _WGS, cfg.block_q, cfg.block_kv, cfg.stages
+    n_buf = q_smem.shape[0]
     mask = work.mask
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     cta, wg = lax.axis_index("c"), lax.axis_index("wg")
@@ -138,19 +139,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars,
         pl.when(wg == 1)(sched_sync)  # warpgroup 1 starts one schedule phase late: the ping-pong
 
         def item_body(i, g):  # g: K/V steps this CTA consumed before item i
-            buf = lax.rem(i, 2)
+            buf = lax.rem(i, n_buf)
 
-            def prefetch():  # the other half is free once item i-1's output has been read out
+            def prefetch():  # slot (i+1) % n_buf is free once item i+1-n_buf's output was read out
                 @pl.when(i + 1 < n_items)
                 def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    load_q(i + 1, 1 - buf)
+                    plgpu.wait_smem_to_gmem(2 * (n_buf - 2), wait_read_only=True)  # 2 copies an item
+                    load_q(i + 1, lax.rem(i + 1, n_buf))
             b, h, row, lo, hi = work.item(cta, i)
-            pl.when(hi == lo)(prefetch)  # otherwise during the first PV product, off the critical path
+            if n_buf == 3:  # item i-2's output left long ago: no wait
+                prefetch()
+            else:  # item i-1's output has just been issued: prefetch while the first PV runs
+                pl.when(hi == lo)(prefetch)
             acc, m, l = _attend(q_smem.at[buf, wg], row_smem.at[buf, wg], q_bar.at[buf * n + wg],
                                 row_bar.at[buf * n + wg], row + wg * bq + mask.q_offset, lo, hi, g,
                                 k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched), cfg=cfg,
-                                mask=mask, has_sinks=has_sinks, qk_scale=qk_scale, first_pv=prefetch)
+                                mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
+                                first_pv=prefetch if n_buf == 2 else None)
             inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
             q_smem.at[buf, wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
             row_smem.at[buf, wg][...] = m + jnp.log2(l)  # log2-sum-exp2 (sink included); -inf if empty
@@ -193,7 +198,7 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
             cfg: FlashConfig, mask: MaskSpec, has_sinks: bool, qk_scale: float, first_pv):
     """One warpgroup's online softmax over KV blocks [lo, hi): (acc [bq, d], m, l) in log2 units.
 
-    `first_pv()` runs while the first P @ V product is in flight.
+    `first_pv()`, if given, runs while the first P @ V product is in flight.
     """
     k_bar, v_bar, k_free, v_free, sched = bars
     bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
@@ -230,7 +235,8 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
         plgpu.barrier_wait(sched)  # tensor cores free again
 
         def wait_next_k():
-            pl.when(kv == lo)(first_pv)
+            if first_pv is not None:
+                pl.when(kv == lo)(first_pv)
             nxt = kv + 1
             pl.when(nxt < hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g + nxt - lo, stages)]))
         acc = _mgpu.mma(p16, v_smem.at[slot], acc.shape, acc=acc, interpret=interp, then=wait_next_k)
@@ -255,6 +261,13 @@ def _pad_seq(x, n: int):
     return x if x.shape[1] == n else jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
 
 
+def _q_slots(cfg: FlashConfig, d: int, dtype) -> int:
+    """3 Q/output slots where they fit beside the K/V ring in ~200 KiB of SMEM (head dim 64), else 2."""
+    size = jnp.dtype(dtype).itemsize
+    ring = 2 * cfg.stages * cfg.block_kv * d * size
+    return 3 if 3 * _WGS * cfg.block_q * (d * size + 4) + ring <= 200 * 1024 else 2
+
+
 def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfig, has_sinks: bool):
     """(out [B, S, Hq, D], lse [B, Hq, S_pad] log2 units) of the forward kernel."""
     bsz, s, hq, d = q.shape
@@ -267,11 +280,12 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
     stages = min(cfg.stages, max(t_pad // cfg.block_kv, 2))
     cfg = dataclasses.replace(cfg, stages=stages)
     tf = _mgpu.smem_transforms(q.dtype)
-    smem = (plgpu.SMEM((2, n, cfg.block_q, d), q.dtype, transforms=tf),
+    n_buf = _q_slots(cfg, d, q.dtype)
+    smem = (plgpu.SMEM((n_buf, n, cfg.block_q, d), q.dtype, transforms=tf),
             plgpu.SMEM((stages, cfg.block_kv, d), q.dtype, transforms=tf),
             plgpu.SMEM((stages, cfg.block_kv, d), q.dtype, transforms=tf),
-            plgpu.SMEM((2, n, cfg.block_q), jnp.float32))
-    bars = (plgpu.Barrier(num_barriers=2 * n), plgpu.Barrier(num_barriers=2 * n),
+            plgpu.SMEM((n_buf, n, cfg.block_q), jnp.float32))
+    bars = (plgpu.Barrier(num_barriers=n_buf * n), plgpu.Barrier(num_barriers=n_buf * n),
             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages), plgpu.Barrier(num_arrivals=n))

@@ -94,7 +94,7 @@ GPU_CASES = [
     ((2, 1000, 1000, 8, 2, 64), jnp.bfloat16, True, None, True, FlashConfig(stages=3)),
     ((1, 700, 700, 4, 1, 64), jnp.float16, True, 100, False, FlashConfig(block_kv=64, stages=4,
                                                                         num_ctas=5)),
-    ((1, 640, 640, 4, 2, 128), jnp.bfloat16, True, None, True, FlashConfig(num_ctas=1 << 30)),
+    ((1, 640, 640, 4, 2, 128), jnp.bfloat16, True, None, True, FlashConfig(num_ctas=3)),
 ]
 
 
@@ -102,6 +102,6 @@ GPU_CASES = [
 @pytest.mark.parametrize("shape,dtype,causal,window,with_sinks,config", GPU_CASES)
 def test_gpu_matches_reference(shape, dtype, causal, window, with_sinks, config):
     """On a Hopper GPU: several shapes, windows smaller and larger than a block, both dtypes,
-    deeper K/V rings, persistent grids much smaller than the work and one CTA per item."""
+    deeper K/V rings, persistent grids much smaller than the work (2 and 3 Q slots)."""
     _check(shape, dtype, causal=causal, window=window, with_sinks=with_sinks, config=config,
            seed=sum(shape) % 97)
