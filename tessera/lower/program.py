@@ -85,9 +85,23 @@ class Program:
 
     # ---- parameters ----------------------------------------------------------------------------
     def param_shapes(self) -> dict[str, Any]:
-        """What each parameter is held as, by path: a ShapeDtypeStruct, or MXFP4 of two for packed types."""
-        return {path: storage.abstract(tuple(d.size for d in p.type.dims), p.type.dtype)
-                for path, p in self.graph.params.items()}
+        """What each parameter is held as, by path: a ShapeDtypeStruct, or MXFP4 of two for packed types.
+
+        Shapes are the held ones: a moe's d_ff padded for packed experts on this mesh (storage.padding)."""
+        return {path: storage.abstract(tuple(d.size for d in t.dims), t.dtype)
+                for path, t in self.held_types().items()}
+
+    def held_types(self) -> dict[str, Any]:
+        """Each parameter's TensorType as held (the IR's, with storage.padding applied)."""
+        if "held" not in self._cache:
+            self._cache["held"] = storage.held_types(self.exp, self.graph)
+        return self._cache["held"]
+
+    def padding(self) -> dict[str, dict[str, int]]:
+        """{path: {dim: held size}} of the params held larger than the IR says (checkpoints record it)."""
+        if "padding" not in self._cache:
+            self._cache["padding"] = storage.padding(self.exp, self.graph)
+        return self._cache["padding"]
 
     def init(self, seed: int = 0) -> Params:
         """Fresh parameters from each one's initializer; a parameter's values depend only on (seed, path)."""
@@ -98,11 +112,13 @@ class Program:
         key = jax.random.key(seed)
         params = {}
         for path, held in self.param_shapes().items():
-            init, k = self.graph.params[path].init, jax.random.fold_in(key, zlib.crc32(path.encode()))
+            p = self.graph.params[path]
+            init, k = p.init, jax.random.fold_in(key, zlib.crc32(path.encode()))
+            true = tuple(d.size for d in p.type.dims)  # drawn at the IR's shape, then zero-padded to the held one
             if isinstance(held, mxfp4.MXFP4):
-                params[path] = _init_packed(init, k, held.shape)
+                params[path] = storage.resize(_init_packed(init, k, true), held.shape)
             else:
-                params[path] = _init_array(init, k, held.shape, held.dtype)
+                params[path] = storage.resize(_init_array(init, k, true, held.dtype), held.shape)
         return params
 
     def load_weights(self, directory) -> Params:
@@ -116,8 +132,9 @@ class Program:
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks parameters {missing}")
-        return {path: jax.tree.map(lambda a, want: jnp.asarray(a, want.dtype), params[path], shapes[path])
-                for path in shapes}
+        cast = lambda a, want: jnp.asarray(a, want.dtype)  # noqa: E731  (tree.map: same leaves, any shapes)
+        return {path: storage.resize(jax.tree.map(cast, params[path], shapes[path]), shapes[path].shape)
+                for path in shapes}  # padded after loading, so packed bytes stay as stored
 
     # ---- forward and loss ----------------------------------------------------------------------
     def _ctx(self, **kw) -> LowerCtx:

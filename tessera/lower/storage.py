@@ -12,6 +12,7 @@ import fnmatch
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tessera.diagnostics import Diagnostic, TesseraError
 from tessera.grammar.numerics import BASE_TYPES, MX_BLOCK, NumericType
@@ -68,6 +69,7 @@ def check_packed(exp, graph) -> None:
     from tessera.lower.shard.rules import AxisRules
 
     rules = AxisRules.from_experiment(exp) if exp.mesh.size > 1 else None
+    held = held_types(exp, graph) if rules is not None else {}
     problems: list[Diagnostic] = []
     for path, p in graph.params.items():
         if not is_packed(p.type.dtype):
@@ -86,15 +88,15 @@ def check_packed(exp, graph) -> None:
                 f"`{path}` has {got}", span=span, key=key,
                 hint="give this parameter a plain type, e.g. add a later rule `\"*_bias\": bf16`"))
         elif rules is not None:
-            problems += _check_split(exp, rules, path, p)
+            problems += _check_split(exp, rules, path, held[path])  # K as held: a padded d_ff fits
     if problems:
         raise TesseraError(problems)
 
 
-def _check_split(exp, rules, path: str, p) -> list[Diagnostic]:
-    """The mesh axes splitting K must split its K/32 scale groups too (a group never straddles devices)."""
-    k = p.type.dims[-2]
-    axes = rules.dims(p.type.names)[-2]
+def _check_split(exp, rules, path: str, t) -> list[Diagnostic]:
+    """The mesh axes splitting K (of held type `t`) split its K/32 scale groups too (none straddles devices)."""
+    k = t.dims[-2]
+    axes = rules.dims(t.names)[-2]
     n = rules.size(axes) if axes else 1
     if n <= 1 or (k.size // MX_BLOCK) % n == 0:
         return []
@@ -102,8 +104,97 @@ def _check_split(exp, rules, path: str, p) -> list[Diagnostic]:
     shown = "×".join(f"{a}={dict(rules.sizes)[a]}" for a in axes)
     ok = [str(d) for d in range(2, k.size // MX_BLOCK + 1) if (k.size // MX_BLOCK) % d == 0][:4]
     return [Diagnostic(
-        f"{shown} splits `{k.name}` = {k.size} of {p.type.dtype} parameter `{path}` into blocks of "
+        f"{shown} splits `{k.name}` = {k.size} of {t.dtype} parameter `{path}` into blocks of "
         f"{k.size // n}, which is not a whole number of {MX_BLOCK}-element scale groups "
         f"({k.size // MX_BLOCK} groups over {n} devices)", span=exp.span(f"mesh.{axis}"), key=f"mesh.{axis}",
         hint=f"use a mesh whose {'×'.join(axes)} divides {k.size // MX_BLOCK}: {', '.join(ok) or '1'}; "
              f"or split the experts instead (ep)")]
+
+
+# ---- padding a MoE's d_ff so packed groups never straddle devices ------------------------------------------
+#
+# tp=8 splits GPT-OSS's down [experts, mlp=2880, embed] along K = mlp into blocks of 360 = 11.25 scale groups.
+# Serving stacks pad d_ff in storage instead: the program holds every param of the moe op that has the `mlp`
+# dim at the next multiple of 32 · ways(mlp) (2880 → 3072 at tp=8, 2944 at tp=4, unchanged at tp=2 or ep=8).
+# The padding is exact: gate/up get zero columns and zero biases, so h = act(0, 0) = 0 there, and down zero
+# rows. The IR keeps the true size (FLOPs, the model contract, HF checkpoints); only what is held grows.
+
+PAD_SCALE = 127  # the E8M0 scale of padded groups: 2^0 (their codes are 0, +0.0, so any scale would do)
+
+
+def _moe_d_ff(graph) -> dict[str, str]:
+    """{param path: the name of its moe op's d_ff dim} for every param a moe op owns (d_ff: gate's last dim)."""
+    from tessera.ir.types import ParamRef
+
+    out: dict[str, str] = {}
+    for op in graph.walk():
+        paths = [o.path for o in op.operands if isinstance(o, ParamRef)]
+        gate = next((p for p in paths if p.endswith("experts/gate")), None)
+        if op.name == "moe" and gate is not None and gate in graph.params:
+            out.update({p: graph.params[gate].type.dims[-1].name for p in paths})
+    return out
+
+
+def padding(exp, graph) -> dict[str, dict[str, int]]:
+    """{param path: {dim name: held size}} for the params held larger than the IR says (empty on one device).
+
+    A moe op's d_ff dim is padded when one of its packed params contracts over it (K) and the mesh axes
+    splitting it would cut a 32-element scale group: then every param of that op with the dim is padded."""
+    if exp.mesh.size <= 1:
+        return {}
+    from tessera.lower.shard.rules import AxisRules
+
+    rules, owned = AxisRules.from_experiment(exp), _moe_d_ff(graph)
+    held: dict[str, int] = {}  # d_ff dim name -> held size (moe ops naming the same dim share it)
+    for path, name in owned.items():
+        dims = graph.params[path].type.dims
+        if not is_packed(graph.params[path].type.dtype) or len(dims) < 2 or dims[-2].name != name:
+            continue
+        k, n = dims[-2].size, rules.size(rules.dims((name,))[0])
+        step = MX_BLOCK * n
+        if k % MX_BLOCK == 0 and (k // MX_BLOCK) % n:
+            held[name] = max(held.get(name, 0), -(-k // step) * step)
+    return {path: {name: held[name]} for path, name in owned.items()
+            if name in held and name in graph.params[path].type.names}
+
+
+def held_types(exp, graph) -> dict:
+    """Each parameter's TensorType as the program holds it: the IR's, with padded dims at their held size."""
+    import dataclasses
+
+    pads = padding(exp, graph)
+    out = {}
+    for path, p in graph.params.items():
+        grow = pads.get(path, {})
+        dims = tuple(dataclasses.replace(d, size=grow.get(d.name, d.size)) for d in p.type.dims)
+        out[path] = dataclasses.replace(p.type, dims=dims)
+    return out
+
+
+def held_params(exp, graph) -> dict:
+    """graph.params with each Param's type as held (what a mesh splits: the divisibility checks read this)."""
+    import dataclasses
+
+    types = held_types(exp, graph)
+    return {path: dataclasses.replace(p, type=types[path]) for path, p in graph.params.items()}
+
+
+def resize(value, shape: tuple[int, ...]):
+    """`value` (an array or MXFP4 of logical shape [..., K, N]) padded or sliced to logical `shape`.
+
+    Padding is zeros (codes 0 = +0.0, scales PAD_SCALE); slicing keeps the leading block of each dim."""
+    if tuple(value.shape) == tuple(shape):
+        return value
+    if isinstance(value, mxfp4.MXFP4):
+        *lead, k, n = shape
+        return mxfp4.MXFP4(_fit(value.codes, (*lead, k // 2, n), 0),
+                           _fit(value.scales, (*lead, k // MX_BLOCK, n), PAD_SCALE))
+    return _fit(value, shape, 0)
+
+
+def _fit(x, shape: tuple[int, ...], fill):
+    # pad (with `fill`) or slice each dim of x to `shape`; numpy stays numpy (host loads), jax stays jax
+    xp = jnp if isinstance(x, jax.Array) else np
+    x = x[tuple(slice(0, s) for s in shape)]
+    pad = [(0, s - d) for s, d in zip(shape, x.shape)]
+    return xp.pad(x, pad, constant_values=xp.asarray(fill, x.dtype)) if any(p for _, p in pad) else x

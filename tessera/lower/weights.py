@@ -161,5 +161,15 @@ def _check_params(params: dict, expected: dict[str, tuple[int, ...]]) -> None:
 
 
 def save_weights(params: dict[str, jax.Array], directory: str | Path, *, exp) -> Path:
-    """Save in HF format for an experiment: the family is the model file's stem, sizes its model.args."""
+    """Save in HF format for an experiment: the family is the model file's stem, sizes its model.args.
+
+    Params held padded on the experiment's mesh (storage.padding: a moe's d_ff) are sliced back to the IR's
+    shapes first, so the export has exactly HF's shapes and bytes."""
+    from tessera.lower import storage
+    from tessera.lower.program import program_graph
+
+    graph = program_graph(exp)
+    pads = storage.padding(exp, graph)
+    params = {path: storage.resize(v, tuple(d.size for d in graph.params[path].type.dims)) if path in pads else v
+              for path, v in params.items()}
     return save_hf_weights(params, directory, family=Path(exp.model.file).stem, args=dict(exp.model.args))

@@ -89,13 +89,28 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
     """Per-device bytes of parameters (storage types), gradients and optimizer state."""
     params = grads = opt = 0.0
     states = optimizer_states(exp)
-    for p in graph.params.values():
-        n = layout.per_device(p.type)
-        params += n * cost.bits_per_element(p.type.dtype) / 8
+    for t in _held(exp, graph).values():
+        n = layout.per_device(t)
+        params += n * cost.bits_per_element(t.dtype) / 8
         if train:  # fp32 accumulation over microbatches + one microbatch's gradient as the program holds it
-            grads += n * (4 + array_bits(p.type.dtype) / 8)
-            opt += states * n * array_bits(p.type.dtype) / 8
+            grads += n * (4 + array_bits(t.dtype) / 8)
+            opt += states * n * array_bits(t.dtype) / 8
     return {"params": params, "gradients": grads, "optimizer": opt}
+
+
+def _held(exp, graph) -> dict:
+    """{path: TensorType} of the params as the program holds them: a moe's d_ff padded for packed experts."""
+    from tessera.lower.storage import held_types
+
+    return held_types(exp, graph)
+
+
+def _held_bytes(exp, graph) -> tuple[float, dict[str, float]]:
+    """(bytes, bytes per element type) of the params as held: the IR counts, padding included."""
+    by_dtype: dict[str, float] = {}
+    for t in _held(exp, graph).values():
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0.0) + t.numel() * cost.bits_per_element(t.dtype) / 8
+    return sum(by_dtype.values()), by_dtype
 
 
 def _microbatching(exp) -> tuple[int, int]:
@@ -187,7 +202,8 @@ def build_plan(exp, device: str | None = None) -> dict:
     sizes = cost.task_dims(exp)
     layout = cost.Layout.of(exp)
     train = _trains(exp)
-    summary = cost.param_summary(graph)
+    summary = cost.param_summary(graph)  # counts: the model's (IR) parameters
+    summary["bytes"], summary["bytes_by_dtype"] = _held_bytes(exp, graph)  # bytes: what the program holds
     memory = {**_param_memory(graph, layout, exp, train), **_activation_memory(graph, exp, sizes, layout, train)}
     memory["total"] = sum(memory.values())
     flops = _flops(graph, exp, sizes)
@@ -305,10 +321,10 @@ def _ours_as_compiled(exp, train: bool) -> float:
     graph, sizes = program_graph(exp), cost.task_dims(exp)
     layout = cost.Layout.of(exp)
     memory = _activation_memory(graph, exp, sizes, layout, train)
-    for p in graph.params.values():
-        n = layout.per_device(p.type)
-        memory[p.path] = n * array_bits(p.type.dtype) / 8 * (1 + (1 + optimizer_states(exp) if train else 0))
-        memory[p.path] += 4 * n if train else 0
+    for path, t in _held(exp, graph).items():
+        n = layout.per_device(t)
+        memory[path] = n * array_bits(t.dtype) / 8 * (1 + (1 + optimizer_states(exp) if train else 0))
+        memory[path] += 4 * n if train else 0
     return sum(memory.values())
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tessera.lower import storage
 from tessera.lower.shard.collectives import ShardEnv, vocab_cross_entropy_sums
 from tessera.lower.shard.expert import step_count
 from tessera.lower.shard.context import check_context, context_axes, token_spec
@@ -66,7 +67,7 @@ class ShardPlan:
 
 def make_plan(exp, graph, devices=None) -> ShardPlan:
     """The plan of exp's mesh over the devices; mesh errors are TesseraErrors raised here, before compiling."""
-    mesh = build_mesh(exp, graph.params, devices)
+    mesh = build_mesh(exp, storage.held_params(exp, graph), devices)  # what is split: params as held
     rules = AxisRules.from_experiment(exp)
     if not exp.parallel.deterministic:
         check_context(exp, rules)
