@@ -1,10 +1,12 @@
 """Flash attention for Hopper (Mosaic GPU): GQA, causal, sliding window, per-head sinks; fwd + bwd.
 
-Forward, FlashAttention-3 style: one CTA = 2 compute warpgroups x `block_q` query rows of one
-query head + 1 memory warpgroup that streams K/V tiles through a `stages`-deep TMA ring. The two
-compute warpgroups ping-pong on a schedule barrier so one's softmax overlaps the other's wgmma.
-Only KV blocks holding a visible key are visited (window: O(window) per row, not O(T)); blocks
-where every key is visible skip the mask. Sinks seed the running max/denominator. Statistics
+Forward, FlashAttention-3 style: a work item is 2 x `block_q` query rows of one query head; a
+persistent CTA (one per SM) runs items heaviest-first with 2 compute warpgroups (one `block_q`
+half each) and 1 memory warpgroup that streams K/V tiles through a `stages`-deep TMA ring kept
+running across items. The compute warpgroups ping-pong on a schedule barrier so one's softmax
+overlaps the other's wgmma; the next item's Q is prefetched. Only KV blocks holding a visible
+key are visited (window: O(window) per row, not O(T)); blocks where every key is visible skip
+the mask. Sinks seed the running max/denominator. Statistics
 are kept in the log2 domain (exp2 with the scale folded in), fp32; the output of a fully
 masked row is 0, as in the reference. Backward: `flash_attention_bwd.py`.
 """
@@ -117,7 +119,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars,
     n, bq, bkv, stages = _WGS, cfg.block_q, cfg.block_kv, cfg.stages
     n_buf = q_smem.shape[0]
     mask = work.mask
-    head_dim, dtype = q_smem.shape[-1], q_smem.dtype
+    dtype = q_smem.dtype
     cta, wg = lax.axis_index("c"), lax.axis_index("wg")
     n_items = work.count(cta)
 
