@@ -168,8 +168,10 @@ def save_weights(params: dict[str, jax.Array], directory: str | Path, *, exp) ->
     from tessera.lower import storage
     from tessera.lower.program import program_graph
 
-    graph = program_graph(exp)
-    pads = storage.padding(exp, graph)
-    params = {path: storage.resize(v, tuple(d.size for d in graph.params[path].type.dims)) if path in pads else v
-              for path, v in params.items()}
+    mesh = getattr(exp, "mesh", None)
+    if mesh is not None and mesh.size > 1:  # padding exists only on a mesh (storage.padding)
+        graph = program_graph(exp)
+        pads = storage.padding(exp, graph)
+        params = {path: storage.resize(v, tuple(d.size for d in graph.params[path].type.dims))
+                  if path in pads else v for path, v in params.items()}
     return save_hf_weights(params, directory, family=Path(exp.model.file).stem, args=dict(exp.model.args))
