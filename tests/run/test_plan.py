@@ -50,7 +50,8 @@ def test_gpt_oss_120b_on_eight_devices_in_seconds(capsys):
     plan = run_json(capsys, SPECS / "gpt_oss_120b.yaml", "--no-compile", "--device", "h100")
     assert time.perf_counter() - started < 20
     p = plan["params"]
-    assert (p["total"], p["active"], round(p["gib"], 2)) == (116_829_156_672, 5_132_639_232, 60.77)
+    # bytes as held: tp=8 pads the MXFP4 experts' d_ff 2880 → 3072 (60.77 GiB unpadded, docs/contracts.md)
+    assert (p["total"], p["active"], round(p["gib"], 2)) == (116_829_156_672, 5_132_639_232, 64.55)
     assert plan["devices"] == 8 and plan["mesh"]["tp"] == 8
     mem = plan["memory_per_device"]
     assert p["bytes"] / 8 < mem["params"] < p["bytes"] / 8 * 1.01  # tp=8 splits all but norms, some biases
