@@ -8,6 +8,7 @@ have no packed form yet and are held as bf16 arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 
 import jax
@@ -150,7 +151,7 @@ def padding(exp, graph) -> dict[str, dict[str, int]]:
         dims = graph.params[path].type.dims
         if not is_packed(graph.params[path].type.dtype) or len(dims) < 2 or dims[-2].name != name:
             continue
-        k, n = dims[-2].size, rules.size(rules.dims((name,))[0])
+        k, n = dims[-2].size, rules.size(rules.dims(graph.params[path].type.names)[-2])  # ways K is split
         step = MX_BLOCK * n
         if k % MX_BLOCK == 0 and (k // MX_BLOCK) % n:
             held[name] = max(held.get(name, 0), -(-k // step) * step)
@@ -160,8 +161,6 @@ def padding(exp, graph) -> dict[str, dict[str, int]]:
 
 def held_types(exp, graph) -> dict:
     """Each parameter's TensorType as the program holds it: the IR's, with padded dims at their held size."""
-    import dataclasses
-
     pads = padding(exp, graph)
     out = {}
     for path, p in graph.params.items():
@@ -173,8 +172,6 @@ def held_types(exp, graph) -> dict:
 
 def held_params(exp, graph) -> dict:
     """graph.params with each Param's type as held (what a mesh splits: the divisibility checks read this)."""
-    import dataclasses
-
     types = held_types(exp, graph)
     return {path: dataclasses.replace(p, type=types[path]) for path, p in graph.params.items()}
 
