@@ -132,7 +132,8 @@ for name, spec in cfg["tiny"].items():
         "generated": np.asarray(prog.generate(p, tokens[:2, :5], max_new_tokens=6)).tolist(),
         "held": {"down": list(down.shape), "gate": list(gate.shape), "gate_bias": list(gb.shape)},
         "local_down_codes": list(down.codes.addressable_shards[0].data.shape),
-        "padding_zero": bool(np.all(np.asarray(down.codes)[:, :, 48:] == 0) and np.all(np.asarray(gate.codes)[..., 96:] == 0)
+        "padding_zero": bool(np.all(np.asarray(down.codes)[:, :, 48:] == 0)
+                             and np.all(np.asarray(gate.codes)[..., 96:] == 0)
                              and np.all(np.asarray(gb)[..., 96:] == 0)),
         "true_codes": int(np.asarray(down.codes)[:, :, :48].astype(np.int64).sum()),
     }
@@ -144,10 +145,10 @@ for name, over in cfg["big"].items():
     sh = prog.plan.param_shardings()
     ours = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held))
     plan = build_plan(exp, device="h200")
-    out[name] = {"down": [shapes(held[E + "down"].codes, sh[E + "down"]), shapes(held[E + "down"].scales, sh[E + "down"])],
-                 "gate": [shapes(held[E + "gate"].codes, sh[E + "gate"]), shapes(held[E + "gate"].scales, sh[E + "gate"])],
-                 "gate_bias": shapes(held[E + "gate_bias"], sh[E + "gate_bias"]), "bytes": ours, "plan_bytes": plan["params"]["bytes"],
-                 "plan_total": plan["params"]["total"]}
+    both = lambda k: [shapes(held[E + k].codes, sh[E + k]), shapes(held[E + k].scales, sh[E + k])]
+    out[name] = {"down": both("down"), "gate": both("gate"),
+                 "gate_bias": shapes(held[E + "gate_bias"], sh[E + "gate_bias"]), "bytes": ours,
+                 "plan_bytes": plan["params"]["bytes"], "plan_total": plan["params"]["total"]}
 
 fixture = json.loads((Path(cfg["hf"]) / "fixture.json").read_text())
 base = {f"model.args.{k}": v for k, v in fixture["args"].items()}
@@ -194,7 +195,8 @@ def test_padded_program_equals_the_unpadded_one(device_results, mesh, local_k):
     # down codes [layers, experts/ep, 128/2/tp, embed]: whole groups (16 code rows = 32 elements) a device
     assert padded["local_down_codes"] == [2, 4, local_k, 64]
     assert padded["padding_zero"] and padded["true_codes"] == one["true_codes"]  # same draw, zeros after
-    np.testing.assert_allclose(np.asarray(padded["logits"]), np.asarray(one["logits"]), rtol=1e-5, atol=1e-5)  # tp reorders fp32 sums
+    # within fp32 rounding: tp reorders the sums
+    np.testing.assert_allclose(np.asarray(padded["logits"]), np.asarray(one["logits"]), rtol=1e-5, atol=1e-5)
     assert padded["generated"] == one["generated"]
 
 
@@ -220,7 +222,8 @@ def test_hf_round_trip_is_byte_identical_with_padding(device_results):
     original = load_names(HF_MXFP4)
     for r in (one, padded):
         assert r["same_names"] and sorted(r["identical"]) == original and r["reload_identical"]
-    np.testing.assert_allclose(np.asarray(padded["logits"]), np.asarray(one["logits"]), rtol=1e-5, atol=1e-5)  # tp reorders fp32 sums
+    # within fp32 rounding: tp reorders the sums
+    np.testing.assert_allclose(np.asarray(padded["logits"]), np.asarray(one["logits"]), rtol=1e-5, atol=1e-5)
 
 
 def load_names(directory: Path) -> list[str]:
