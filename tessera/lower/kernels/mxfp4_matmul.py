@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from tessera.lower.kernels._vma import common, out_struct
 from tessera.lower.reference import mxfp4 as ref
 
 DTYPES = (jnp.dtype(jnp.bfloat16),)
@@ -193,14 +194,16 @@ def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config, out_dtype):
     table = _tile_table(group_sizes, m, cfg.block_m)
     part_dtype = out_dtype if splits == 1 else jnp.float32
     body = functools.partial(_kernel, cfg=cfg, m=m, k=k, n=n, num_groups=g, steps_per_split=per)
+    codes, scales = rhs.codes.reshape(g * k // 2, n), rhs.scales.reshape(g * k // 32, n)
+    table, lhs, codes, scales = common(table, lhs, codes, scales)  # inside shard_map: one varying set
     out = pl.pallas_call(
         body,
-        out_shape=jax.ShapeDtypeStruct((splits * m, n), part_dtype),
+        out_shape=out_struct((splits * m, n), part_dtype, lhs),
         grid=(table.shape[0], -(-n // cfg.block_n), splits),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="mxfp4_ragged_dot",
-    )(table, lhs, rhs.codes.reshape(g * k // 2, n), rhs.scales.reshape(g * k // 32, n))
+    )(table, lhs, codes, scales)
     if splits == 1:
         return out
     return out.reshape(splits, m, n).sum(axis=0).astype(out_dtype)

@@ -1,0 +1,36 @@
+"""Kernel outputs inside `jax.shard_map`: a Pallas call's out_shape must say over which mesh axes it varies.
+
+With `check_vma=True` (Tessera's fast mode) every value inside `shard_map` carries the set of mesh axes it
+varies over, and `pallas_call` refuses an out_shape that does not state it. A kernel's output varies
+wherever any of its inputs does; outside `shard_map` the plain struct is right.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def _manual(x):
+    return getattr(jax.typeof(x), "manual_axis_type", None)
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """ShapeDtypeStruct(shape, dtype) varying over the union of the inputs' varying mesh axes."""
+    found = [m for m in (_manual(x) for x in inputs) if m is not None]
+    if not found:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    varying = frozenset().union(*(m.varying for m in found))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(found[0])(varying=varying))
+
+
+def common(*inputs):
+    """The inputs, each cast to vary over every mesh axis any of them varies over (what a kernel call needs)."""
+    found = [m for m in (_manual(x) for x in inputs) if m is not None]
+    if not found:
+        return inputs
+    varying = frozenset().union(*(m.varying for m in found))
+    out = []
+    for x in inputs:
+        missing = tuple(sorted(varying - _manual(x).varying))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return tuple(out)
