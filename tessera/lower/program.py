@@ -50,6 +50,7 @@ class Program:
     lr_fn: Callable[[Any], jax.Array] | None = None
     plan: Any = None  # tessera.lower.shard.step.ShardPlan when the mesh spans more than one device
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+    _report: dict | None = dataclasses.field(default=None, repr=False)  # kernel choices, while kernel_report traces
 
     @property
     def deterministic(self) -> bool:
@@ -139,6 +140,7 @@ class Program:
     # ---- forward and loss ----------------------------------------------------------------------
     def _ctx(self, **kw) -> LowerCtx:
         exp = self.exp
+        kw.setdefault("report", self._report)
         return LowerCtx(kernels=getattr(exp, "kernels", "reference"), backend=jax.default_backend(),
                         deterministic=exp.parallel.deterministic, **kw)
 
@@ -276,22 +278,31 @@ class Program:
         """The implementation each attention and MoE op takes on this backend at the task's shapes."""
         from tessera.ir.cost import task_dims
 
-        sizes, report = task_dims(self.exp), {}
+        sizes, report, decoding = task_dims(self.exp), {}, {}
         b, s = sizes["batch"], sizes["seq"]
         params, sds = self.param_shapes(), jax.ShapeDtypeStruct
         body = self.graph.body
 
         def forward(p, t):
+            if self.plan is not None and not self.deterministic:  # the sharded step chooses under shard_map
+                from tessera.lower.shard.step import sharded_forward
+                self._report = report
+                try:
+                    return sharded_forward(self, self.plan, "forward")(p, t)
+                finally:
+                    self._report = None
             return eval_region(body, [t], p, self._ctx(mode="forward", report=report))[0]
 
         def decode(p, t):
             state = init_state(body, self._ctx(mode="prefill"), b, s)
             pos = jnp.zeros((b, 1), jnp.int32)
-            return eval_region(body, [t], p, self._ctx(mode="decode", positions=pos, report=report), state)[0]
+            return eval_region(body, [t], p, self._ctx(mode="decode", positions=pos, report=decoding), state)[0]
 
         with jax.default_matmul_precision(self.matmul_precision):
             jax.eval_shape(forward, params, sds((b, s), jnp.int32))
             jax.eval_shape(decode, params, sds((b, 1), jnp.int32))
+        for label, choice in decoding.items():  # a decoding step may choose otherwise: its own entries
+            report[label if label.endswith("(decode)") else label + " (decode)"] = choice
         return report
 
     def flops_per_token(self) -> dict[str, float]:

@@ -4,6 +4,11 @@
 kernel's own `supported()` says yes (Hopper GPU, dtype, head dim, ...); otherwise, and always with
 `kernels: reference`, the `jax.numpy` reference runs. Every choice is written into the context's
 report ({op label: implementation}), which `tessera ir SPEC --after lower` prints.
+
+Inside the sharded train and forward steps (`shard_map` with check_vma) a kernel also has to state over which
+mesh axes its outputs vary; a kernel is used there only once it is in SHARD_MAP_VERIFIED, i.e. once
+tests/lower/kernels/test_shard_map_gpu.py has passed for it on a GPU. Sharded generation runs without
+check_vma and takes the kernels as one device does.
 """
 
 from __future__ import annotations
@@ -15,9 +20,17 @@ from tessera.lower.reference import mxfp4
 from tessera.lower.reference.attention import attention as attention_reference
 
 REFERENCE = "reference (jax.numpy)"
+# kernels checked on a GPU inside the check_vma shard_map of the sharded train/forward steps
+SHARD_MAP_VERIFIED: frozenset[str] = frozenset()
 
 
-def _allowed(ctx) -> bool:
+def _checked_vma(ctx) -> bool:
+    return ctx.shard is not None and ctx.mode not in ("prefill", "decode")
+
+
+def _allowed(ctx, kernel: str | None = None) -> bool:
+    if kernel is not None and _checked_vma(ctx) and kernel not in SHARD_MAP_VERIFIED:
+        return False
     return ctx.kernels == "auto" and ctx.backend == "gpu"
 
 
@@ -26,10 +39,12 @@ def _record(ctx, label: str, choice: str) -> None:
         ctx.report[label] = choice
 
 
-def _why_not(ctx) -> str:
+def _why_not(ctx, kernel: str | None = None) -> str:
     if ctx.kernels != "auto":
         return f"{REFERENCE}: kernels = {ctx.kernels}"
-    return f"{REFERENCE}: no kernel for backend {ctx.backend}"
+    if ctx.backend != "gpu":
+        return f"{REFERENCE}: no kernel for backend {ctx.backend}"
+    return f"{REFERENCE}: {kernel} not yet verified inside the sharded step (shard_map with check_vma)"
 
 
 def attention(ctx, label: str, q, k, v, *, sinks, causal, window, scale, q_offset=0):
@@ -38,7 +53,7 @@ def attention(ctx, label: str, q, k, v, *, sinks, causal, window, scale, q_offse
     Under context parallelism q_offset is traced (it depends on the device): the kernel takes only a static
     offset, so the reference runs.
     """
-    if _allowed(ctx):
+    if _allowed(ctx, "flash_attention"):
         from tessera.lower.kernels import flash_attention as fa
 
         static = isinstance(q_offset, int)
@@ -50,13 +65,13 @@ def attention(ctx, label: str, q, k, v, *, sinks, causal, window, scale, q_offse
                else "queries at a per-device offset (context parallel)")
         _record(ctx, label, f"{REFERENCE}: {why}")
     else:
-        _record(ctx, label, _why_not(ctx))
+        _record(ctx, label, _why_not(ctx, "flash_attention"))
     return attention_reference(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale, q_offset=q_offset)
 
 
 def decode(ctx, label: str, q, cache: dict, q_pos, *, sinks, causal, window, scale):
     """New tokens q [B, S, H, D] at absolute positions q_pos [B] against a KV cache that holds them."""
-    if _allowed(ctx) and q.shape[1] == 1:
+    if _allowed(ctx, "decode_attention") and q.shape[1] == 1:
         from tessera.lower.kernels import decode_attention as da
 
         if da.supported(q, cache["k"], cache["v"]):
@@ -66,7 +81,8 @@ def decode(ctx, label: str, q, cache: dict, q_pos, *, sinks, causal, window, sca
             kv_len = jnp.minimum(q_pos + 1, cache["k"].shape[1]).astype(jnp.int32)
             return da.decode_attention(q, cache["k"], cache["v"], kv_len=kv_len, sinks=sinks, causal=False,
                                        window=None, scale=scale)
-    why = f"{REFERENCE}: shapes or dtypes outside decode_attention" if _allowed(ctx) else _why_not(ctx)
+    why = (f"{REFERENCE}: shapes or dtypes outside decode_attention" if _allowed(ctx, "decode_attention")
+           else _why_not(ctx, "decode_attention"))
     _record(ctx, label + " (decode)", why)
     return attention_reference(q, cache["k"], cache["v"], sinks=sinks, causal=causal, window=window, scale=scale,
                                q_offset=q_pos, kv_positions=cache["pos"])
@@ -77,8 +93,8 @@ def ragged_dot(ctx, label: str):
 
     rhs may be packed (`MXFP4` experts): then the reference dequantises it (tessera/lower/reference/mxfp4.py).
     """
-    if not _allowed(ctx):
-        _record(ctx, label, _why_not(ctx))
+    if not _allowed(ctx, "grouped_matmul"):  # one gate for both MoE kernels: they are verified together
+        _record(ctx, label, _why_not(ctx, "grouped_matmul / mxfp4_ragged_dot"))
         return mxfp4.any_ragged_dot
     from tessera.lower.kernels import grouped_matmul as gm
 

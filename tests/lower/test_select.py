@@ -24,7 +24,8 @@ def _prog(**extra):
 def test_report_on_cpu_names_every_attention_and_moe_op():
     report = _prog().kernel_report()
     assert set(report) == {"layers/attention (window 16)", "layers/attention (window None)", "layers/moe experts",
-                           "layers/attention (window 16) (decode)", "layers/attention (window None) (decode)"}
+                           "layers/attention (window 16) (decode)", "layers/attention (window None) (decode)",
+                           "layers/moe experts (decode)"}
     assert all(choice == "reference (jax.numpy): no kernel for backend cpu" for choice in report.values())
 
 
@@ -52,7 +53,7 @@ def test_auto_takes_the_kernel_where_supported_and_computes_the_same(monkeypatch
         calls["grouped"] += 1
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
-    monkeypatch.setattr(select, "_allowed", lambda ctx: ctx.kernels == "auto")
+    monkeypatch.setattr(select, "_allowed", lambda ctx, kernel=None: ctx.kernels == "auto")
     monkeypatch.setattr(fa, "supported", lambda *a, **k: True)
     monkeypatch.setattr(fa, "flash_attention", fake_flash)
     monkeypatch.setattr(gm, "supported", lambda *a, **k: True)
@@ -66,6 +67,23 @@ def test_auto_takes_the_kernel_where_supported_and_computes_the_same(monkeypatch
     assert report["layers/moe experts"] == "grouped_matmul (Pallas, Mosaic GPU)"
 
 
+def test_sharded_steps_take_only_kernels_verified_inside_shard_map(monkeypatch):
+    from tessera.lower.context import LowerCtx
+
+    gpu = LowerCtx(kernels="auto", backend="gpu", shard=object())
+    report = {}
+    out = select.attention(gpu.replace(report=report), "attn", *[np.ones((1, 4, 2, 8), np.float32)] * 3,
+                           sinks=None, causal=True, window=None, scale=0.5)
+    assert out.shape == (1, 4, 2, 8)
+    assert report == {"attn": "reference (jax.numpy): flash_attention not yet verified inside the sharded step "
+                              "(shard_map with check_vma)"}
+    assert not select._allowed(gpu, "flash_attention") and not select._allowed(gpu, "grouped_matmul")
+    assert select._allowed(gpu.replace(mode="decode"), "decode_attention")  # generation: no check_vma
+    assert select._allowed(gpu.replace(shard=None), "flash_attention")
+    monkeypatch.setattr(select, "SHARD_MAP_VERIFIED", frozenset({"flash_attention"}))
+    assert select._allowed(gpu, "flash_attention") and not select._allowed(gpu, "grouped_matmul")
+
+
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_cli_after_lower_prints_the_choices(kernels, capsys):
     from tessera.cli import main
@@ -74,3 +92,28 @@ def test_cli_after_lower_prints_the_choices(kernels, capsys):
     out = capsys.readouterr().out
     assert "// lowering on backend cpu" in out
     assert "layers/attention (window 16) (decode)" in out
+
+
+def test_report_of_a_sharded_fast_program_traces_the_sharded_step():
+    """kernel_report follows the sharded step: on a (pretend) GPU mesh its train/forward ops say why not."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import json, jax
+import tessera
+jax.default_backend = lambda: "gpu"   # choose as on a GPU; the kernels' own supported() still sees the CPU
+prog = tessera.compile(tessera.load({str(SPEC)!r}, overrides={{**{SMALL!r}, "mesh.dp": 2,
+                       "parallel.deterministic": False, "kernels": "auto"}}))
+print("REPORT", json.dumps(prog.kernel_report()))
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.split("REPORT ", 1)[1])
+    why = "not yet verified inside the sharded step (shard_map with check_vma)"
+    assert report["layers/attention (window 16)"].endswith("flash_attention " + why)
+    assert report["layers/moe experts"].endswith("grouped_matmul / mxfp4_ragged_dot " + why)
+    assert "decode_attention" in report["layers/attention (window 16) (decode)"]  # generation: one-device choice

@@ -2,7 +2,9 @@
 
 With `check_vma=True` (Tessera's fast mode) every value inside `shard_map` carries the set of mesh axes it
 varies over, and `pallas_call` refuses an out_shape that does not state it. A kernel's output varies
-wherever any of its inputs does; outside `shard_map` the plain struct is right.
+wherever any of its inputs does; where none varies the plain struct is kept. (A check_vma step whose kernel
+inputs are all replicated would still need the explicit empty set: Tessera's sharded steps do not call
+kernels until they are verified there, see select.SHARD_MAP_VERIFIED.)
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ def _manual(x):
 def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     """ShapeDtypeStruct(shape, dtype) varying over the union of the inputs' varying mesh axes."""
     found = [m for m in (_manual(x) for x in inputs) if m is not None]
-    if not found:
-        return jax.ShapeDtypeStruct(shape, dtype)
     varying = frozenset().union(*(m.varying for m in found))
+    if not varying:  # one device, or shard_map without check_vma: the plain struct, as every kernel has it
+        return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(found[0])(varying=varying))
 
 
