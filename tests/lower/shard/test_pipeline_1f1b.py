@@ -147,3 +147,22 @@ def test_1f1b_needs_less_temp_memory_than_gpipe(results):
 
 if __name__ == "__main__":
     main()
+
+
+def test_manifest_names_the_1f1b_collectives():
+    """The parallel report says which schedule's collectives the step uses."""
+    code = """
+import json, tessera
+for sched in ("gpipe", "1f1b"):
+    prog = tessera.compile(tessera.load("specs/llama_tiny.yaml", overrides={"mesh.pp": 2, "mesh.dp": 4,
+        "parallel.deterministic": False, "parallel.pipeline.schedule": sched, "parallel.pipeline.microbatches": 2}))
+    print("C", json.dumps(prog.parallel_report()["collectives"]))
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gpipe, onef = [json.loads(line[2:]) for line in proc.stdout.splitlines() if line.startswith("C ")]
+    assert "ppermute(activations between pipeline stages over pp)" in gpipe
+    assert "ppermute(activations forward, input grads back between pipeline stages over pp: 1F1B)" in onef
+    assert onef[-1] == "psum(stage grads over the data axes and pp, once per step)"
