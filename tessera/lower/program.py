@@ -64,12 +64,7 @@ class Program:
             return []
         if self.deterministic:
             return ["all_gather(params, optimizer state)", "all_gather(per-shard loss and grads) + fixed-tree sum"]
-        out = self.plan.collectives()
-        if self.exp.mesh.pp > 1 and self.exp.parallel.pipeline.schedule == "1f1b":
-            out = [c if not c.startswith("ppermute") else
-                   "ppermute(activations forward, input grads back between pipeline stages over pp: 1F1B)"
-                   for c in out] + ["psum(stage grads over the data axes and pp, once per step)"]
-        return out
+        return self.plan.collectives(self.exp.parallel.pipeline.schedule)
 
     def parallel_report(self) -> dict:
         """What the manifest records about distribution: mesh, determinism and the collectives used."""

@@ -28,8 +28,8 @@ def _checked_vma(ctx) -> bool:
     return ctx.shard is not None and ctx.mode not in ("prefill", "decode")
 
 
-def _allowed(ctx, kernel: str | None = None) -> bool:
-    if kernel is not None and _checked_vma(ctx) and kernel not in SHARD_MAP_VERIFIED:
+def _allowed(ctx, kernel: str) -> bool:
+    if _checked_vma(ctx) and kernel not in SHARD_MAP_VERIFIED:
         return False
     return ctx.kernels == "auto" and ctx.backend == "gpu"
 
@@ -39,7 +39,7 @@ def _record(ctx, label: str, choice: str) -> None:
         ctx.report[label] = choice
 
 
-def _why_not(ctx, kernel: str | None = None) -> str:
+def _why_not(ctx, kernel: str) -> str:
     if ctx.kernels != "auto":
         return f"{REFERENCE}: kernels = {ctx.kernels}"
     if ctx.backend != "gpu":

@@ -6,7 +6,6 @@ exactly, so equality here is bit equality.
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import math
 import sys
@@ -18,7 +17,7 @@ import yaml
 from tessera.diagnostics import RunError
 from tessera.run.checkpoint import spec_differences
 from tessera.run.manifest import MANIFEST, load_manifest
-from tessera.spec.files import by_content, locate
+from tessera.spec.files import by_content, locate, replaced
 
 RUNS_DIR, SPEC_FILE = Path("runs"), "spec.yaml"
 
@@ -68,18 +67,13 @@ def _replay_dir(manifest: dict) -> Path:
 def _relocated_spec(manifest: dict) -> dict:
     """The manifest's spec with each named file pointed at a path holding the recorded content (the recorded
     path, else the recorded path relative to the working directory: another checkout of the same project)."""
-    spec = copy.deepcopy(manifest["spec"])
+    found = {}
     for dotted, record in (manifest.get("files") or {}).items():
-        found, tried = locate(record)
-        if found is None:
+        found[dotted], tried = locate(record)
+        if found[dotted] is None:
             raise RunError(f"{dotted}: no file holds the content the run used (sha256 {record.get('sha256')}); "
                            f"tried {tried}. Run replay from the project's root, with the files the run used.")
-        *parents, leaf = dotted.split(".")
-        node = spec
-        for part in parents:
-            node = node[part]
-        node[leaf] = found
-    return spec
+    return replaced(manifest["spec"], found)
 
 
 def replay(manifest_path: str | Path, out: str | Path | None = None, *,

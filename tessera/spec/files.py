@@ -55,23 +55,34 @@ def named_files(resolved: dict) -> dict[str, str]:
     return {k: v for k, v in found.items() if isinstance(v, str) and v}
 
 
-def portable(resolved: dict) -> dict:
-    """The resolved spec with each named file's path replaced by its fingerprint (what `spec_hash` hashes)."""
+def replaced(resolved: dict, values: dict[str, object]) -> dict:
+    """A copy of the resolved spec with the value at each dotted key ("model.file") replaced, where it is set."""
     out = copy.deepcopy(resolved)
-    for dotted, path in named_files(resolved).items():
+    for dotted, value in values.items():
         *parents, leaf = dotted.split(".")
         node = out
         for part in parents:
-            node = node[part]
-        node[leaf] = "sha256:" + file_fingerprint(path) if Path(path).is_file() else "missing:" + path
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = value
     return out
+
+
+def portable(resolved: dict) -> dict:
+    """The resolved spec with each named file's path replaced by its fingerprint (what `spec_hash` hashes)."""
+    return replaced(resolved, {key: "sha256:" + file_fingerprint(path) if Path(path).is_file() else "missing:" + path
+                               for key, path in named_files(resolved).items()})
 
 
 def file_records(resolved: dict) -> dict[str, dict]:
     """{key: {path, relative, sha256}} for a manifest: enough to find the same files from another checkout."""
-    return {key: {"path": path, "relative": relpath(path) if not Path(relpath(path)).is_absolute() else None,
-                  "sha256": file_fingerprint(path)}
-            for key, path in named_files(resolved).items() if Path(path).is_file()}
+    records = {}
+    for key, path in named_files(resolved).items():
+        if Path(path).is_file():
+            shown = relpath(path)
+            records[key] = {"path": path, "relative": None if Path(shown).is_absolute() else shown,
+                            "sha256": file_fingerprint(path)}
+    return records
 
 
 def locate(record: dict) -> tuple[str | None, str]:
@@ -93,12 +104,5 @@ def locate(record: dict) -> tuple[str | None, str]:
 def by_content(resolved: dict, records: dict[str, dict] | None) -> dict:
     """The resolved spec with each file that `records` fingerprints replaced by "sha256:<fingerprint>", so
     specs compare equal when they name the same content at different paths (older records: paths stay)."""
-    out = copy.deepcopy(resolved)
-    for dotted, rec in (records or {}).items():
-        *parents, leaf = dotted.split(".")
-        node = out
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node and rec.get("sha256"):
-            node[leaf] = "sha256:" + rec["sha256"]
-    return out
+    return replaced(resolved, {key: "sha256:" + rec["sha256"] for key, rec in (records or {}).items()
+                               if rec.get("sha256")})

@@ -78,14 +78,10 @@ def supported(lhs, rhs, group_sizes, config=None) -> bool:
     return lhs.shape[1] == rhs.shape[1] and lhs.shape[1] % 64 == 0 and rhs.shape[2] % 64 == 0
 
 
-def num_sms(interpret: bool) -> int:
-    """CTAs of the persistent grid: one per SM (4 in the interpreter)."""
-    return 4 if interpret else jax.devices()[0].core_count
-
-
 def kernel_call(body, cfg, **kwargs):
     """plgpu.kernel: a persistent grid of 3 warpgroups (2 consumers + TMA), warpgroup semantics."""
-    kwargs.update(grid=(num_sms(cfg.interpret),), grid_names=("sm",), num_threads=WGS + 1, thread_name="wg")
+    kwargs.update(grid=(_mgpu.num_sms(cfg.interpret, fallback=4),), grid_names=("sm",), num_threads=WGS + 1,
+                  thread_name="wg")
     if cfg.interpret:
         return plgpu.kernel(body, interpret=_mgpu.interpret_params(), **kwargs)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)

@@ -30,12 +30,18 @@ NATIVE: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 }
 
 
-def varying(x, axes: tuple[str, ...]):
-    """x marked as differing per device along `axes` (jax's vma; a no-op where it already does)."""
+def vma(x) -> tuple[str, ...]:
+    """The mesh axes x varies along, sorted (jax's vma; on jax 0.10 the set lives on the manual axis type)."""
     t = jax.typeof(x)
     have = getattr(t, "vma", None)
-    if have is None:  # jax 0.10: the set lives on the manual axis type
+    if have is None:
         have = getattr(getattr(t, "manual_axis_type", None), "varying", frozenset())
+    return tuple(sorted(have))
+
+
+def varying(x, axes: tuple[str, ...]):
+    """x marked as differing per device along `axes` (jax's vma; a no-op where it already does)."""
+    have = vma(x)
     missing = tuple(a for a in axes if a not in have)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -48,7 +54,7 @@ def native_axes(op: str, name: str) -> tuple[str, ...]:
     return ()
 
 
-def _block_index(axes: tuple[str, ...]):
+def block_index(axes: tuple[str, ...]):
     """This device's block index along a dim split over `axes` (0 when none)."""
     idx = 0
     for a in axes:  # row-major over the listed axes, as shard_map lays blocks out
@@ -73,7 +79,7 @@ class ShardEnv:
 
     def index(self, logical: str):
         """This device's block index along `logical` (0 when not split)."""
-        return _block_index(self.axes(logical))
+        return block_index(self.axes(logical))
 
     @property
     def context_axes(self) -> tuple[str, ...]:
@@ -83,7 +89,7 @@ class ShardEnv:
     def seq_start(self, local_len: int):
         """Global position of this device's first token, its context block holding `local_len` tokens."""
         axes = self.context_axes
-        return _block_index(axes) * local_len if axes else 0
+        return block_index(axes) * local_len if axes else 0
 
     def context_gather(self, x, axis: int = 1):
         """A context block [b, s/sp, ...] made whole along seq [b, s, ...] (transpose: reduce-scatter)."""

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.diagnostics import error
 from tessera.lower.reference.losses import token_cross_entropy
+from tessera.lower.shard.collectives import block_index
 
 MAX_CANONICAL = 8  # canonical batch shards per step: any mesh of up to 8 devices that divides it reproduces
 
@@ -65,11 +66,8 @@ def local_block(x, spec: P):
     """This device's block of a whole tensor."""
     for i, e in _entries(spec):
         axes = (e,) if isinstance(e, str) else tuple(e)
-        idx, n = 0, 1
-        for a in axes:
-            idx, n = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a), n * jax.lax.axis_size(a)
-        size = x.shape[i] // n
-        x = jax.lax.dynamic_slice_in_dim(x, idx * size, size, axis=i)
+        size = x.shape[i] // math.prod(jax.lax.axis_size(a) for a in axes)
+        x = jax.lax.dynamic_slice_in_dim(x, block_index(axes) * size, size, axis=i)
     return x
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from tessera.lower.reference import moe as moe_ref
 from tessera.lower.reference._dtypes import wide
-from tessera.lower.shard.collectives import _block_index, varying
+from tessera.lower.shard.collectives import block_index, varying
 
 COUNTER = "moe_dropped"  # the train step's metric: routed copies dropped by the capacity, summed over layers
 
@@ -83,7 +83,7 @@ def _my_tokens(env, tokens, rest: tuple[str, ...]):
     ways = env.rules.size(rest)
     n = -(-tokens.shape[0] // ways)
     padded = jnp.pad(varying(tokens, rest), ((0, n * ways - tokens.shape[0]), (0, 0)))
-    start = _block_index(rest) * n  # row-major over `rest`, the order all_gather puts the slices back in
+    start = block_index(rest) * n  # row-major over `rest`, the order all_gather puts the slices back in
     valid = start + jnp.arange(n) < tokens.shape[0]
     return jax.lax.dynamic_slice_in_dim(padded, start, n), valid
 

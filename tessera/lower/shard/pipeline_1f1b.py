@@ -33,17 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import Region
 from tessera.lower.interpret import eval_region, eval_repeat
-from tessera.lower.shard.collectives import varying, vocab_cross_entropy_sums
+from tessera.lower.shard.collectives import varying, vma, vocab_cross_entropy_sums
 from tessera.lower.shard.pipeline import PP, split_body
-
-
-def vma(x) -> tuple[str, ...]:
-    """The mesh axes x varies along (jax's vma; on jax 0.10 the set lives on the manual axis type)."""
-    t = jax.typeof(x)
-    have = getattr(t, "vma", None)
-    if have is None:
-        have = getattr(getattr(t, "manual_axis_type", None), "varying", frozenset())
-    return tuple(sorted(have))
 
 
 def _stage_fns(prog, plan, count):

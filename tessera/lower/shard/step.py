@@ -39,8 +39,8 @@ class ShardPlan:
         """NamedSharding per parameter path (where init and checkpoints place them)."""
         return {k: NamedSharding(self.mesh, s) for k, s in self.param_specs.items()}
 
-    def collectives(self) -> list[str]:
-        """The collectives the lowerings emit on this mesh, for the manifest."""
+    def collectives(self, schedule: str = "gpipe") -> list[str]:
+        """The collectives the lowerings emit on this mesh (pipelines on `schedule`), for the manifest."""
         r, out = self.rules, []
         data = [a for a in r.axes("batch")] + list(context_axes(r))  # params are replicated over sp too
         if data:
@@ -60,7 +60,10 @@ class ShardPlan:
             same = [a for a in r.axes("experts") if a not in r.axes("batch")]  # tokens alike: 1/ep each, gathered
             if same:
                 out.append(f"all_gather(expert outputs over {'*'.join(same)})")
-        if r.axes("layers"):
+        if r.axes("layers") and schedule == "1f1b":
+            out.append("ppermute(activations forward, input grads back between pipeline stages over pp: 1F1B)")
+            out.append("psum(stage grads over the data axes and pp, once per step)")
+        elif r.axes("layers"):
             out.append("ppermute(activations between pipeline stages over pp)")
         return out
 
