@@ -24,33 +24,44 @@ import numpy as np  # noqa: E402
 ROWS: list[tuple[str, str, float, float, str]] = []  # (case, impl, ms, rate, unit)
 
 
-def time_jax(fn, *args, iters: int = 20) -> float:
-    """Median milliseconds of fn(*args) (jitted, warmed up, synchronised per call)."""
+def time_jax(fn, *args, iters: int = 20, reps: int = 5) -> float:
+    """Median device milliseconds per call of fn(*args) (jitted, warmed up).
+
+    A sample issues `iters` calls back to back and waits for the last: JAX dispatches
+    asynchronously, so the GPU runs the calls without host gaps (as the steps of a training
+    loop run) and the sample is the GPU's time per call. Syncing after every call would add the
+    host's dispatch and sync latency (~0.1 ms) to each; torch's rows are timed the same way
+    (back-to-back launches between CUDA events). Calls shorter than the host's dispatch time
+    (decode) are timed inside one program instead: time_rotating.
+    """
     f = jax.jit(fn)
     jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            out = f(*args)  # the previous output is freed once its call has run
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times) * 1e3
 
 
-def time_torch(fn, iters: int = 20) -> float:
-    """Median milliseconds of fn() with CUDA events."""
+def time_torch(fn, iters: int = 20, reps: int = 5) -> float:
+    """Median milliseconds per call of fn(): `iters` back-to-back calls between two CUDA events."""
     import torch
     fn()
     fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(iters):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / iters)
     return statistics.median(times)
 
 
@@ -103,12 +114,15 @@ def _torch_sdpa(q, k, v, causal, backward):
     return time_torch(lambda: torch.autograd.grad(out, (tq, tk, tv), g, retain_graph=True))
 
 
-def _grad_fn(fn):
-    """(q, k, v, ct) -> grads of <fn(q, k, v), ct>: times the backward (and its forward)."""
-    def g(q, k, v, ct):
-        out, vjp = jax.vjp(fn, q, k, v)
-        return vjp(ct.astype(out.dtype))
-    return g
+def _pullback(fn, q, k, v):
+    """fn's VJP at (q, k, v), forward run once here: timing `pull(ct)` times the backward alone,
+    as torch's row (autograd.grad of a retained graph) does."""
+    _, pull = jax.vjp(jax.jit(fn), q, k, v)
+    return pull
+
+
+def _backward(pull, ct):
+    return pull(ct)
 
 
 def _attention_inputs(b, s, hq, hkv, d):
@@ -133,6 +147,11 @@ def tune_attention(check: bool = False) -> None:
         (64, True, 128, "fwd"): [("kv128 s4", dict(stages=4)), ("kv128 s2", dict()),
                                  ("kv128 s4 per-item", dict(stages=4, num_ctas=per_item))],
         (64, False, None, "fwd"): [("kv128 s4", dict(stages=4)), ("kv256 s2", dict(block_kv=256))],
+        (128, True, None, "fwd"): [("kv128 s2", dict()), ("kv64 s4", dict(block_kv=64, stages=4))],
+        (64, True, None, "bwd"): [(f"bwd q{a} kv{b}", dict(stages=4, block_q_bwd=a, block_kv_bwd=b))
+                                  for a, b in ((128, 64), (64, 64), (64, 128), (128, 128))],
+        (128, True, None, "bwd"): [(f"bwd q{a} kv{b}", dict(block_q_bwd=a, block_kv_bwd=b))
+                                   for a, b in ((64, 64), (128, 64), (64, 128))],
     }
     for (d, causal, window, direction), cfgs in variants.items():
         b, s, hq, hkv = 4, 4096, 64 if d == 64 else 32, 8
@@ -159,8 +178,8 @@ def tune_attention(check: bool = False) -> None:
             if direction == "fwd":
                 record(f"tune fwd {tag}", f"tessera {label}", lambda: time_jax(fn, q, k, v), flops)
             else:
-                record(f"tune bwd {tag}", f"tessera {label}", lambda: time_jax(_grad_fn(fn), q, k, v, ct),
-                       2.5 * flops)
+                record(f"tune bwd {tag}", f"tessera {label}",
+                       lambda: time_jax(_backward, _pullback(fn, q, k, v), ct), 2.5 * flops)
         del ref
 
 
@@ -189,15 +208,17 @@ def run_attention(check: bool = False) -> None:
                 print(f"  check {tag}: rel err {err:.2e}")
             for direction, mult in (("fwd", 1.0), ("bwd", 2.5)):
                 case = f"attn {direction} {tag}"
-                wrap = (lambda f: f) if direction == "fwd" else _grad_fn
-                args = (q, k, v) if direction == "fwd" else (q, k, v, ct)
-                record(case, "tessera (mosaic gpu)", lambda: time_jax(wrap(ours), *args), flops * mult)
-                record(case, "cuDNN (jax.nn.dpa)", lambda: time_jax(wrap(cudnn), *args), flops * mult)
+                def timed(f):  # forward, or the backward alone (its forward run beforehand)
+                    if direction == "fwd":
+                        return lambda: time_jax(f, q, k, v)
+                    return lambda: time_jax(_backward, _pullback(f, q, k, v), ct)
+                record(case, "tessera (mosaic gpu)", timed(ours), flops * mult)
+                record(case, "cuDNN (jax.nn.dpa)", timed(cudnn), flops * mult)
                 if not window:
                     record(case, "torch SDPA", lambda: _torch_sdpa(q, k, v, causal, direction == "bwd"),
                            flops * mult)
                 if s * s * hq * b * 4 <= 2**35 and direction == "fwd":
-                    record(case, "XLA (jnp)", lambda: time_jax(wrap(xla), *args), flops * mult)
+                    record(case, "XLA (jnp)", timed(xla), flops * mult)
 
 
 # ----------------------------------------------------------------------------- MoE grouped GEMM
@@ -303,26 +324,47 @@ def run_decode(check: bool = False) -> None:
     for t, window in [(4096, None), (16384, None), (65536, None), (65536, 128)]:
         ks = jax.random.split(jax.random.key(t), 4)
         q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (b, t, hkv, d), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (b, t, hkv, d), jnp.bfloat16)
+        # four caches, read in turn: a 4k cache (67 MB) would otherwise be served partly from L2
+        caches = [tuple(jax.random.normal(kk, (2, b, t, hkv, d), jnp.bfloat16))
+                  for kk in jax.random.split(ks[1], 4)]
+        k, v = caches[0]
         sinks = jax.random.normal(ks[3], (hq,), jnp.float32)
         keys = t if window is None else window
         nbytes = 2.0 * b * keys * hkv * d * 2 + 2 * q.nbytes
         case = f"decode B{b} T{t} H{hq}/{hkv} D{d}" + (f" w{window}" if window else "") + " sinks"
-        ours = lambda q, k, v: decode_attention(q, k, v, sinks=sinks, window=window)
-        xla = lambda q, k, v: decode_attention_reference(q, k, v, sinks=sinks, window=window)
+        ours = lambda q, kv: decode_attention(q, *kv, sinks=sinks, window=window)
+        xla = lambda q, kv: decode_attention_reference(q, *kv, sinks=sinks, window=window)
         if check:
-            got, want = ours(q, k, v), xla(q, k, v)
-            err = rel_err(got, want)
+            err = rel_err(ours(q, (k, v)), xla(q, (k, v)))
             print(f"  check {case}: rel err {err:.2e}")
-        record(case, "tessera (mosaic gpu)", lambda: time_jax(ours, q, k, v), nbytes, "GB/s")
-        record(case, "XLA (jnp)", lambda: time_jax(xla, q, k, v), nbytes, "GB/s")
+        timed = lambda f: (lambda: time_rotating(f, (q,), caches * 5))
+        record(case, "tessera (mosaic gpu)", timed(ours), nbytes, "GB/s")
+        record(case, "XLA (jnp)", timed(xla), nbytes, "GB/s")
         if window is None:
-            cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
-            record(case, "cuDNN (jax.nn.dpa, no sinks)", lambda: time_jax(cudnn, q, k, v), nbytes, "GB/s")
+            cudnn = lambda q, kv: jax.nn.dot_product_attention(q, *kv, implementation="cudnn")
+            record(case, "cuDNN (jax.nn.dpa, no sinks)", timed(cudnn), nbytes, "GB/s")
         ours_rate = [r[3] for r in ROWS if r[0] == case and r[1].startswith("tessera")]
         if ours_rate:
             print(f"  {case}: tessera at {ours_rate[0] / ceiling:.0%} of the copy ceiling", flush=True)
+
+
+def tune_decode(check: bool = False) -> None:
+    """Decode tile variants (KV tile, ring depth, key chunks per head) on 4k and 64k caches."""
+    from tessera.lower.kernels.decode_attention import DecodeConfig, decode_attention
+    b, hq, hkv, d = 8, 64, 8, 64
+    variants = [("kv128 s4 c8", dict()), ("kv128 s2 c8", dict(stages=2)), ("kv128 s2 c16", dict(stages=2, splits=16)),
+                ("kv128 s4 c16", dict(splits=16)), ("kv64 s4 c16", dict(block_kv=64, splits=16)),
+                ("kv256 s2 c8", dict(block_kv=256, stages=2)), ("kv128 s4 c4", dict(splits=4))]
+    for t in (4096, 65536):
+        ks = jax.random.split(jax.random.key(t), 3)
+        q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
+        caches = [tuple(jax.random.normal(kk, (2, b, t, hkv, d), jnp.bfloat16)) for kk in jax.random.split(ks[1], 4)]
+        sinks = jax.random.normal(ks[2], (hq,), jnp.float32)
+        nbytes = 2.0 * b * t * hkv * d * 2 + 2 * q.nbytes
+        for label, kw in variants:
+            fn = lambda q, kv, cfg=DecodeConfig(**kw): decode_attention(q, *kv, sinks=sinks, config=cfg)
+            record(f"tune decode B{b} T{t}", f"tessera {label}", lambda: time_rotating(fn, (q,), caches * 5),
+                   nbytes, "GB/s")
 
 
 # ----------------------------------------------------------------------------- MXFP4 experts, RMSNorm
@@ -499,7 +541,7 @@ def main() -> None:
     print(f"devices: {jax.devices()}  jax {jax.__version__}")
     groups = {"attention": run_attention, "moe": run_moe, "dense": run_dense, "tune": tune_attention,
               "decode": run_decode, "mxfp4": run_mxfp4, "rmsnorm": run_rms_norm,
-              "tune_mxfp4": tune_mxfp4}
+              "tune_mxfp4": tune_mxfp4, "tune_decode": tune_decode}
     for name in opts.only.split(","):
         if name in groups:
             groups[name](check=opts.check)

@@ -36,3 +36,13 @@ def common(*inputs):
         missing = tuple(sorted(varying - _manual(x).varying))
         out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
     return tuple(out)
+
+
+def like(x, ref):
+    """x cast to vary over every mesh axis `ref` varies over (a kernel output or a custom VJP's cotangent
+    takes its primal's type this way; outside shard_map, or without check_vma, x is returned as is)."""
+    want, have = _manual(ref), _manual(x)
+    if want is None or have is None:
+        return x
+    missing = tuple(sorted(want.varying - have.varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

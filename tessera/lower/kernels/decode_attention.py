@@ -57,7 +57,7 @@ def supported(q, k, v, *, config=None) -> bool:
 
 
 def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, smem, bars, *,
-            cfg: DecodeConfig, causal: bool, window, sq: int, qk_scale: float):
+            cfg: DecodeConfig, causal: bool, window, sq: int, qk_scale: float, rows_out: int):
     """One (kv head, chunk, batch): partial attention of the packed rows over the chunk's keys."""
     q_smem, k_ring, v_ring, row_smem, o_smem = smem
     q_bar, row_bar, k_full, v_full, k_free, v_free = bars
@@ -114,8 +114,9 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
         o_smem[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
         row_smem[...] = m + jnp.log2(l)  # -inf for an empty chunk
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, c])
-        plgpu.copy_smem_to_gmem(row_smem, lse_ref.at[b, h, c])
+        # only the rows that hold queries leave (8 of 64 for one token of 8 grouped heads)
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], o_ref.at[b, h, c])
+        plgpu.copy_smem_to_gmem(row_smem.at[pl.ds(0, rows_out)], lse_ref.at[b, h, c])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -126,7 +127,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
 
 
 def _merge(o, lse, sinks, group: int, sq: int):
-    """Combine chunks: o [B, Hkv, C, ROWS, D] fp32, lse [B, Hkv, C, ROWS] (log2) -> [B, Sq, Hq, D]."""
+    """Combine chunks: o [B, Hkv, C, R, D] fp32, lse [B, Hkv, C, R] (log2; R >= Sq * group) -> [B, Sq, Hq, D]."""
     bsz, hkv, _, _, d = o.shape
     rows = sq * group
     o, lse = o[:, :, :, :rows], lse[:, :, :, :rows]
@@ -179,12 +180,13 @@ def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal:
     bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages))
+    rows_out = -(-sq * group // 8) * 8
     body = functools.partial(_kernel, cfg=cfg, causal=causal, window=window, sq=sq,
-                             qk_scale=scale * _mgpu.LOG2E)
+                             qk_scale=scale * _mgpu.LOG2E, rows_out=rows_out)
     o, lse = _mgpu.kernel_call(
         body, interpret=cfg.interpret,
-        out_type=(jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, ROWS, d), jnp.float32),
-                  jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, ROWS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_out, d), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_out), jnp.float32)),
         grid=(hkv, cfg.splits, bsz), grid_names=("h", "c", "b"), num_threads=2, thread_name="wg",
         scratch_types=(smem, bars),
     )(qp, k, v, pos, q_off, kv_len)

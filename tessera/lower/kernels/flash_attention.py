@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import _mgpu
+from tessera.lower.kernels._vma import common, like
 from tessera.lower.kernels.attention_mask import MaskSpec
 from tessera.lower.reference.attention import attention as attention_reference
 
@@ -304,7 +305,7 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
         grid=(grid,), grid_names=("c",),
         num_threads=n + 1, thread_name="wg", scratch_types=(smem, bars),
     )(qp, kp, vp, sink_rows)
-    return out[:, :s], lse
+    return like(out[:, :s], q), like(lse, q)
 
 
 # ----------------------------------------------------------------------------- public op
@@ -339,7 +340,9 @@ def _flash_bwd(st: _Static, res, d_out):
     dq, dk, dv, dsinks = backward(q, k, v, sinks, out, lse, d_out, causal=st.causal, window=st.window,
                                   scale=st.scale, q_offset=st.q_offset, cfg=st.cfg,
                                   has_sinks=st.has_sinks)
-    return dq, dk, dv, dsinks.astype(sinks.dtype)
+    # inside shard_map each cotangent takes its primal's varying axes (the inputs share one set, see below)
+    grads = (dq, dk, dv, dsinks.astype(sinks.dtype))
+    return tuple(like(g, x) for g, x in zip(grads, (q, k, v, sinks)))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -352,6 +355,9 @@ def flash_attention(q, k, v, *, sinks=None, causal: bool = True, window: int | N
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     st = _Static(causal, window, scale, q_offset, sinks is not None, cfg)
     sinks_arr = jnp.zeros((q.shape[2],), jnp.float32) if sinks is None else sinks
+    # inside shard_map: one varying set for all inputs, so JAX transposes the casts of replicated ones
+    # (e.g. sinks) into the psum of their cotangents
+    q, k, v, sinks_arr = common(q, k, v, sinks_arr)
     return _flash(q, k, v, sinks_arr, st)
 
 

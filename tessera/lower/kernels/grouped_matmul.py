@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import _mgpu
+from tessera.lower.kernels._vma import common, like
 
 MEMORY_REGISTERS = 40  # the TMA warpgroup's registers; the consumers share the rest
 WGS = 2  # consumer warpgroups per CTA
@@ -436,11 +437,11 @@ def grouped_drhs(lhs, dout, group_sizes, g: int, cfg: GroupedMatmulConfig):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, group_sizes, cfg):
-    return grouped_call(lhs, [rhs], group_sizes, cfg)
+    return like(grouped_call(lhs, [rhs], group_sizes, cfg), lhs)
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, cfg):
-    return grouped_call(lhs, [rhs], group_sizes, cfg), (lhs, rhs, group_sizes)
+    return _gmm(lhs, rhs, group_sizes, cfg), (lhs, rhs, group_sizes)
 
 
 def _gmm_bwd(cfg, res, dout):
@@ -449,7 +450,7 @@ def _gmm_bwd(cfg, res, dout):
     dlhs = grouped_call(dout, [rhs], group_sizes, dataclasses.replace(cfg, block_n=pick_block_n(lhs.shape[1])),
                         transpose_rhs=True)
     drhs = grouped_drhs(lhs, dout, group_sizes, rhs.shape[0], cfg)
-    return dlhs, drhs, None
+    return like(dlhs, lhs), like(drhs, rhs), None  # inside shard_map: the primals' varying axes
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -457,7 +458,9 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def grouped_matmul(lhs, rhs, group_sizes, *, config: GroupedMatmulConfig | None = None):
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on Hopper tensor cores, with a custom VJP."""
-    return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), config or default_config(rhs.shape[2]))
+    # inside shard_map: one varying set for all inputs (JAX transposes the casts of replicated ones)
+    lhs, rhs, group_sizes = common(lhs, rhs, group_sizes.astype(jnp.int32))
+    return _gmm(lhs, rhs, group_sizes, config or default_config(rhs.shape[2]))
 
 
 def grouped_matmul_reference(lhs, rhs, group_sizes):
