@@ -278,11 +278,23 @@ def _windows(window) -> list:
     return list(window.values) if isinstance(window, PerLayer) else [window]
 
 
+CACHE_BLOCK = 128  # a whole-sequence cache holds a multiple of this many slots: the decode kernel's key tile
+
+
+def cache_len(max_len: int, window: int | None) -> int:
+    """Slots of one attention op's KV cache: the window (a ring buffer) when it is smaller than max_len,
+    else max_len rounded up to CACHE_BLOCK (the slots past max_len stay empty), so the decode kernel
+    reads whole key tiles without padding (copying) the cache on every step."""
+    if window is not None and window <= max_len:
+        return window
+    return -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
+
+
 def kv_cache_bytes(graph: Graph, batch: int, max_len: int, per_device=lambda t: t.numel()) -> float:
     """Bytes of every attention op's KV cache for `batch` sequences of up to `max_len` tokens.
 
     Each cache holds k and v [batch, C, kv_heads, head_dim] in the op's compute type and int32 positions
-    [batch, C]; C = max_len, or the window (when smaller) for sliding-window layers (a ring buffer).
+    [batch, C]; C = cache_len(max_len, window).
     """
     total = 0.0
     for op, axes, times in walk_counted(graph.body):
@@ -291,7 +303,7 @@ def kv_cache_bytes(graph: Graph, batch: int, max_len: int, per_device=lambda t: 
         a, dtype = op.attrs, op.result.type.dtype
         windows = _windows(a["window"])  # one per layer when they differ
         for w in windows:
-            c = max_len if w is None else min(w, max_len)
+            c = cache_len(max_len, w)
             kv = _t(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
             pos = _t("i32", batch=batch, seq=c)
             total += (2 * nbytes(kv, per_device(kv)) + nbytes(pos, per_device(pos))) * times / len(windows)

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tessera.ir.cost import cache_len
 from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
@@ -169,8 +170,8 @@ def _project(x, w, b, accum):
 
 
 def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
-    """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = window or max_len."""
-    c = max_len if attrs["window"] is None else min(attrs["window"], max_len)
+    """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = cost.cache_len."""
+    c = cache_len(max_len, attrs["window"])
     dt = _dtype(op)
     kv_heads = attrs["kv_heads"] // (ctx.shard.ways("kv_heads") if ctx.shard is not None else 1)
     shape = (batch, c, kv_heads, attrs["head_dim"])

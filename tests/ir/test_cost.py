@@ -84,8 +84,11 @@ def test_kv_cache_sliding_window_layers_hold_their_window():
     def layer(c):  # k and v f32 [b, c, 2, 16] + int32 positions [b, c]
         return 2 * b * c * 2 * 16 * 4 + b * c * 4
 
-    assert cost.kv_cache_bytes(graph, b, 20) == 2 * layer(8) + 2 * layer(20)  # even layers slide over 8
-    assert cost.kv_cache_bytes(graph, b, 6) == 4 * layer(6)                   # shorter than the window
+    # even layers slide over 8; whole-sequence caches hold whole 128-key tiles (20 -> 128 slots)
+    assert cost.kv_cache_bytes(graph, b, 20) == 2 * layer(8) + 2 * layer(128)
+    assert cost.kv_cache_bytes(graph, b, 6) == 4 * layer(128)                 # shorter than the window
+    assert cost.kv_cache_bytes(graph, b, 256) == 2 * layer(8) + 2 * layer(256)
+    assert [cost.cache_len(n, w) for n, w in [(20, 8), (8, 8), (6, 8), (129, None), (128, None)]] == [8, 8, 128, 256, 128]
 
 
 def test_per_device_bytes_under_fsdp_and_tp(tmp_path):
@@ -99,8 +102,8 @@ def test_per_device_bytes_under_fsdp_and_tp(tmp_path):
     assert per["embed/table"] == 32 * 16 / 8                         # vocab by tp, embed by fsdp
     x = cost.concrete(graph.body.ops[0].result.type, {"batch": 8, "seq": 5})  # activations [batch, seq, embed]
     assert layout.activations(x) == 8 * 5 * 16 / 2                   # batch by fsdp, embed kept whole
-    kv = cost.kv_cache_bytes(graph, 8, 5, layout.activations)        # batch by fsdp, kv_heads by tp
-    assert kv == 2 * (2 * 4 * 5 * 1 * 8 * 4 + 4 * 5 * 4)
+    kv = cost.kv_cache_bytes(graph, 8, 128, layout.activations)      # batch by fsdp, kv_heads by tp
+    assert kv == 2 * (2 * 4 * 128 * 1 * 8 * 4 + 4 * 128 * 4)
 
 
 def test_tensor_parallel_collectives_per_layer(tmp_path):

@@ -24,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from tessera.lower.kernels import _mgpu
 from tessera.lower.reference.attention import attention as attention_reference
 
-ROWS = 64  # wgmma rows: query heads of one KV head x query tokens, zero-padded
+ROWS = 64  # wgmma rows: query heads of one KV head x query tokens, zero-padded in SMEM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
 
     @pl.when(wg == 0)
     def _compute():
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+        rows_in = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of the 64-row tile is zero
+        if rows_in < ROWS:
+            q_smem[...] = jnp.zeros(q_smem.shape, q_smem.dtype)
+            plgpu.commit_smem()  # the zeros are visible to the tensor cores before the TMA lands
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, rows_in)], q_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[b], row_smem, row_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
@@ -131,16 +135,16 @@ def _merge(o, lse, sinks, group: int, sq: int):
     bsz, hkv, _, _, d = o.shape
     rows = sq * group
     o, lse = o[:, :, :, :rows], lse[:, :, :, :rows]
-    total = lse
+    m = jnp.max(lse, axis=2, keepdims=True)  # [B, Hkv, 1, rows]
+    sink = None
     if sinks is not None:  # row r = s * group + g reads query head h * group + g
-        sink = (sinks.astype(jnp.float32) * _mgpu.LOG2E).reshape(1, hkv, 1, group)
-        sink = jnp.broadcast_to(sink[:, :, :, None, :], (bsz, hkv, 1, sq, group)).reshape(bsz, hkv, 1, rows)
-        total = jnp.concatenate([lse, sink], axis=2)
-    m = jnp.max(total, axis=2, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    denom = jnp.sum(jnp.exp2(total - m), axis=2, keepdims=True)
-    w = jnp.exp2(lse - m) / jnp.where(denom == 0, 1.0, denom)  # [B, Hkv, C, rows]
-    out = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, rows, D]
+        sink = (sinks.astype(jnp.float32) * _mgpu.LOG2E).reshape(1, hkv, 1, 1, group)
+        sink = jnp.broadcast_to(sink, (1, hkv, 1, sq, group)).reshape(1, hkv, 1, rows)
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # every chunk empty (and no sink): the output is 0
+    w = jnp.exp2(lse - m)  # [B, Hkv, C, rows]; an empty chunk (lse -inf) weighs 0
+    denom = jnp.sum(w, axis=2) + (0.0 if sink is None else jnp.exp2(sink - m)[:, :, 0])
+    out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]  # [B, Hkv, rows, D]
     out = out.reshape(bsz, hkv, sq, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(bsz, sq, hkv * group, d)
 
@@ -166,7 +170,9 @@ def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal:
         k, v = (jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0))) for x in (k, v))
     # rows r = s * group + g of kv head h hold query (s, h * group + g); [B, Hkv, ROWS, D]
     qp = q.reshape(bsz, sq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(bsz, hkv, sq * group, d)
-    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - sq * group), (0, 0)))
+    rows_in = -(-sq * group // 8) * 8  # TMA fills whole (8, 64) tiles of the 64-row wgmma tile
+    if rows_in != sq * group:
+        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows_in - sq * group), (0, 0)))
     r = jnp.arange(ROWS)
     pos = jnp.where(r < sq * group, q_off[:, None] + r // group, -1).astype(jnp.float32)  # [B, ROWS]
     # K/V ring depth within ~200 KiB of SMEM next to the q tile (bf16) and the fp32 output tile
@@ -180,7 +186,7 @@ def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal:
     bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages))
-    rows_out = -(-sq * group // 8) * 8
+    rows_out = rows_in
     body = functools.partial(_kernel, cfg=cfg, causal=causal, window=window, sq=sq,
                              qk_scale=scale * _mgpu.LOG2E, rows_out=rows_out)
     o, lse = _mgpu.kernel_call(

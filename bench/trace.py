@@ -1,0 +1,80 @@
+"""Device time per GPU kernel of one case, from a JAX profiler trace: where a call's time goes.
+
+    python -m bench.trace decode [--t 4096] [--out DIR]
+
+Runs the case's calls inside one program (bench.kernels.time_rotating) under `jax.profiler.trace`, then
+reads the trace's GPU events and prints, per kernel name, the calls per case call, the mean
+microseconds and the share of the GPU's busy time, and the busy time against the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+
+def _gpu_events(trace_dir: pathlib.Path) -> list[dict]:
+    """Complete events ('X') on the trace's GPU device rows (pids named /device:GPU:*)."""
+    files = sorted(trace_dir.rglob("*.json.gz"))
+    if not files:
+        raise SystemExit(f"no trace under {trace_dir}: {sorted(p.name for p in trace_dir.rglob('*'))}")
+    seen = set()
+    for path in files:  # the profile plugin's trace and the perfetto one: the first with GPU rows
+        data = json.loads(gzip.open(path).read())
+        events = data["traceEvents"] if isinstance(data, dict) else data
+        names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        seen |= set(names.values())
+        gpu = {pid for pid, n in names.items() if "gpu" in n.lower() and "host" not in n.lower()}
+        found = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+        if found:
+            return found
+    raise SystemExit(f"no GPU events in {[p.name for p in files]}; processes: {sorted(seen)}")
+
+
+def report(events: list[dict], calls: int) -> None:
+    by = collections.defaultdict(list)
+    for e in events:
+        by[e["name"]].append(e["dur"])
+    busy = sum(sum(v) for v in by.values())
+    start = min(e["ts"] for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+    print(f"GPU busy {busy / calls:.1f} us per call over a span of {(end - start) / calls:.1f} us per call")
+    for name, durs in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {len(durs) / calls:5.1f}x {sum(durs) / len(durs):9.1f} us {sum(durs) / busy:6.1%}  {name[:110]}")
+
+
+def decode_case(t: int):
+    from tessera.lower.kernels.decode_attention import decode_attention
+    b, hq, hkv, d = 8, 64, 8, 64
+    ks = jax.random.split(jax.random.key(t), 3)
+    q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
+    caches = [tuple(jax.random.normal(kk, (2, b, t, hkv, d), jnp.bfloat16)) for kk in jax.random.split(ks[1], 4)]
+    sinks = jax.random.normal(ks[2], (hq,), jnp.float32)
+    return (lambda q, kv: decode_attention(q, *kv, sinks=sinks)), (q,), caches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case", choices=["decode"])
+    ap.add_argument("--t", type=int, default=4096)
+    ap.add_argument("--out", default=None)
+    opts = ap.parse_args()
+    from bench.kernels import time_rotating
+    fn, consts, varying = decode_case(opts.t)
+    time_rotating(fn, consts, varying, iters=1)  # compile and warm up
+    out = pathlib.Path(opts.out or tempfile.mkdtemp())
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+        time_rotating(fn, consts, varying, iters=1)
+    report(_gpu_events(out), calls=(1 + 1) * len(varying))
+
+
+if __name__ == "__main__":
+    main()
