@@ -2,8 +2,10 @@
 
 Parameters are a flat dict keyed by the paths of docs/contracts.md, per-layer ones stacked on axis 0.
 The name/layout table lives in `tessera/lower/hf/mapping.py`, the arg ↔ config.json fields in
-`tessera/lower/hf/config.py`. Every problem found in a checkpoint (config mismatch, missing,
-unexpected or mis-shaped tensor) is reported at once, in one TesseraError.
+`tessera/lower/hf/config.py`. Given `model` (the .tsl file), `args` are laid over that file's declared
+defaults before any check or export; without it they must already be the full arguments (an optional
+one left out is neither checked nor written). Every problem found in a checkpoint (config mismatch,
+missing, unexpected or mis-shaped tensor) is reported at once, in one TesseraError.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from safetensors.numpy import save_file
 from tessera.diagnostics import Diagnostic, TesseraError, did_you_mean, relpath
 from tessera.lower.hf import mapping
 from tessera.lower.hf import config as hf_config
-from tessera.lower.hf.config import check_config, dims_from_args, hf_config_from_args, read_config
+from tessera.lower.hf.config import check_config, check_declared, dims_from_args, hf_config_from_args, read_config
 from tessera.lower.hf.io import SINGLE, TensorSource
 from tessera.lower.hf.mxfp4 import decode_packed, encode_mxfp4, packed_from_hf, packed_to_hf
 from tessera.lower.reference.mxfp4 import MXFP4
 
-__all__ = ["load_hf_weights", "save_hf_weights", "save_weights", "hf_config_from_args", "expected_params"]
+__all__ = ["load_hf_weights", "save_hf_weights", "save_weights", "hf_config_from_args", "expected_params",
+           "model_args"]
 
 DtypeFn = Callable[[str], Any]
 
@@ -43,14 +46,26 @@ def expected_params(family_name: str, args: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_hf_weights(directory: str | Path, *, family: str, args: dict, dtypes: DtypeFn | None = None,
-                    packed: Collection[str] = ()) -> dict[str, Any]:
+def model_args(family: str, args: dict, model: str | Path | None) -> dict:
+    """The arguments the checks and the export read: `args` over `model`'s declared defaults (`args` alone if None)."""
+    if model is None:
+        return dict(args)
+    from tessera.ir.elaborate import bound_args
+
+    full = bound_args(model, args)
+    check_declared(hf_config.family(family), full, model)
+    return full
+
+
+def load_hf_weights(directory: str | Path, *, family: str, args: dict, model: str | Path | None = None,
+                    dtypes: DtypeFn | None = None, packed: Collection[str] = ()) -> dict[str, Any]:
     """Read config.json + *.safetensors of an HF checkpoint into Tessera parameters {path: array}.
 
     Paths in `packed` become MXFP4 pytrees: an MXFP4 tensor's bytes are kept as stored (no decode), a
     dense one is quantised."""
     directory = Path(directory)
     fam = hf_config.family(family)
+    args = model_args(family, args, model)
     config, config_path = read_config(directory)
     check_config(fam, config, args, config_path)
     dims = dims_from_args(fam, args)
@@ -114,10 +129,11 @@ def _tolerated(name: str, dims: dict) -> bool:
 
 
 def save_hf_weights(params: dict[str, jax.Array], directory: str | Path, *, family: str, args: dict,
-                    extra_config: dict | None = None) -> Path:
+                    model: str | Path | None = None, extra_config: dict | None = None) -> Path:
     """Write config.json + model.safetensors in HF format (opens with `from_pretrained`); returns the dir."""
     directory = Path(directory)
     fam = hf_config.family(family)
+    args = model_args(family, args, model)
     dims = dims_from_args(fam, args)
     expected = expected_params(fam.name, args)
     _check_params(params, expected)
@@ -161,7 +177,7 @@ def _check_params(params: dict, expected: dict[str, tuple[int, ...]]) -> None:
 
 
 def save_weights(params: dict[str, jax.Array], directory: str | Path, *, exp) -> Path:
-    """Save in HF format for an experiment: the family is the model file's stem, sizes its model.args.
+    """Save in HF format for an experiment: the family is the model file's stem, sizes its bound arguments.
 
     Params held padded on the experiment's mesh (storage.padding: a moe's d_ff) are sliced back to the IR's
     shapes first, so the export has exactly HF's shapes and bytes."""
@@ -174,4 +190,5 @@ def save_weights(params: dict[str, jax.Array], directory: str | Path, *, exp) ->
         pads = storage.padding(exp, graph)
         params = {path: storage.resize(v, tuple(d.size for d in graph.params[path].type.dims))
                   if path in pads else v for path, v in params.items()}
-    return save_hf_weights(params, directory, family=Path(exp.model.file).stem, args=dict(exp.model.args))
+    return save_hf_weights(params, directory, family=Path(exp.model.file).stem, args=dict(exp.model.args),
+                           model=exp.model.file)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import types
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,12 +14,14 @@ from safetensors.numpy import load_file, save_file
 
 from tessera.diagnostics import TesseraError
 from tessera.lower.hf.mxfp4 import decode_mxfp4, encode_mxfp4
-from tessera.lower.weights import expected_params, hf_config_from_args, load_hf_weights, save_hf_weights, save_weights
+from tessera.lower.weights import (expected_params, hf_config_from_args, load_hf_weights, model_args, save_hf_weights,
+                                   save_weights)
 
 from .conftest import HF_DATA, hf_fixture
 
 FIXTURES = ["gpt_oss", "gpt_oss_mxfp4", "llama", "llama_tied"]
 GPT_ARGS = hf_fixture("gpt_oss")["meta"]["args"]
+MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
 def _copy(tmp_path, name="gpt_oss"):
@@ -160,7 +163,7 @@ def test_save_writes_the_same_tensors_hf_wrote(tmp_path, name):
     fx = hf_fixture(name)
     family, args = fx["meta"]["family"], fx["meta"]["args"]
     params = load_hf_weights(fx["dir"], family=family, args=args)
-    out = save_hf_weights(params, tmp_path / "saved", family=family, args=args)
+    out = save_hf_weights(params, tmp_path / "saved", family=family, args=args, model=MODELS / f"{family}.tsl")
     ours, theirs = load_file(out / "model.safetensors"), load_file(fx["dir"] / "model.safetensors")
     if args.get("tie_embeddings"):
         theirs.pop("lm_head.weight", None)
@@ -170,12 +173,13 @@ def test_save_writes_the_same_tensors_hf_wrote(tmp_path, name):
     again = load_hf_weights(out, family=family, args=args)
     assert all(np.array_equal(again[p], params[p]) for p in params)
     config = json.loads((out / "config.json").read_text())
-    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size"):
-        assert config[key] == fx["config"][key]
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
+                "rope_parameters", "rms_norm_eps", "tie_word_embeddings"):
+        assert config[key] == fx["config"][key], key
 
 
 def test_hf_config_from_args_gpt_oss():
-    config = hf_config_from_args("gpt_oss", GPT_ARGS)
+    config = hf_config_from_args("gpt_oss", model_args("gpt_oss", GPT_ARGS, MODELS / "gpt_oss.tsl"))
     want = hf_fixture("gpt_oss")["config"]
     for key in ("layer_types", "rope_parameters", "sliding_window", "num_local_experts", "num_experts_per_tok",
                 "head_dim", "vocab_size", "attention_bias", "swiglu_limit", "rms_norm_eps"):
@@ -192,7 +196,7 @@ def test_save_rejects_wrong_params_and_wrapper_uses_model_file_stem(tmp_path):
         save_hf_weights(bad, tmp_path, family="llama", args=args)
     assert _messages(exc) == ["parameter `final_norm/scale` is missing (shape [32])",
                               "parameter `layers/mlp/gates` has no place in a Hugging Face checkpoint"]
-    exp = types.SimpleNamespace(model=types.SimpleNamespace(file=tmp_path / "models" / "llama.tsl", args=args))
+    exp = types.SimpleNamespace(model=types.SimpleNamespace(file=MODELS / "llama.tsl", args=args))
     out = save_weights(params, tmp_path / "w", exp=exp)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
 
@@ -209,7 +213,7 @@ def test_architecture_choices_and_defaults_of_the_model_file_are_checked(tmp_pat
                                        rms_norm_eps=1e-6))
     args = hf_fixture("llama")["meta"]["args"]  # omits norm_eps and rope_theta: llama.tsl's defaults apply
     with pytest.raises(TesseraError) as exc:
-        load_hf_weights(d, family="llama", args=args)
+        load_hf_weights(d, family="llama", args=args, model=MODELS / "llama.tsl")
     assert _messages(exc) == ["config.json has rms_norm_eps = 1e-06 but model.args.norm_eps = 1e-05",
                               "config.json has rope_parameters.rope_type = 'llama3' but the llama model implements "
                               "'default'"]

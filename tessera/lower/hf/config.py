@@ -1,7 +1,10 @@
-"""Model families: how `model.args` correspond to Hugging Face `config.json`, and the checks between them.
+"""Model families: how a model's arguments correspond to Hugging Face `config.json`, and the checks between them.
 
 Each family is a table of fields (arg name, config key, the dimension it sizes, HF's default when
 the key is absent) plus its tensor rules; `FAMILIES` is the registry, keyed by the model file's stem.
+The `args` every function here takes are the model's bound arguments (model.args laid over the .tsl
+file's declared defaults, `tessera.ir.elaborate.bound_args`): the model file alone says what an
+omitted argument is, so no default of a model file is repeated here.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ class Field:
     dim: str | None = None  # the size letter the mapping table uses ("D", "H", ...)
     required: bool = True  # needed to know tensor shapes
     default: Any = None  # HF's value when config.json omits the key (a callable gets the config)
-    arg_default: Any = None  # the model file's default when model.args omits the arg (None: not checked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +73,15 @@ GPT_OSS = Family(
         Field("head_dim", "head_dim", "hd", default=64),
         Field("experts", "num_local_experts", "E"),
         Field("top_k", "num_experts_per_tok", required=False, default=4),
-        Field("window", "sliding_window", required=False, default=128, arg_default=128),
-        Field("rope_theta", _ROPE + "rope_theta", required=False, default=150000.0, arg_default=150000.0),
-        Field("rope_factor", _ROPE + "factor", required=False, default=32.0, arg_default=32.0),
-        Field("rope_original", _ROPE + "original_max_position_embeddings", required=False, default=4096,
-              arg_default=4096),
-        Field("rope_beta_fast", _ROPE + "beta_fast", required=False, default=32.0, arg_default=32.0),
-        Field("rope_beta_slow", _ROPE + "beta_slow", required=False, default=1.0, arg_default=1.0),
-        Field("swiglu_alpha", "swiglu_alpha", required=False, default=1.702, arg_default=1.702),
-        Field("swiglu_limit", "swiglu_limit", required=False, default=7.0, arg_default=7.0),
-        Field("norm_eps", "rms_norm_eps", required=False, default=1e-5, arg_default=1e-5),
+        Field("window", "sliding_window", required=False, default=128),
+        Field("rope_theta", _ROPE + "rope_theta", required=False, default=150000.0),
+        Field("rope_factor", _ROPE + "factor", required=False, default=32.0),
+        Field("rope_original", _ROPE + "original_max_position_embeddings", required=False, default=4096),
+        Field("rope_beta_fast", _ROPE + "beta_fast", required=False, default=32.0),
+        Field("rope_beta_slow", _ROPE + "beta_slow", required=False, default=1.0),
+        Field("swiglu_alpha", "swiglu_alpha", required=False, default=1.702),
+        Field("swiglu_limit", "swiglu_limit", required=False, default=7.0),
+        Field("norm_eps", "rms_norm_eps", required=False, default=1e-5),
     ),
     fixed=(
         Fixed(_ROPE + "rope_type", "yarn", default="yarn"),
@@ -99,9 +100,9 @@ LLAMA = Family(
     fields=_COMMON + (
         Field("head_dim", "head_dim", "hd", required=False,
               default=lambda c: c["hidden_size"] // c["num_attention_heads"]),
-        Field("tie_embeddings", "tie_word_embeddings", "tied", required=False, default=False, arg_default=False),
-        Field("rope_theta", _ROPE + "rope_theta", required=False, default=10000.0, arg_default=500000.0),
-        Field("norm_eps", "rms_norm_eps", required=False, default=1e-6, arg_default=1e-5),
+        Field("tie_embeddings", "tie_word_embeddings", "tied", required=False, default=False),
+        Field("rope_theta", _ROPE + "rope_theta", required=False, default=10000.0),
+        Field("norm_eps", "rms_norm_eps", required=False, default=1e-6),
     ),
     fixed=(
         Fixed(_ROPE + "rope_type", "default", default="default"),
@@ -126,26 +127,34 @@ def family(name: str) -> Family:
 
 
 def dims_from_args(fam: Family, args: dict) -> dict:
-    """The size letters of the mapping table from model.args; a missing required arg is an error."""
+    """The size letters of the mapping table from the model's arguments; a missing required arg is an error."""
     missing = [f.arg for f in fam.fields if f.required and f.arg not in args]
     if missing:
         raise TesseraError([Diagnostic(f"model.args has no `{a}`, which a {fam.name} checkpoint needs",
                                        key=f"model.args.{a}") for a in missing])
     dims = {}
     for f in fam.fields:
-        if f.dim is not None and args.get(f.arg, f.arg_default) is not None:
-            dims[f.dim] = args.get(f.arg, f.arg_default)
+        if f.dim is not None and args.get(f.arg) is not None:
+            dims[f.dim] = args.get(f.arg)
     dims.setdefault("tied", False)
     dims.setdefault("hd", dims["D"] // dims["H"])  # Llama's head_dim defaults to d_model / heads
     return dims
 
 
+def check_declared(fam: Family, args: dict, model_file: str | Path) -> None:
+    """Raise when the bound arguments of `model_file` lack an argument the family's table reads."""
+    missing = [f.arg for f in fam.fields if f.arg not in args]
+    if missing:
+        raise TesseraError([Diagnostic(f"model file {relpath(Path(model_file))} declares no argument `{a}`, which "
+                                       f"the {fam.name} Hugging Face mapping reads") for a in missing])
+
+
 def hf_config_from_args(family_name: str, args: dict, extra: dict | None = None) -> dict:
-    """A config.json dict that `transformers` opens, from model.args (plus `extra` keys, which win)."""
+    """A config.json dict that `transformers` opens, from the model's bound arguments (plus `extra`, which wins)."""
     fam = family(family_name)
     config = {"architectures": [fam.architecture], "model_type": fam.model_type, **fam.base_config}
     for f in fam.fields:
-        value = args.get(f.arg, f.arg_default)
+        value = args.get(f.arg)
         if value is not None:
             _put(config, f.hf, value)
     for f in fam.fixed:
@@ -185,7 +194,7 @@ def read_config(directory: Path) -> tuple[dict, Path]:
 
 
 def check_config(fam: Family, config: dict, args: dict, path: Path) -> None:
-    """Raise one TesseraError naming every field where config.json disagrees with model.args or the model."""
+    """Raise one TesseraError naming every field where config.json disagrees with the model's arguments."""
     text = path.read_text()
     problems = []
     if config.get("model_type") != fam.model_type:
@@ -193,7 +202,7 @@ def check_config(fam: Family, config: dict, args: dict, path: Path) -> None:
             f"config.json has model_type = {config.get('model_type')!r}, expected {fam.model_type!r}",
             span=_key_span(text, "model_type", path)))
     for f in fam.fields:
-        want = args.get(f.arg, f.arg_default)
+        want = args.get(f.arg)
         got = _get(config, f.hf, f.default)
         if want is not None and got != want:
             problems.append(Diagnostic(f"config.json has {f.hf} = {got!r} but model.args.{f.arg} = {want!r}",
