@@ -268,6 +268,11 @@ def elaborate(model: A.Model, args: dict, *, dims: dict | None = None, arg_span:
     return Elaborator(model, args, dims=dims, arg_span=arg_span).run()
 
 
+def bound_args(model_path: str | Path, args: dict, *, arg_span: ArgSpan | None = None) -> dict:
+    """A .tsl model's full arguments: `args` checked and laid over the file's declared defaults."""
+    return Elaborator(parse_model_file(model_path), dict(args), arg_span=arg_span).globals
+
+
 def build_graph(model_path: str | Path, args: dict, *, numerics=None, dims: dict | None = None,
                 arg_span: ArgSpan | None = None) -> Graph:
     """Parse + elaborate + verify a .tsl model; with `numerics`, also apply the numeric policy."""

@@ -129,7 +129,8 @@ class Program:
         shapes = self.param_shapes()
         packed = {path for path, held in shapes.items() if isinstance(held, mxfp4.MXFP4)}
         params = load_hf_weights(directory, family=self.exp.model.file.stem, args=dict(self.exp.model.args),
-                                 dtypes=lambda path: None if path in packed else shapes[path].dtype, packed=packed)
+                                 model=self.exp.model.file, packed=packed,
+                                 dtypes=lambda path: None if path in packed else shapes[path].dtype)
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks parameters {missing}")
