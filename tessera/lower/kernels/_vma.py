@@ -25,24 +25,25 @@ def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(found[0])(varying=varying))
 
 
+def _vary(x, axes: frozenset):
+    """x cast to vary also over `axes` (a no-op where it already does)."""
+    missing = tuple(sorted(axes - _manual(x).varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def common(*inputs):
     """The inputs, each cast to vary over every mesh axis any of them varies over (what a kernel call needs)."""
     found = [m for m in (_manual(x) for x in inputs) if m is not None]
     if not found:
         return inputs
     varying = frozenset().union(*(m.varying for m in found))
-    out = []
-    for x in inputs:
-        missing = tuple(sorted(varying - _manual(x).varying))
-        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-    return tuple(out)
+    return tuple(_vary(x, varying) for x in inputs)
 
 
 def like(x, ref):
     """x cast to vary over every mesh axis `ref` varies over (a kernel output or a custom VJP's cotangent
     takes its primal's type this way; outside shard_map, or without check_vma, x is returned as is)."""
-    want, have = _manual(ref), _manual(x)
-    if want is None or have is None:
+    want = _manual(ref)
+    if want is None or _manual(x) is None:
         return x
-    missing = tuple(sorted(want.varying - have.varying))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return _vary(x, want.varying)

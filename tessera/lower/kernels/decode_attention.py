@@ -57,7 +57,7 @@ def supported(q, k, v, *, config=None) -> bool:
 
 
 def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, smem, bars, *,
-            cfg: DecodeConfig, causal: bool, window, sq: int, qk_scale: float, rows_out: int):
+            cfg: DecodeConfig, causal: bool, window, sq: int, qk_scale: float):
     """One (kv head, chunk, batch): partial attention of the packed rows over the chunk's keys."""
     q_smem, k_ring, v_ring, row_smem, o_smem = smem
     q_bar, row_bar, k_full, v_full, k_free, v_free = bars
@@ -74,11 +74,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
 
     @pl.when(wg == 0)
     def _compute():
-        rows_in = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of the 64-row tile is zero
-        if rows_in < ROWS:
+        rows = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of the 64-row tile is zero
+        if rows < ROWS:
             q_smem[...] = jnp.zeros(q_smem.shape, q_smem.dtype)
             plgpu.commit_smem()  # the zeros are visible to the tensor cores before the TMA lands
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, rows_in)], q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[b], row_smem, row_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
@@ -119,8 +119,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
         row_smem[...] = m + jnp.log2(l)  # -inf for an empty chunk
         plgpu.commit_smem()
         # only the rows that hold queries leave (8 of 64 for one token of 8 grouped heads)
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], o_ref.at[b, h, c])
-        plgpu.copy_smem_to_gmem(row_smem.at[pl.ds(0, rows_out)], lse_ref.at[b, h, c])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, h, c])
+        plgpu.copy_smem_to_gmem(row_smem.at[pl.ds(0, rows)], lse_ref.at[b, h, c])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -186,13 +186,12 @@ def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal:
     bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages))
-    rows_out = rows_in
     body = functools.partial(_kernel, cfg=cfg, causal=causal, window=window, sq=sq,
-                             qk_scale=scale * _mgpu.LOG2E, rows_out=rows_out)
+                             qk_scale=scale * _mgpu.LOG2E)
     o, lse = _mgpu.kernel_call(
         body, interpret=cfg.interpret,
-        out_type=(jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_out, d), jnp.float32),
-                  jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_out), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_in, d), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_in), jnp.float32)),
         grid=(hkv, cfg.splits, bsz), grid_names=("h", "c", "b"), num_threads=2, thread_name="wg",
         scratch_types=(smem, bars),
     )(qp, k, v, pos, q_off, kv_len)
