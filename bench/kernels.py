@@ -314,21 +314,30 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / (ms * 1e-3) / 1e9
 
 
+DECODE_SHAPE = (8, 64, 8, 64)  # batch, query heads, KV heads, head dim
+
+
+def decode_inputs(t: int):
+    """One query token per sequence q [B, 1, Hq, D], four caches (k, v) [B, t, Hkv, D] and fp32 sinks [Hq].
+
+    The caches are read in turn: a 4k cache (67 MB) would otherwise be served partly from L2."""
+    b, hq, hkv, d = DECODE_SHAPE
+    ks = jax.random.split(jax.random.key(t), 3)
+    q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
+    caches = [tuple(jax.random.normal(kk, (2, b, t, hkv, d), jnp.bfloat16)) for kk in jax.random.split(ks[1], 4)]
+    return q, caches, jax.random.normal(ks[2], (hq,), jnp.float32)
+
+
 def run_decode(check: bool = False) -> None:
     """One query token per sequence against caches of 4k-64k tokens (GQA 64/8, D 64), GB/s."""
     from tessera.lower.kernels.decode_attention import decode_attention, decode_attention_reference
     ceiling = copy_bandwidth()
     ROWS.append(("memory ceiling (copy)", "jnp copy", 0.0, ceiling, "GB/s"))
     print(f"  copy bandwidth {ceiling:.0f} GB/s")
-    b, hq, hkv, d = 8, 64, 8, 64
+    b, hq, hkv, d = DECODE_SHAPE
     for t, window in [(4096, None), (16384, None), (65536, None), (65536, 128)]:
-        ks = jax.random.split(jax.random.key(t), 4)
-        q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
-        # four caches, read in turn: a 4k cache (67 MB) would otherwise be served partly from L2
-        caches = [tuple(jax.random.normal(kk, (2, b, t, hkv, d), jnp.bfloat16))
-                  for kk in jax.random.split(ks[1], 4)]
+        q, caches, sinks = decode_inputs(t)
         k, v = caches[0]
-        sinks = jax.random.normal(ks[3], (hq,), jnp.float32)
         keys = t if window is None else window
         nbytes = 2.0 * b * keys * hkv * d * 2 + 2 * q.nbytes
         case = f"decode B{b} T{t} H{hq}/{hkv} D{d}" + (f" w{window}" if window else "") + " sinks"
@@ -351,15 +360,12 @@ def run_decode(check: bool = False) -> None:
 def tune_decode(check: bool = False) -> None:
     """Decode tile variants (KV tile, ring depth, key chunks per head) on 4k and 64k caches."""
     from tessera.lower.kernels.decode_attention import DecodeConfig, decode_attention
-    b, hq, hkv, d = 8, 64, 8, 64
+    b, hq, hkv, d = DECODE_SHAPE
     variants = [("kv128 s4 c8", dict()), ("kv128 s2 c8", dict(stages=2)), ("kv128 s2 c16", dict(stages=2, splits=16)),
                 ("kv128 s4 c16", dict(splits=16)), ("kv64 s4 c16", dict(block_kv=64, splits=16)),
                 ("kv256 s2 c8", dict(block_kv=256, stages=2)), ("kv128 s4 c4", dict(splits=4))]
     for t in (4096, 65536):
-        ks = jax.random.split(jax.random.key(t), 3)
-        q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
-        caches = [tuple(jax.random.normal(kk, (2, b, t, hkv, d), jnp.bfloat16)) for kk in jax.random.split(ks[1], 4)]
-        sinks = jax.random.normal(ks[2], (hq,), jnp.float32)
+        q, caches, sinks = decode_inputs(t)
         nbytes = 2.0 * b * t * hkv * d * 2 + 2 * q.nbytes
         for label, kw in variants:
             fn = lambda q, kv, cfg=DecodeConfig(**kw): decode_attention(q, *kv, sinks=sinks, config=cfg)

@@ -17,7 +17,6 @@ import pathlib
 import tempfile
 
 import jax
-import jax.numpy as jnp
 
 
 def _gpu_events(trace_dir: pathlib.Path) -> list[dict]:
@@ -52,12 +51,9 @@ def report(events: list[dict], calls: int) -> None:
 
 
 def decode_case(t: int):
+    from bench.kernels import decode_inputs
     from tessera.lower.kernels.decode_attention import decode_attention
-    b, hq, hkv, d = 8, 64, 8, 64
-    ks = jax.random.split(jax.random.key(t), 3)
-    q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.bfloat16)
-    caches = [tuple(jax.random.normal(kk, (2, b, t, hkv, d), jnp.bfloat16)) for kk in jax.random.split(ks[1], 4)]
-    sinks = jax.random.normal(ks[2], (hq,), jnp.float32)
+    q, caches, sinks = decode_inputs(t)
     return (lambda q, kv: decode_attention(q, *kv, sinks=sinks)), (q,), caches
 
 
