@@ -12,6 +12,12 @@ import pytest
 from safetensors.numpy import load_file
 
 HF_DATA = Path(__file__).resolve().parents[1] / "data" / "hf"
+# the GPU tests' model: the tiny GPT-OSS at kernel-sized heads (D 64, GQA 8/2), window 128, bf16, 4 x 512 tokens;
+# fast (not deterministic) mode, whose loss jax.grad differentiates from outside
+GPT_OSS_TINY = Path(__file__).resolve().parents[2] / "specs" / "gpt_oss_tiny.yaml"
+GPU_BF16 = {"model.args.head_dim": 64, "model.args.heads": 8, "model.args.kv_heads": 2, "model.args.window": 128,
+            "numerics.default": "bf16 @accum(fp32)", "task.sample": None, "task.batch": 4, "task.seq_len": 512,
+            "parallel.deterministic": False}
 
 
 def hf_fixture(name: str) -> dict:

@@ -3,20 +3,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
 import tessera
+from tests.lower.conftest import GPT_OSS_TINY, GPU_BF16
 
 pytestmark = pytest.mark.gpu
 
-SPEC = Path(__file__).resolve().parents[2] / "specs" / "gpt_oss_tiny.yaml"
-BF16 = {"model.args.head_dim": 64, "model.args.heads": 8, "model.args.kv_heads": 2, "model.args.window": 128,
-        "numerics.default": "bf16 @accum(fp32)", "task.sample": None, "task.batch": 4, "task.seq_len": 512,
-        "parallel.deterministic": False}  # jax.grad of the loss below: the deterministic executor differentiates inside
+SPEC, BF16 = GPT_OSS_TINY, GPU_BF16
 
 
 def _prog(kernels: str):

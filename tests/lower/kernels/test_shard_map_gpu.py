@@ -103,18 +103,13 @@ def test_grouped_and_mxfp4_matmul_under_shard_map():
 def test_sharded_loss_runs_the_verified_kernels():
     """The fast sharded loss (shard_map with check_vma, every mesh axis named) picks the kernels of
     select.SHARD_MAP_VERIFIED and agrees with the one-device program that runs the same kernels."""
-    from pathlib import Path
-
     import tessera
     from tessera.lower.program import Program
     from tessera.lower.select import SHARD_MAP_VERIFIED
     from tessera.lower.shard.step import make_plan
+    from tests.lower.conftest import GPT_OSS_TINY, GPU_BF16
 
-    spec = Path(__file__).resolve().parents[3] / "specs" / "gpt_oss_tiny.yaml"
-    overrides = {"model.args.head_dim": 64, "model.args.heads": 8, "model.args.kv_heads": 2,
-                 "model.args.window": 128, "numerics.default": "bf16 @accum(fp32)", "task.sample": None,
-                 "task.batch": 4, "task.seq_len": 512, "parallel.deterministic": False}
-    one = tessera.compile(tessera.load(spec, overrides=overrides))
+    one = tessera.compile(tessera.load(GPT_OSS_TINY, overrides=GPU_BF16))
     plan = make_plan(one.exp, one.graph, jax.devices()[:1])  # dp, fsdp, tp, ... all named, all of size 1
     sharded = Program(one.exp, one.graph, ir_hash=one.ir_hash, plan=plan)
     report = sharded.kernel_report()
