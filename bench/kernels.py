@@ -376,29 +376,45 @@ def tune_decode(check: bool = False) -> None:
 # ----------------------------------------------------------------------------- MXFP4 experts, RMSNorm
 
 
-def time_rotating(fn, consts, varying, iters: int = 20) -> float:
-    """Median ms per call of fn(*consts, v) over the `varying` inputs, all issued in one executable.
+def rotating_program(fn, consts, varying):
+    """A jitted program running fn(*consts, v) for each v of `varying` back to back, and its arguments.
 
-    Decode-sized calls last ~10-100 us: one jitted program runs them back to back (no host gaps),
-    and changing inputs (routings touching other experts, other activations) keeps L2 from
-    serving repeated weights; an optimization barrier between calls keeps XLA from merging the
+    An optimization barrier between calls makes each depend on the last, so XLA cannot merge the
     calls' dots into one (which it does for dots sharing an operand).
     """
     def many(c, vs):
         outs = []
-        for v in vs:  # the barrier makes each call depend on the last: XLA cannot merge them
+        for v in vs:
             outs.append(fn(*c, v))
             c, _ = jax.lax.optimization_barrier((c, outs[-1]))
         return outs
+    return jax.jit(many), (consts, varying)
 
-    many = jax.jit(many)
-    jax.block_until_ready(many(consts, varying))
+
+def _program_ms(fn, consts, varying, iters: int) -> float:
+    """Median wall ms of one execution of rotating_program (compiled and warmed up first)."""
+    many, args = rotating_program(fn, consts, varying)
+    jax.block_until_ready(many(*args))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(many(consts, varying))
+        jax.block_until_ready(many(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3 / len(varying)
+    return statistics.median(times) * 1e3
+
+
+def time_rotating(fn, consts, varying, iters: int = 20) -> float:
+    """Device ms per call of fn(*consts, v) for decode-sized calls (~10-500 us): the slope of a program's time.
+
+    One program runs the calls back to back over the `varying` inputs (other caches, routings or
+    activations, so L2 cannot serve a repeated operand); a second runs them three times over. The
+    difference divided by the extra calls is the time each call adds to a long program: the
+    program's fixed cost (launch, argument handling, the host's wait for the result) cancels;
+    the gaps between the calls' kernels stay in.
+    """
+    short = _program_ms(fn, consts, varying, iters)
+    long = _program_ms(fn, consts, list(varying) * 3, iters)
+    return max(long - short, 0.0) / (2 * len(varying))
 
 
 def _decode_routings(tokens: int, top_k: int, g: int, count: int) -> list[np.ndarray]:

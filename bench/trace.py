@@ -2,7 +2,7 @@
 
     python -m bench.trace decode [--t 4096] [--out DIR]
 
-Runs the case's calls inside one program (bench.kernels.time_rotating) under `jax.profiler.trace`, then
+Runs the case's calls inside one program (bench.kernels.rotating_program) under `jax.profiler.trace`, then
 reads the trace's GPU events and prints, per kernel name, the calls per case call, the mean
 microseconds and the share of the GPU's busy time, and the busy time against the wall time.
 """
@@ -63,13 +63,14 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=4096)
     ap.add_argument("--out", default=None)
     opts = ap.parse_args()
-    from bench.kernels import time_rotating
+    from bench.kernels import rotating_program
     fn, consts, varying = decode_case(opts.t)
-    time_rotating(fn, consts, varying, iters=1)  # compile and warm up
+    many, args = rotating_program(fn, consts, varying)
+    jax.block_until_ready(many(*args))  # compile and warm up
     out = pathlib.Path(opts.out or tempfile.mkdtemp())
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
-        time_rotating(fn, consts, varying, iters=1)
-    report(_gpu_events(out), calls=(1 + 1) * len(varying))
+        jax.block_until_ready(many(*args))
+    report(_gpu_events(out), calls=len(varying))
 
 
 if __name__ == "__main__":
