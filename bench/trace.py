@@ -1,6 +1,7 @@
 """Device time per GPU kernel of one case, from a JAX profiler trace: where a call's time goes.
 
     python -m bench.trace decode [--t 4096] [--out DIR]
+    python -m bench.trace moe [--n 5760]
 
 Runs the case's calls inside one program (bench.kernels.rotating_program) under `jax.profiler.trace`, then
 reads the trace's GPU events and prints, per kernel name, the calls per case call, the mean
@@ -57,14 +58,31 @@ def decode_case(t: int):
     return (lambda q, kv: decode_attention(q, *kv, sinks=sinks)), (q,), caches
 
 
+def moe_case(n: int):
+    """The MoE forward of bench.kernels (32768 rows over 128 experts, 2880 -> n) over 4 routings."""
+    import jax.numpy as jnp
+    from bench.kernels import _routing_sizes
+    from tessera.lower.kernels.grouped_matmul import grouped_matmul
+    m, g, k = 32768, 128, 2880
+    ks = jax.random.split(jax.random.key(1), 2)
+    lhs = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+    rhs = jax.random.normal(ks[1], (g, k, n), jnp.bfloat16) * 0.05
+    sizes = [jnp.asarray(_routing_sizes(m, g, seed)) for seed in range(4)]
+    return (lambda a, b, gs: grouped_matmul(a, b, gs)), (lhs, rhs), sizes
+
+
+CASES = {"decode": lambda opts: decode_case(opts.t), "moe": lambda opts: moe_case(opts.n)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["decode"])
-    ap.add_argument("--t", type=int, default=4096)
+    ap.add_argument("case", choices=sorted(CASES))
+    ap.add_argument("--t", type=int, default=4096, help="decode: cache length")
+    ap.add_argument("--n", type=int, default=5760, help="moe: output width")
     ap.add_argument("--out", default=None)
     opts = ap.parse_args()
     from bench.kernels import rotating_program
-    fn, consts, varying = decode_case(opts.t)
+    fn, consts, varying = CASES[opts.case](opts)
     many, args = rotating_program(fn, consts, varying)
     jax.block_until_ready(many(*args))  # compile and warm up
     out = pathlib.Path(opts.out or tempfile.mkdtemp())

@@ -134,7 +134,9 @@ def _tile_table(group_sizes, m: int, block_m: int, align: int = ALIGN):
     count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)  # tiles per group
     offsets = jnp.cumsum(count)
     t = jnp.arange(m // block_m + ends.shape[0] + 1, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    # compare_all: one fused comparison; the default binary search is a device loop of small kernels
+    grp = jnp.searchsorted(offsets, t, side="right", method="compare_all")
+    grp = jnp.minimum(grp, ends.shape[0] - 1).astype(jnp.int32)
     start = base[grp] + (t - offsets[grp] + count[grp]) * block_m
     lo = jnp.maximum(starts[grp], start)
     rows = jnp.where(t < offsets[-1], jnp.clip(jnp.minimum(ends[grp], start + block_m) - lo, 0, block_m), 0)
@@ -294,7 +296,8 @@ def _drhs_table(group_sizes, m: int, br: int, per_chunk: int):
     offsets = jnp.cumsum(count)
     g = group_sizes.shape[0]
     t = jnp.arange(m // br + g + 1, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right"), g - 1).astype(jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right", method="compare_all"), g - 1)
+    grp = grp.astype(jnp.int32)
     blk = first_blk[grp] + t - (offsets[grp] - count[grp])
     lo = jnp.maximum(starts[grp], blk * br)
     rows = jnp.clip(jnp.minimum(ends[grp], (blk + 1) * br) - lo, 0, br)
