@@ -1,4 +1,4 @@
-"""The benchmark helpers that need no GPU: reading a profiler trace's GPU rows."""
+"""The benchmark helpers that need no GPU: reading a profiler trace's GPU rows, the timing program."""
 
 from __future__ import annotations
 
@@ -35,3 +35,15 @@ def test_a_trace_without_gpu_rows_says_what_it_saw(tmp_path):
     _write(tmp_path / "t.json.gz", [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}])
     with pytest.raises(SystemExit, match="/host:CPU"):
         trace._gpu_events(tmp_path)
+
+
+def test_rotating_program_runs_every_call_on_its_own_input():
+    import jax.numpy as jnp
+    from bench.kernels import rotating_program
+
+    many, args = rotating_program(lambda w, x: w * x, (jnp.float32(3.0),), [jnp.arange(4.0) + i for i in range(5)])
+    outs = many(*args)
+    assert len(outs) == 5
+    for i, out in enumerate(outs):
+        assert out.tolist() == [3.0 * (v + i) for v in range(4)]
+
