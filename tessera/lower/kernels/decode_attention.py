@@ -1,13 +1,21 @@
 """Decode attention over a KV cache on Hopper (Mosaic GPU): few query tokens, long cache, split-K.
 
 Semantics: reference/attention.py with per-batch `kv_len` and query positions `q_offset + s`
-(default: the last Sq positions of the valid cache). A CTA takes one KV head, all its query
-heads x query tokens packed as rows (Sq * group <= 64, padded to 64 wgmma rows), and one of
-`splits` chunks of the visible key blocks (causal end, window start and kv_len read per batch
-at run time, so a window-128 layer reads ~128 keys, not the whole cache). A memory warpgroup
-streams K/V tiles through a TMA ring; the compute warpgroup keeps fp32 running max / sum. The
-chunks' (normalised output, log2-sum-exp2) pairs are merged outside the kernel, where the
-sink joins the denominator.
+(default: the last Sq positions of the valid cache). A work item is one (batch, KV head, chunk):
+the KV head's query heads x query tokens packed as rows (Sq * group <= 64, padded to 64 wgmma
+rows) against one of `splits` chunks of the visible key blocks (causal end, window start and
+kv_len read per batch at run time, so a window-128 layer reads ~128 keys, not the whole cache).
+A memory warpgroup streams K/V tiles through a TMA ring; the compute warpgroup keeps fp32
+running max / sum. Each item writes (normalised output, log2-sum-exp2); the chunks are merged
+outside the kernel, where the sink joins the denominator (an empty chunk has lse -inf).
+
+Persistent schedule (default): one CTA per SM; CTA c runs items c, c + grid, ... (items ordered
+batch, chunk, head with the head fastest, so concurrent CTAs read neighbouring cache rows). The
+K/V ring runs on across items (a global step count), so the next item's first tiles load during
+the current item's last steps and epilogue; the next item's Q and query-position row are
+prefetched into a second slot; each item's output leaves through an SMEM slot by TMA store,
+double-buffered so it overlaps the next item. `persistent=False`: one CTA per item, grid
+(Hkv, splits, B).
 """
 
 from __future__ import annotations
@@ -25,14 +33,20 @@ from tessera.lower.kernels import _mgpu
 from tessera.lower.reference.attention import attention as attention_reference
 
 ROWS = 64  # wgmma rows: query heads of one KV head x query tokens, zero-padded in SMEM
+_SMEM = 200 * 1024  # shared memory budget of a CTA (1 CTA per SM)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """block_kv keys per pipeline step, `stages` steps in flight, `splits` key chunks per head."""
+    """block_kv keys per pipeline step, `stages` steps in flight, `splits` key chunks per head.
+
+    `persistent`: one CTA per SM (`num_ctas` overrides) walks the items; False: one CTA per item.
+    """
     block_kv: int = 128
     stages: int = 4
     splits: int = 8
+    persistent: bool = True
+    num_ctas: int | None = None
     interpret: bool = False
 
     def __post_init__(self):
@@ -40,6 +54,8 @@ class DecodeConfig:
             raise ValueError(f"{self.block_kv=} must be a multiple of 64")
         if self.stages < 2 or self.splits < 1:
             raise ValueError(f"{self.stages=} must be >= 2 and {self.splits=} >= 1")
+        if self.num_ctas is not None and self.num_ctas < 1:
+            raise ValueError(f"{self.num_ctas=} must be at least 1")
 
 
 def supported(q, k, v, *, config=None) -> bool:
@@ -56,6 +72,65 @@ def supported(q, k, v, *, config=None) -> bool:
     return q.shape[1] * (q.shape[2] // k.shape[2]) <= ROWS
 
 
+def _chunk_range(kv_len, p_first, c, *, cfg: DecodeConfig, causal: bool, window, sq: int):
+    """KV blocks [lo, hi) of chunk c: the visible blocks of the batch split into `splits` runs."""
+    bkv = cfg.block_kv
+    end = kv_len if not causal else jnp.minimum(kv_len, p_first + sq)
+    start = p_first - p_first if window is None else jnp.maximum(p_first - window + 1, 0)
+    lo_all = lax.div(start, jnp.int32(bkv))
+    hi_all = jnp.maximum(lax.div(end + (bkv - 1), jnp.int32(bkv)), lo_all)
+    per = lax.div(hi_all - lo_all + (cfg.splits - 1), jnp.int32(cfg.splits))
+    lo = jnp.minimum(lo_all + c * per, hi_all)
+    return lo, jnp.minimum(lo + per, hi_all)
+
+
+def _attend(q_smem, pos, kv_len, lo, hi, g, rings, bars, *, cfg: DecodeConfig, causal: bool,
+            window, qk_scale: float):
+    """Online softmax of the 64 packed rows over KV blocks [lo, hi): (acc [64, D], m, l), log2 units.
+
+    Block kv sits in ring slot (g + kv - lo) % stages; g counts the steps consumed before.
+    """
+    k_ring, v_ring = rings
+    k_full, v_full, k_free, v_free = bars
+    bkv, stages, interp = cfg.block_kv, cfg.stages, cfg.interpret
+
+    def step(kv, carry):
+        acc, m, l = carry
+        slot = lax.rem(g + kv - lo, stages)
+        plgpu.barrier_wait(k_full.at[slot])
+        s = _mgpu.mma(q_smem, k_ring.at[slot], (ROWS, bkv), transpose_b=True, interpret=interp)
+        plgpu.barrier_arrive(k_free.at[slot])
+        kpos = (_mgpu.iota2d((ROWS, bkv), 1, interpret=interp) + kv * bkv).astype(jnp.float32)
+        prow = lax.broadcast_in_dim(pos, s.shape, [0])
+        ok = kpos < kv_len.astype(jnp.float32)
+        if causal:
+            ok &= kpos <= prow
+        if window is not None:
+            ok &= prow - kpos < window
+        s = jnp.where(ok, s * qk_scale, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_full.at[slot])
+        acc = _mgpu.mma(p.astype(q_smem.dtype), v_ring.at[slot], acc.shape, acc=acc,
+                        interpret=interp)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+    init = (_mgpu.zeros((ROWS, q_smem.shape[-1]), interpret=interp),
+            _mgpu.row_vector(_mgpu.NEG_BIG, ROWS, interpret=interp),
+            _mgpu.row_vector(0.0, ROWS, interpret=interp))
+    return lax.fori_loop(lo, hi, step, init)
+
+
+def _normalised(acc, m, l):
+    """(acc / l [64, D], log2-sum-exp2 [64]); an empty chunk gives (0, -inf)."""
+    inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)
+    return acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), m + jnp.log2(l)
+
+
 def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, smem, bars, *,
             cfg: DecodeConfig, causal: bool, window, sq: int, qk_scale: float):
     """One (kv head, chunk, batch): partial attention of the packed rows over the chunk's keys."""
@@ -63,14 +138,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
     q_bar, row_bar, k_full, v_full, k_free, v_free = bars
     bkv, stages, interp = cfg.block_kv, cfg.stages, cfg.interpret
     h, c, b, wg = lax.axis_index("h"), lax.axis_index("c"), lax.axis_index("b"), lax.axis_index("wg")
-    kv_len, p_first = kvlen_ref[b], qoff_ref[b]
-    end = kv_len if not causal else jnp.minimum(kv_len, p_first + sq)
-    start = p_first - p_first if window is None else jnp.maximum(p_first - window + 1, 0)
-    lo_all = lax.div(start, jnp.int32(bkv))
-    hi_all = jnp.maximum(lax.div(end + (bkv - 1), jnp.int32(bkv)), lo_all)
-    per = lax.div(hi_all - lo_all + (cfg.splits - 1), jnp.int32(cfg.splits))
-    lo = jnp.minimum(lo_all + c * per, hi_all)
-    hi = jnp.minimum(lo + per, hi_all)
+    kv_len = kvlen_ref[b]
+    lo, hi = _chunk_range(kv_len, qoff_ref[b], c, cfg=cfg, causal=causal, window=window, sq=sq)
 
     @pl.when(wg == 0)
     def _compute():
@@ -83,40 +152,10 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
         plgpu.barrier_wait(q_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
         pos = _mgpu.load_rows(row_smem, interpret=interp)  # [ROWS] query positions (-1: padding)
-        d = q_smem.shape[-1]
-
-        def step(kv, carry):
-            acc, m, l = carry
-            slot = lax.rem(kv - lo, stages)
-            plgpu.barrier_wait(k_full.at[slot])
-            s = _mgpu.mma(q_smem, k_ring.at[slot], (ROWS, bkv), transpose_b=True, interpret=interp)
-            plgpu.barrier_arrive(k_free.at[slot])
-            kpos = (_mgpu.iota2d((ROWS, bkv), 1, interpret=interp) + kv * bkv).astype(jnp.float32)
-            prow = lax.broadcast_in_dim(pos, s.shape, [0])
-            ok = kpos < kv_len.astype(jnp.float32)
-            if causal:
-                ok &= kpos <= prow
-            if window is not None:
-                ok &= prow - kpos < window
-            s = jnp.where(ok, s * qk_scale, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_full.at[slot])
-            acc = _mgpu.mma(p.astype(q_smem.dtype), v_ring.at[slot], acc.shape, acc=acc,
-                            interpret=interp)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
-
-        init = (_mgpu.zeros((ROWS, d), interpret=interp),
-                _mgpu.row_vector(_mgpu.NEG_BIG, ROWS, interpret=interp),
-                _mgpu.row_vector(0.0, ROWS, interpret=interp))
-        acc, m, l = lax.fori_loop(lo, hi, step, init)
-        inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)
-        o_smem[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        row_smem[...] = m + jnp.log2(l)  # -inf for an empty chunk
+        acc, m, l = _attend(q_smem, pos, kv_len, lo, hi, lo - lo, (k_ring, v_ring),
+                            (k_full, v_full, k_free, v_free), cfg=cfg, causal=causal,
+                            window=window, qk_scale=qk_scale)
+        o_smem[...], row_smem[...] = _normalised(acc, m, l)
         plgpu.commit_smem()
         # only the rows that hold queries leave (8 of 64 for one token of 8 grouped heads)
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, h, c])
@@ -128,6 +167,107 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
         tile = lambda ref: (lambda kv: ref.at[b, pl.ds(kv * bkv, bkv), h])
         _mgpu.stream(lo, hi, stages, [(tile(k_ref), k_ring, k_full, k_free),
                                       (tile(v_ref), v_ring, v_full, v_free)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """The persistent schedule: item w = ((b * splits + c) * hkv + h); CTA `cta` runs cta, cta + grid, ..."""
+    bsz: int
+    hkv: int
+    splits: int
+    grid: int
+
+    def count(self, cta):
+        """Items CTA `cta` runs."""
+        total = self.bsz * self.hkv * self.splits
+        return lax.div(jnp.int32(total) - cta + (self.grid - 1), jnp.int32(self.grid))
+
+    def item(self, cta, i):
+        """(batch, kv head, chunk) of the CTA's i-th item."""
+        w = cta + i * self.grid
+        h = lax.rem(w, jnp.int32(self.hkv))
+        bc = lax.div(w, jnp.int32(self.hkv))
+        return lax.div(bc, jnp.int32(self.splits)), h, lax.rem(bc, jnp.int32(self.splits))
+
+
+def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, smem,
+                       bars, *, cfg: DecodeConfig, work: _Work, causal: bool, window, sq: int,
+                       qk_scale: float):
+    """Persistent CTA: warpgroup 0 computes the items in turn, warpgroup 1 streams their K/V tiles.
+
+    Q / position slots alternate by item parity; output slots by item % n_out (1 or 2).
+    """
+    q_smem, k_ring, v_ring, pos_smem, o_smem, lse_smem = smem  # [2,64,D] [st,bkv,D]x2 [2,64] [n_out,64,D] [n_out,64]
+    q_bar, pos_bar, k_full, v_full, k_free, v_free = bars
+    bkv, stages, interp = cfg.block_kv, cfg.stages, cfg.interpret
+    n_out = o_smem.shape[0]
+    cta, wg = lax.axis_index("c"), lax.axis_index("wg")
+    n_items = work.count(cta)
+    zero = n_items - n_items
+    chunk = functools.partial(_chunk_range, cfg=cfg, causal=causal, window=window, sq=sq)
+
+    @pl.when(wg == 0)
+    def _compute():
+        rows = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of each 64-row slot stays zero
+        if rows < ROWS:
+            for buf in range(2):
+                q_smem.at[buf][...] = jnp.zeros((ROWS, q_smem.shape[-1]), q_smem.dtype)
+            plgpu.commit_smem()  # the zeros are visible to the tensor cores before the TMAs land
+
+        def load_q(i, buf):
+            b, h, _ = work.item(cta, i)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[buf, pl.ds(0, rows)], q_bar.at[buf])
+            plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_smem.at[buf], pos_bar.at[buf])
+
+        pl.when(n_items > 0)(lambda: load_q(zero, 0))
+
+        def item_body(i, g):  # g: K/V steps consumed before item i
+            buf = lax.rem(i, 2)
+            # slot 1 - buf held item i-1's Q, whose products have completed: prefetch item i+1
+            pl.when(i + 1 < n_items)(lambda: load_q(i + 1, 1 - buf))
+            b, h, c = work.item(cta, i)
+            kv_len = kvlen_ref[b]
+            lo, hi = chunk(kv_len, qoff_ref[b], c)
+            plgpu.barrier_wait(q_bar.at[buf])
+            plgpu.barrier_wait(pos_bar.at[buf])
+            pos = _mgpu.load_rows(pos_smem.at[buf], interpret=interp)  # query positions (-1: padding)
+            acc, m, l = _attend(q_smem.at[buf], pos, kv_len, lo, hi, g, (k_ring, v_ring),
+                                (k_full, v_full, k_free, v_free), cfg=cfg, causal=causal,
+                                window=window, qk_scale=qk_scale)
+            out = lax.rem(i, n_out)
+            # the output slot's last store (item i - n_out) must have been read out (2 copies an item)
+            plgpu.wait_smem_to_gmem(2 * (n_out - 1), wait_read_only=True)
+            o_smem.at[out][...], lse_smem.at[out][...] = _normalised(acc, m, l)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[out, pl.ds(0, rows)], o_ref.at[b, h, c])
+            plgpu.copy_smem_to_gmem(lse_smem.at[out, pl.ds(0, rows)], lse_ref.at[b, h, c])
+            return g + (hi - lo)
+
+        lax.fori_loop(zero, n_items, item_body, zero)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+        def item_loads(i, g):
+            b, h, c = work.item(cta, i)
+            lo, hi = chunk(kvlen_ref[b], qoff_ref[b], c)
+
+            def one(kv, g):
+                slot = lax.rem(g, stages)
+                src = (b, pl.ds(kv * bkv, bkv), h)
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_ring.at[slot], k_full.at[slot])
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_ring.at[slot], v_full.at[slot])
+                return g + 1
+            return lax.fori_loop(lo, hi, one, g)
+        total = lax.fori_loop(zero, n_items, item_loads, zero)
+
+        def drain(g, _):  # observe the last release of each slot before the CTA exits
+            slot = lax.rem(g, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
 
 
 def _merge(o, lse, sinks, group: int, sq: int):
@@ -147,6 +287,51 @@ def _merge(o, lse, sinks, group: int, sq: int):
     out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]  # [B, Hkv, rows, D]
     out = out.reshape(bsz, hkv, sq, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(bsz, sq, hkv * group, d)
+
+
+def _fit_stages(cfg: DecodeConfig, d: int, dtype, fixed: int) -> DecodeConfig:
+    """`stages` cut to what fits in ~200 KiB of SMEM next to `fixed` bytes (at least 2)."""
+    per_stage = 2 * cfg.block_kv * d * jnp.dtype(dtype).itemsize
+    return dataclasses.replace(cfg, stages=max(2, min(cfg.stages, (_SMEM - fixed) // per_stage)))
+
+
+def _call_grid(cfg: DecodeConfig, out_type, dtype, kw):
+    """One CTA per (kv head, chunk, batch): grid (Hkv, splits, B)."""
+    bsz, hkv, _, _, d = out_type[0].shape
+    cfg = _fit_stages(cfg, d, dtype, ROWS * d * (jnp.dtype(dtype).itemsize + 4))
+    tf = _mgpu.smem_transforms(dtype)
+    ring = plgpu.SMEM((cfg.stages, cfg.block_kv, d), dtype, transforms=tf)
+    smem = (plgpu.SMEM((ROWS, d), dtype, transforms=tf), ring, ring,
+            plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS, d), jnp.float32))
+    bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
+            *(plgpu.Barrier(num_barriers=cfg.stages) for _ in range(4)))
+    return _mgpu.kernel_call(
+        functools.partial(_kernel, cfg=cfg, **kw), interpret=cfg.interpret, out_type=out_type,
+        grid=(hkv, cfg.splits, bsz), grid_names=("h", "c", "b"), num_threads=2, thread_name="wg",
+        scratch_types=(smem, bars))
+
+
+def _call_persistent(cfg: DecodeConfig, out_type, dtype, kw):
+    """min(items, SMs) CTAs walking the (batch, chunk, head) items; see `_persistent_kernel`."""
+    bsz, hkv, splits, _, d = out_type[0].shape
+    size = jnp.dtype(dtype).itemsize
+    q_bytes, o_bytes = ROWS * (d * size + 4), ROWS * (d + 1) * 4  # a Q + position slot, an output slot
+    # two output slots where they fit beside a 2-deep ring (head dim 64), else one (128 x 128 tiles)
+    n_out = 2 if 2 * (q_bytes + o_bytes) + 4 * cfg.block_kv * d * size <= _SMEM else 1
+    cfg = _fit_stages(cfg, d, dtype, 2 * q_bytes + n_out * o_bytes)
+    n_items = bsz * hkv * splits
+    grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
+    tf = _mgpu.smem_transforms(dtype)
+    ring = plgpu.SMEM((cfg.stages, cfg.block_kv, d), dtype, transforms=tf)
+    smem = (plgpu.SMEM((2, ROWS, d), dtype, transforms=tf), ring, ring,
+            plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((n_out, ROWS, d), jnp.float32),
+            plgpu.SMEM((n_out, ROWS), jnp.float32))
+    bars = (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+            *(plgpu.Barrier(num_barriers=cfg.stages) for _ in range(4)))
+    body = functools.partial(_persistent_kernel, cfg=cfg, work=_Work(bsz, hkv, splits, grid), **kw)
+    return _mgpu.kernel_call(
+        body, interpret=cfg.interpret, out_type=out_type, grid=(grid,), grid_names=("c",),
+        num_threads=2, thread_name="wg", scratch_types=(smem, bars))
 
 
 def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal: bool = True,
@@ -175,26 +360,11 @@ def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal:
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows_in - sq * group), (0, 0)))
     r = jnp.arange(ROWS)
     pos = jnp.where(r < sq * group, q_off[:, None] + r // group, -1).astype(jnp.float32)  # [B, ROWS]
-    # K/V ring depth within ~200 KiB of SMEM next to the q tile (bf16) and the fp32 output tile
-    per_stage = 2 * cfg.block_kv * d * q.dtype.itemsize
-    fit = (200 * 1024 - ROWS * d * (q.dtype.itemsize + 4)) // per_stage
-    cfg = dataclasses.replace(cfg, stages=max(2, min(cfg.stages, fit)))
-    tf = _mgpu.smem_transforms(q.dtype)
-    ring = plgpu.SMEM((cfg.stages, cfg.block_kv, d), q.dtype, transforms=tf)
-    smem = (plgpu.SMEM((ROWS, d), q.dtype, transforms=tf), ring, ring,
-            plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS, d), jnp.float32))
-    bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages),
-            plgpu.Barrier(num_barriers=cfg.stages), plgpu.Barrier(num_barriers=cfg.stages))
-    body = functools.partial(_kernel, cfg=cfg, causal=causal, window=window, sq=sq,
-                             qk_scale=scale * _mgpu.LOG2E)
-    o, lse = _mgpu.kernel_call(
-        body, interpret=cfg.interpret,
-        out_type=(jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_in, d), jnp.float32),
-                  jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_in), jnp.float32)),
-        grid=(hkv, cfg.splits, bsz), grid_names=("h", "c", "b"), num_threads=2, thread_name="wg",
-        scratch_types=(smem, bars),
-    )(qp, k, v, pos, q_off, kv_len)
+    out_type = (jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_in, d), jnp.float32),
+                jax.ShapeDtypeStruct((bsz, hkv, cfg.splits, rows_in), jnp.float32))
+    call = _call_persistent if cfg.persistent else _call_grid
+    kw = dict(causal=causal, window=window, sq=sq, qk_scale=scale * _mgpu.LOG2E)
+    o, lse = call(cfg, out_type, q.dtype, kw)(qp, k, v, pos, q_off, kv_len)
     return _merge(o, lse, sinks, group, sq).astype(q.dtype)
 
 
