@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tessera.lower.kernels.decode_attention import (DecodeConfig, decode_attention,
+from tessera.lower.kernels.decode_attention import (DecodeConfig, _Work, decode_attention,
                                                     decode_attention_reference, supported)
 from tests.lower.kernels._check import assert_close
 
@@ -26,10 +26,41 @@ def _check(b, sq, hq, hkv, d, t, kv_len, window, with_sinks, config=None, seed=0
     assert_close(out, ref, 2e-2, "out")
 
 
-def test_interpret_ragged_cache_window_sinks():
-    """CPU interpreter: two sequences of different cache lengths, 2 query tokens, window 100."""
-    cfg = DecodeConfig(block_kv=64, stages=2, splits=2, interpret=True)
-    _check(2, 2, 4, 1, 64, 300, [300, 170], 100, True, config=cfg)
+def _interp(**kw):
+    return DecodeConfig(block_kv=64, stages=2, interpret=True, **kw)
+
+
+def test_persistent_is_default_and_schedule_covers_every_item_once():
+    """CTA c runs items c, c + grid, ...: each (batch, chunk, head) exactly once, heads fastest."""
+    assert DecodeConfig().persistent
+    work = _Work(bsz=3, hkv=2, splits=3, grid=4)
+    seen = [tuple(int(x) for x in work.item(jnp.int32(c), jnp.int32(i)))
+            for c in range(4) for i in range(int(work.count(jnp.int32(c))))]
+    assert sorted(seen) == [(b, h, c) for b in range(3) for h in range(2) for c in range(3)]
+    assert [int(work.count(jnp.int32(c))) for c in range(4)] == [5, 5, 4, 4]
+    assert seen[:2] == [(0, 0, 0), (0, 0, 2)]  # CTA 0: items 0 and 4 = (b 0, chunk 2, head 0)
+
+
+def test_interpret_persistent_many_items_empty_chunks_sinks():
+    """18 items on 2 CTAs (the ring, Q and output slots wrap many times); the kv_len 60 sequence
+    has one visible block, so two of its three chunks are empty (lse -inf) and must be ignored."""
+    _check(3, 1, 8, 2, 64, 320, [320, 60, 200], None, True, config=_interp(splits=3))
+
+
+def test_interpret_persistent_two_tokens_small_window_no_sinks():
+    """2 query tokens, a 40-key window inside one 64-key block, 8 items on 3 CTAs (3, 3, 2)."""
+    _check(2, 2, 4, 2, 64, 300, [300, 170], 40, False, config=_interp(splits=2, num_ctas=3))
+
+
+def test_interpret_persistent_head_dim_128():
+    """Head dim 128 with 128-key tiles: one output slot beside a 2-deep ring (~193 KiB of SMEM)."""
+    cfg = DecodeConfig(block_kv=128, stages=4, splits=2, interpret=True)
+    _check(2, 1, 4, 1, 128, 384, [384, 130], 200, True, config=cfg)
+
+
+def test_interpret_grid_ragged_cache_window_sinks():
+    """persistent=False: two sequences of different cache lengths, 2 query tokens, window 100."""
+    _check(2, 2, 4, 1, 64, 300, [300, 170], 100, True, config=_interp(splits=2, persistent=False))
 
 
 GPU_CASES = [
@@ -41,7 +72,18 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("b,sq,hq,hkv,d,t,kv_len,window,sinks", GPU_CASES)
-def test_gpu_matches_reference(b, sq, hq, hkv, d, t, kv_len, window, sinks):
+def test_gpu_matches_reference(b, sq, hq, hkv, d, t, kv_len, window, sinks, persistent):
     """On a Hopper GPU: caches up to 64k, ragged kv_len, windows, sinks, head dims 64/128."""
-    _check(b, sq, hq, hkv, d, t, kv_len, window, sinks, seed=t)
+    _check(b, sq, hq, hkv, d, t, kv_len, window, sinks, config=DecodeConfig(persistent=persistent),
+           seed=t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [DecodeConfig(splits=16), DecodeConfig(block_kv=64, splits=3),
+                                 DecodeConfig(block_kv=256, stages=2, num_ctas=7)])
+def test_gpu_persistent_configs(cfg):
+    """On a Hopper GPU: the persistent kernel with other splits, tiles and grids (sweep candidates)."""
+    _check(8, 1, 64, 8, 64, 4096, [4096, 3000, 129, 4096, 1, 2048, 4095, 64], None, True,
+           config=cfg, seed=1)
