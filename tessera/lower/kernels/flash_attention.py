@@ -39,6 +39,8 @@ class FlashConfig:
     block_q_bwd: int = 64
     block_kv_bwd: int = 64
     interpret: bool = False
+    # forward: issue block j+1's Q K^T before block j's softmax (FA3 intra-warpgroup overlap)
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -48,6 +50,9 @@ class FlashConfig:
             raise ValueError(f"{self.stages=} must be at least 2")
         if self.num_ctas is not None and self.num_ctas < 1:
             raise ValueError(f"{self.num_ctas=} must be at least 1")
+        if self.overlap and self.block_kv > 128:  # two live [64, 256] fp32 S tiles: 256 regs/thread
+            raise ValueError(f"overlap=True needs block_kv <= 128 (got {self.block_kv}): two score "
+                             "tiles live at once would exceed the 232 registers of a thread")
 
 
 def default_config(head_dim: int, window: int | None = None, causal: bool = True) -> FlashConfig:
@@ -157,7 +162,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars,
                 prefetch()
             else:  # item i-1's output has just been issued: prefetch while the first PV runs
                 pl.when(hi == lo)(prefetch)
-            acc, m, l = _attend(q_smem.at[buf, wg], row_smem.at[buf, wg], q_bar.at[buf * n + wg],
+            attend = _attend_overlap if cfg.overlap else _attend
+            acc, m, l = attend(q_smem.at[buf, wg], row_smem.at[buf, wg], q_bar.at[buf * n + wg],
                                 row_bar.at[buf * n + wg], row + wg * bq + mask.q_offset, lo, hi, g,
                                 k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched), cfg=cfg,
                                 mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
@@ -253,6 +259,107 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
     carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+def _mma_during(a, b, shape, during, *, interpret: bool):
+    """(a @ b.T fp32 [M, N] = `shape`, during()): `during()` runs while the wgmma is in flight.
+
+    The product is read (waited on) only after `during()` returned, so its values may be
+    register arrays computed under the wgmma. The interpreter computes the product first.
+    """
+    if interpret:
+        out = lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+        return out, during()
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
+        res = during()
+        return acc_ref[...], res
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _softmax(s, acc, m, l, *, qk_scale: float, dtype):
+    """Online-softmax update of block scores s [bq, bkv]: (acc rescaled, m_new, l, P in `dtype`)."""
+    m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)  # log2 units; the scale folds into an FMA
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l = l * alpha + p.sum(axis=1)
+    return lax.optimization_barrier((acc, m_new, l, p.astype(dtype)))
+
+
+def _attend_overlap(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
+                    cfg: FlashConfig, mask: MaskSpec, has_sinks: bool, qk_scale: float, first_pv):
+    """`_attend` software-pipelined (FA3 intra-warpgroup overlap): S_{j+1} = Q K_{j+1}^T is in
+    flight while block j's softmax runs, then P_j V_j; one more [bq, bkv] fp32 tile is live.
+
+    Step j: issue S_{j+1} (j + 1 < hi) -> softmax(S_j) -> wait S_{j+1}, free K_{j+1} -> P_j V_j
+    (waiting for K_{j+2} meanwhile) -> free V_j. S_lo is computed before the loop; the last step
+    issues nothing. The ping-pong schedule barrier keeps `_attend`'s two arrive/wait pairs per
+    step, around the same GEMM issues (Q K^T, then P V), so the warpgroups still alternate.
+    """
+    k_bar, v_bar, k_free, v_free, sched = bars
+    bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
+    dtype = q_smem.dtype
+    slot_of = lambda kv: lax.rem(g + kv - lo, stages)
+    plgpu.barrier_wait(q_bar)
+    plgpu.barrier_wait(row_bar)
+    m = _mgpu.load_rows(row_smem, interpret=interp)  # sink * log2e, or NEG_BIG
+    acc = _mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp)
+    l = _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp)
+
+    def wait_k(kv):
+        pl.when(kv < hi)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(kv)]))
+
+    def prologue(kv, _):  # S_lo (one trip if hi > lo, none otherwise)
+        plgpu.barrier_wait(k_bar.at[slot_of(kv)])
+        s = _mgpu.mma(q_smem, k_smem.at[slot_of(kv)], (bq, bkv), transpose_b=True, interpret=interp,
+                      then=lambda: wait_k(kv + 1))
+        plgpu.barrier_arrive(k_free.at[slot_of(kv)])
+        return s
+    s = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), prologue, _mgpu.zeros((bq, bkv), interpret=interp))
+
+    def step(kv, carry, masked, issue):
+        acc, m, l, s = carry
+        slot = slot_of(kv)
+
+        def softmax():
+            plgpu.barrier_arrive(sched)  # the other warpgroup may issue while S_{j+1} runs
+            plgpu.barrier_wait(sched)
+            sj = s
+            if masked:
+                sj = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), sj, -jnp.inf)
+            out = _softmax(sj, acc, m, l, qk_scale=qk_scale, dtype=dtype)
+            plgpu.barrier_arrive(sched)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)  # tensor cores free again
+            return out
+        if issue:
+            s, (acc, m, l, p16) = _mma_during(q_smem, k_smem.at[slot_of(kv + 1)], (bq, bkv), softmax,
+                                              interpret=interp)
+            plgpu.barrier_arrive(k_free.at[slot_of(kv + 1)])
+        else:
+            acc, m, l, p16 = softmax()
+
+        def wait_next_k():
+            if first_pv is not None:
+                pl.when(kv == lo)(first_pv)
+            wait_k(kv + 2)  # K_{j+1} was waited in the previous step (or the prologue)
+        acc = _mgpu.mma(p16, v_smem.at[slot], acc.shape, acc=acc, interpret=interp, then=wait_next_k)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, l, s
+
+    # blocks [lo, last) issue the next Q K^T; `last` = hi - 1 (if any) is always masked (a no-op
+    # on a fully visible block), so the masked/unmasked split needs no runtime branch
+    last = jnp.maximum(hi - 1, lo)
+    full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
+    full_lo, full_hi = jnp.minimum(full_lo, last), jnp.minimum(full_hi, last)
+    carry = (acc, m, l, s)
+    for a, b, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, last, True)):
+        carry = lax.fori_loop(a, b, functools.partial(step, masked=masked, issue=True), carry)
+    acc, m, l, _ = lax.fori_loop(last, hi, functools.partial(step, masked=True, issue=False), carry)
+    return acc, m, l
 
 
 # ----------------------------------------------------------------------------- forward driver

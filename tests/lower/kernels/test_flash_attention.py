@@ -72,6 +72,46 @@ def test_interpret_query_offset_chunked_prefill():
            config=cfg, seed=2, q_offset=128)
 
 
+def _check_forward(shape, dtype, *, causal, window, with_sinks, config, seed=0, q_offset=0):
+    """Forward only (no backward: cheaper in the interpreter) against the fp32 reference."""
+    q, k, v, sinks, _ = _inputs(seed, *shape, dtype, with_sinks)
+    kw = dict(causal=causal, window=window, q_offset=q_offset)
+    out = flash_attention(q, k, v, sinks=sinks, config=config, **kw)
+    up = tuple(None if x is None else x.astype(jnp.float32) for x in (q, k, v, sinks))
+    assert_close(out, attention(*up[:3], sinks=up[3], **kw), 2e-2, "out")
+
+
+def test_interpret_overlap_causal_window_sinks_gqa():
+    """overlap=True (Q K^T of block j+1 in flight during block j's softmax): GQA 2:1, causal,
+    window 48 < block, sinks, S not a multiple of the block; forward and all gradients."""
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True, overlap=True)
+    _check((1, 100, 100, 2, 1, 64), jnp.bfloat16, causal=True, window=48, with_sinks=True, config=cfg)
+
+
+def test_interpret_overlap_single_block_items_and_ring_wrap():
+    """overlap=True on one CTA: items of 1 KV block (prologue only) and of 2, and a 3-block item
+    (64 queries at 128..191, window 100) whose pipeline wraps the 2-slot K/V ring."""
+    cfg = FlashConfig(block_q=64, block_kv=128, num_ctas=1, interpret=True, overlap=True)
+    _check_forward((1, 200, 200, 2, 1, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True,
+                   config=cfg, seed=3)
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True, overlap=True)
+    _check_forward((1, 64, 192, 2, 1, 64), jnp.bfloat16, causal=True, window=100, with_sinks=True,
+                   config=cfg, seed=2, q_offset=128)
+
+
+def test_interpret_overlap_full_attention_fp16():
+    """overlap=True, not causal: an unmasked block then a masked edge block (keys 100 of 128)."""
+    cfg = FlashConfig(block_q=64, block_kv=64, interpret=True, overlap=True)
+    _check_forward((1, 64, 100, 1, 1, 64), jnp.float16, causal=False, window=None, with_sinks=False,
+                   config=cfg, seed=1)
+
+
+def test_overlap_refuses_wide_key_tiles():
+    """Two live [64, 256] fp32 score tiles would not fit in a thread's registers."""
+    with pytest.raises(ValueError, match="overlap=True needs block_kv <= 128"):
+        FlashConfig(block_kv=256, overlap=True)
+
+
 def test_unsupported_shapes_fall_back():
     """Head dim 96, fp32 and mismatched heads are refused, so the lowering keeps the reference."""
     cfg = FlashConfig(interpret=True)
@@ -95,6 +135,14 @@ GPU_CASES = [
     ((1, 700, 700, 4, 1, 64), jnp.float16, True, 100, False, FlashConfig(block_kv=64, stages=4,
                                                                         num_ctas=5)),
     ((1, 640, 640, 4, 2, 128), jnp.bfloat16, True, None, True, FlashConfig(num_ctas=3)),
+    # overlap=True: Q K^T of block j+1 in flight during block j's softmax
+    ((2, 1000, 1000, 8, 2, 64), jnp.bfloat16, True, None, True, FlashConfig(stages=4, overlap=True)),
+    ((1, 300, 300, 4, 1, 128), jnp.float16, True, 40, True, FlashConfig(overlap=True)),
+    ((2, 256, 256, 4, 1, 128), jnp.bfloat16, False, None, True, FlashConfig(overlap=True)),
+    ((1, 128, 384, 2, 1, 64), jnp.bfloat16, False, 100, False, FlashConfig(overlap=True)),
+    ((1, 700, 700, 4, 1, 64), jnp.float16, True, 100, False,
+     FlashConfig(block_kv=64, stages=4, num_ctas=5, overlap=True)),
+    ((1, 640, 640, 4, 2, 128), jnp.bfloat16, True, None, True, FlashConfig(num_ctas=3, overlap=True)),
 ]
 
 
