@@ -112,6 +112,18 @@ def test_overlap_refuses_wide_key_tiles():
         FlashConfig(block_kv=256, overlap=True)
 
 
+@pytest.mark.parametrize("d,overlap", [(64, False), (64, True), (128, True)])
+def test_forward_lowers_for_hopper(d, overlap):
+    """The real Mosaic GPU lowering (no GPU needed) accepts the kernel: register layouts of loop
+    carries, accumulators and row vectors are checked here, which the interpreter does not do."""
+    cfg = FlashConfig(block_kv=128, stages=4 if d == 64 else 2, num_ctas=132, overlap=overlap)
+    q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 1, d), jnp.bfloat16)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, window=300, config=cfg)
+    text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 def test_unsupported_shapes_fall_back():
     """Head dim 96, fp32 and mismatched heads are refused, so the lowering keeps the reference."""
     cfg = FlashConfig(interpret=True)
