@@ -8,7 +8,8 @@ overlaps the other's wgmma; the next item's Q is prefetched. Only KV blocks hold
 key are visited (window: O(window) per row, not O(T)); blocks where every key is visible skip
 the mask. Sinks seed the running max/denominator. Statistics
 are kept in the log2 domain (exp2 with the scale folded in), fp32; the output of a fully
-masked row is 0, as in the reference. Backward: `flash_attention_bwd.py`.
+masked row is 0, as in the reference. `FlashConfig(overlap=True)` adds FA3's intra-warpgroup
+overlap (block j+1's Q K^T in flight during block j's softmax). Backward: `flash_attention_bwd.py`.
 """
 
 from __future__ import annotations
