@@ -145,7 +145,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
     def _compute():
         rows = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of the 64-row tile is zero
         if rows < ROWS:
-            q_smem[...] = jnp.zeros(q_smem.shape, q_smem.dtype)
+            q_smem[...] = _mgpu.zeros(q_smem.shape, interpret=interp).astype(q_smem.dtype)
             plgpu.commit_smem()  # the zeros are visible to the tensor cores before the TMA lands
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[b], row_smem, row_bar.at[0])
@@ -197,7 +197,8 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
 
     Q / position slots alternate by item parity; output slots by item % n_out (1 or 2).
     """
-    q_smem, k_ring, v_ring, pos_smem, o_smem, lse_smem = smem  # [2,64,D] [st,bkv,D]x2 [2,64] [n_out,64,D] [n_out,64]
+    # [2, 64, D], [stages, bkv, D] x2, [2, 64], [n_out, 64, D] fp32, [n_out, 64] fp32
+    q_smem, k_ring, v_ring, pos_smem, o_smem, lse_smem = smem
     q_bar, pos_bar, k_full, v_full, k_free, v_free = bars
     bkv, stages, interp = cfg.block_kv, cfg.stages, cfg.interpret
     n_out = o_smem.shape[0]
@@ -210,8 +211,9 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
     def _compute():
         rows = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of each 64-row slot stays zero
         if rows < ROWS:
+            zero_tile = _mgpu.zeros((ROWS, q_smem.shape[-1]), interpret=interp).astype(q_smem.dtype)
             for buf in range(2):
-                q_smem.at[buf][...] = jnp.zeros((ROWS, q_smem.shape[-1]), q_smem.dtype)
+                q_smem.at[buf][...] = zero_tile
             plgpu.commit_smem()  # the zeros are visible to the tensor cores before the TMAs land
 
         def load_q(i, buf):

@@ -87,3 +87,16 @@ def test_gpu_persistent_configs(cfg):
     """On a Hopper GPU: the persistent kernel with other splits, tiles and grids (sweep candidates)."""
     _check(8, 1, 64, 8, 64, 4096, [4096, 3000, 129, 4096, 1, 2048, 4095, 64], None, True,
            config=cfg, seed=1)
+
+
+@pytest.mark.parametrize("d,persistent", [(64, True), (128, True), (64, False)])
+def test_lowers_for_hopper(d, persistent):
+    """The real Mosaic GPU lowering (no GPU needed) accepts both kernels: register layouts, SMEM
+    slots and TMA shapes are checked here, which the interpreter does not do."""
+    cfg = DecodeConfig(persistent=persistent, num_ctas=132)
+    q = jax.ShapeDtypeStruct((8, 1, 64, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((8, 1000, 8, d), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((64,), jnp.float32)
+    fn = lambda q, k, v, s: decode_attention(q, k, v, sinks=s, window=300, config=cfg)
+    text = jax.jit(fn).trace(q, kv, kv, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
