@@ -386,13 +386,14 @@ def run_decode(check: bool = False) -> None:
 
 
 def tune_decode(check: bool = False) -> None:
-    """Decode tile variants (KV tile, ring depth, key chunks per head) on 4k and 64k caches."""
+    """Decode variants (persistent or one CTA per item, KV tile, ring depth, key chunks per head), 4k and 16k caches."""
     from tessera.lower.kernels.decode_attention import DecodeConfig, decode_attention
     b, hq, hkv, d = DECODE_SHAPE
-    variants = [("kv128 s4 c8", dict()), ("kv128 s2 c8", dict(stages=2)), ("kv128 s2 c16", dict(stages=2, splits=16)),
-                ("kv128 s4 c16", dict(splits=16)), ("kv64 s4 c16", dict(block_kv=64, splits=16)),
-                ("kv256 s2 c8", dict(block_kv=256, stages=2)), ("kv128 s4 c4", dict(splits=4))]
-    for t in (4096, 65536):
+    variants = [("persistent kv128 s4 c4 (default)", dict()), ("persistent c2", dict(splits=2)),
+                ("persistent c8", dict(splits=8)), ("persistent kv64 s4 c4", dict(block_kv=64)),
+                ("persistent kv128 s2 c4", dict(stages=2)),
+                ("grid kv128 s4 c8 (one CTA per item)", dict(persistent=False, splits=8))]
+    for t in (4096, 16384):
         q, caches, sinks = decode_inputs(t)
         nbytes = 2.0 * b * t * hkv * d * 2 + 2 * q.nbytes
         for label, kw in variants:
@@ -438,7 +439,8 @@ def time_rotating(fn, consts, varying, iters: int = 20) -> float:
     activations, so L2 cannot serve a repeated operand); a second runs them three times over. The
     difference divided by the extra calls is the time each call adds to a long program: the
     program's fixed cost (launch, argument handling, the host's wait for the result) cancels;
-    the gaps between the calls' kernels stay in.
+    the gaps between the calls' kernels stay in. For calls of ~30 us host jitter still moves this
+    by several percent: `python -m bench.trace decode` reads the device time from a profile.
     """
     short = _program_ms(fn, consts, varying, iters, best=True)
     long = _program_ms(fn, consts, list(varying) * 3, iters, best=True)

@@ -1,7 +1,9 @@
 """Device time per GPU kernel of one case, from a JAX profiler trace: where a call's time goes.
 
     python -m bench.trace decode [--t 4096] [--out DIR]
+    python -m bench.trace decode --t 4096 --impl cudnn
     python -m bench.trace moe [--n 5760]
+    python -m bench.trace copy
 
 Runs the case's calls inside one program (bench.kernels.rotating_program) under `jax.profiler.trace`, then
 reads the trace's GPU events and prints, per kernel name, the calls per case call, the mean
@@ -51,11 +53,21 @@ def report(events: list[dict], calls: int) -> None:
         print(f"  {len(durs) / calls:5.1f}x {sum(durs) / len(durs):9.1f} us {sum(durs) / busy:6.1%}  {name[:110]}")
 
 
-def decode_case(t: int):
+def decode_case(t: int, impl: str = "tessera"):
+    """Decode against four caches of t tokens: Tessera's kernel, or cuDNN (no sinks)."""
     from bench.kernels import decode_inputs
     from tessera.lower.kernels.decode_attention import decode_attention
     q, caches, sinks = decode_inputs(t)
+    if impl == "cudnn":
+        return (lambda q, kv: jax.nn.dot_product_attention(q, *kv, implementation="cudnn")), (q,), caches
     return (lambda q, kv: decode_attention(q, *kv, sinks=sinks)), (q,), caches
+
+
+def copy_case():
+    """x * 1.0001 over 4 different 512 MiB bf16 buffers: the device's copy bandwidth (bytes read + written)."""
+    import jax.numpy as jnp
+    xs = [jnp.full((2**28,), 1.5 + i, jnp.bfloat16) for i in range(4)]
+    return (lambda x: x * 1.0001), (), xs
 
 
 def moe_case(n: int):
@@ -71,7 +83,8 @@ def moe_case(n: int):
     return (lambda a, b, gs: grouped_matmul(a, b, gs)), (lhs, rhs), sizes
 
 
-CASES = {"decode": lambda opts: decode_case(opts.t), "moe": lambda opts: moe_case(opts.n)}
+CASES = {"decode": lambda opts: decode_case(opts.t, opts.impl), "moe": lambda opts: moe_case(opts.n),
+         "copy": lambda opts: copy_case()}
 
 
 def main() -> None:
@@ -79,6 +92,7 @@ def main() -> None:
     ap.add_argument("case", choices=sorted(CASES))
     ap.add_argument("--t", type=int, default=4096, help="decode: cache length")
     ap.add_argument("--n", type=int, default=5760, help="moe: output width")
+    ap.add_argument("--impl", choices=["tessera", "cudnn"], default="tessera", help="decode: whose kernel")
     ap.add_argument("--out", default=None)
     opts = ap.parse_args()
     from bench.kernels import rotating_program

@@ -44,7 +44,7 @@ class DecodeConfig:
     """
     block_kv: int = 128
     stages: int = 4
-    splits: int = 8
+    splits: int = 4  # persistent, H100: 4 chunks 27.2 / 93.7 us at 4k / 16k, 8: 27.8 / 98.1, 16: 30.4 / 98.7
     persistent: bool = True
     num_ctas: int | None = None
     interpret: bool = False
