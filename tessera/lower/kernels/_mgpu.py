@@ -135,6 +135,11 @@ def stream(lo, hi, stages: int, sources):
     lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)
 
 
+def strided_count(total: int, cta, grid: int):
+    """How many of items [0, total) CTA `cta` of a persistent grid runs (cta, cta + grid, ...)."""
+    return lax.div(jnp.int32(total) - cta + (grid - 1), jnp.int32(grid))
+
+
 def num_sms(interpret: bool, *, fallback: int = 2) -> int:
     """Streaming multiprocessors of the GPU (the size of a persistent grid); `fallback` when interpreting."""
     return fallback if interpret else jax.devices()[0].core_count

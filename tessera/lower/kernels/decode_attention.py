@@ -179,8 +179,7 @@ class _Work:
 
     def count(self, cta):
         """Items CTA `cta` runs."""
-        total = self.bsz * self.hkv * self.splits
-        return lax.div(jnp.int32(total) - cta + (self.grid - 1), jnp.int32(self.grid))
+        return _mgpu.strided_count(self.bsz * self.hkv * self.splits, cta, self.grid)
 
     def item(self, cta, i):
         """(batch, kv head, chunk) of the CTA's i-th item."""

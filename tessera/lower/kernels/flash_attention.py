@@ -102,8 +102,7 @@ class _Work:
 
     def count(self, cta):
         """Items CTA `cta` runs: cta, cta + grid, cta + 2 grid, ..."""
-        total = self.n_tiles * self.bsz * self.hq
-        return lax.div(jnp.int32(total) - cta + (self.grid - 1), jnp.int32(self.grid))
+        return _mgpu.strided_count(self.n_tiles * self.bsz * self.hq, cta, self.grid)
 
     def item(self, cta, i):
         """(batch, head, first row, first/last KV block) of the CTA's i-th item."""
