@@ -135,6 +135,36 @@ def stream(lo, hi, stages: int, sources):
     lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)
 
 
+def stream_items(n_items, item, stages: int, sources):
+    """Producer of a persistent CTA: one `stages` TMA ring running on across its items.
+
+    `item(i)` gives (lo, hi, index(kv)) of the CTA's i-th item: it needs KV blocks [lo, hi), each
+    read as `ref.at[index(kv)]` for every (GMEM ref, SMEM ring [stages, ...], full barriers, free
+    barriers) of `sources`. The ring's step count runs on across items, so the next item's tiles
+    load while the consumers finish the current one; a slot is refilled once its free barrier
+    completes. At the end the last release of every slot is awaited (every barrier phase observed).
+    """
+    zero = n_items - n_items
+
+    def item_loads(i, g):
+        lo, hi, index = item(i)
+
+        def one(kv, g):
+            slot = lax.rem(g, stages)
+            for ref, ring, full, free in sources:
+                pl.when(g >= stages)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+                plgpu.copy_gmem_to_smem(ref.at[index(kv)], ring.at[slot], full.at[slot])
+            return g + 1
+        return lax.fori_loop(lo, hi, one, g)
+    total = lax.fori_loop(zero, n_items, item_loads, zero)
+
+    def drain(g, _):
+        slot = lax.rem(g, stages)
+        for *_, free in sources:
+            plgpu.barrier_wait(free.at[slot])
+    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
 def strided_count(total: int, cta, grid: int):
     """How many of items [0, total) CTA `cta` of a persistent grid runs (cta, cta + grid, ...)."""
     return lax.div(jnp.int32(total) - cta + (grid - 1), jnp.int32(grid))

@@ -249,26 +249,11 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
 
     @pl.when(wg == 1)
     def _memory():
-        def item_loads(i, g):
+        def item(i):
             b, h, c = work.item(cta, i)
             lo, hi = chunk(kvlen_ref[b], qoff_ref[b], c)
-
-            def one(kv, g):
-                slot = lax.rem(g, stages)
-                src = (b, pl.ds(kv * bkv, bkv), h)
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_ring.at[slot], k_full.at[slot])
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_ring.at[slot], v_full.at[slot])
-                return g + 1
-            return lax.fori_loop(lo, hi, one, g)
-        total = lax.fori_loop(zero, n_items, item_loads, zero)
-
-        def drain(g, _):  # observe the last release of each slot before the CTA exits
-            slot = lax.rem(g, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+            return lo, hi, lambda kv: (b, pl.ds(kv * bkv, bkv), h)
+        _mgpu.stream_items(n_items, item, stages, [(k_ref, k_ring, k_full, k_free), (v_ref, v_ring, v_full, v_free)])
 
 
 def _merge(o, lse, sinks, group: int, sq: int):

@@ -186,26 +186,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars,
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def item_loads(i, g):
+        def item(i):
             b, h, _, lo, hi = work.item(cta, i)
             kv_head = lax.div(h, jnp.int32(group))
-
-            def one(kv, g):
-                slot = lax.rem(g, stages)
-                src = (b, pl.ds(kv * bkv, bkv), kv_head)
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
-                return g + 1
-            return lax.fori_loop(lo, hi, one, g)
-        total = lax.fori_loop(n_items - n_items, n_items, item_loads, n_items - n_items)
-
-        def drain(g, _):  # observe the last release of each slot before the CTA exits
-            slot = lax.rem(g, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+            return lo, hi, lambda kv: (b, pl.ds(kv * bkv, bkv), kv_head)
+        _mgpu.stream_items(n_items, item, stages, [(k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)])
 
 
 def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
