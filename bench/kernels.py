@@ -70,9 +70,7 @@ def time_in_program(fn, *args, calls: tuple[int, int] = (2, 6), reps: int = 7) -
     """
     f = lambda *a: fn(*a[:-1])  # the varying input is only a call index
     ticks = [jnp.int32(i) for i in range(calls[1])]
-    short = _program_ms(f, args, ticks[:calls[0]], reps, best=True)
-    long = _program_ms(f, args, ticks, reps, best=True)
-    return max(long - short, 0.0) / (calls[1] - calls[0])
+    return _slope_ms(f, args, ticks[:calls[0]], ticks, reps)
 
 
 def time_torch(fn, iters: int = 20, reps: int = 5) -> float:
@@ -420,8 +418,8 @@ def rotating_program(fn, consts, varying):
     return jax.jit(many), (consts, varying)
 
 
-def _program_ms(fn, consts, varying, iters: int, best: bool = False) -> float:
-    """Median (or fastest) wall ms of one execution of rotating_program (compiled and warmed up first)."""
+def _program_ms(fn, consts, varying, iters: int) -> float:
+    """Fastest wall ms of `iters` executions of rotating_program (compiled and warmed up first)."""
     many, args = rotating_program(fn, consts, varying)
     jax.block_until_ready(many(*args))
     times = []
@@ -429,7 +427,13 @@ def _program_ms(fn, consts, varying, iters: int, best: bool = False) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(many(*args))
         times.append(time.perf_counter() - t0)
-    return (min(times) if best else statistics.median(times)) * 1e3
+    return min(times) * 1e3
+
+
+def _slope_ms(fn, consts, short, long, iters: int) -> float:
+    """ms each call adds to a program: (time over `long` - time over `short`) / the extra calls."""
+    extra = _program_ms(fn, consts, long, iters) - _program_ms(fn, consts, short, iters)
+    return max(extra, 0.0) / (len(long) - len(short))
 
 
 def time_rotating(fn, consts, varying, iters: int = 20) -> float:
@@ -442,9 +446,7 @@ def time_rotating(fn, consts, varying, iters: int = 20) -> float:
     the gaps between the calls' kernels stay in. For calls of ~30 us host jitter still moves this
     by several percent: `python -m bench.trace decode` reads the device time from a profile.
     """
-    short = _program_ms(fn, consts, varying, iters, best=True)
-    long = _program_ms(fn, consts, list(varying) * 3, iters, best=True)
-    return max(long - short, 0.0) / (2 * len(varying))
+    return _slope_ms(fn, consts, varying, list(varying) * 3, iters)
 
 
 def _decode_routings(tokens: int, top_k: int, g: int, count: int) -> list[np.ndarray]:
