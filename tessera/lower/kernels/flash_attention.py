@@ -222,13 +222,7 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
             s = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)  # log2 units; the scale folds into an FMA
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        acc, m_new, l, p16 = _softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
         plgpu.barrier_arrive(sched)  # softmax done
         plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_wait(sched)  # tensor cores free again
