@@ -47,3 +47,30 @@ def test_rotating_program_runs_every_call_on_its_own_input():
     for i, out in enumerate(outs):
         assert out.tolist() == [3.0 * (v + i) for v in range(4)]
 
+
+
+def test_ncu_durations_are_read_per_kernel_in_launch_order():
+    """bench.ncu reads ncu's details page: kernel header lines (C++ signatures included), then
+    each kernel's Duration in its unit."""
+    from bench.ncu import parse_durations
+    text = """==PROF== Connected to process 1172 (/usr/bin/python3.12)
+[1172] python3.12@127.0.0.1
+  void cudnn::compute_dot_do_o_specialized<1, 64>(const void *, void *, unsigned int) (4096, 1, 1)x(256, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    SM Frequency                    Ghz         1.59
+    Duration                         us       193.63
+  cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26 (132, 1, 1)x(384, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Elapsed Cycles                cycle    2,203,820
+    Duration                         ms         4.04
+  anonymous_mosaic_gpu_kernel (4, 32, 8)x(384, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Duration                    msecond     1,002.5
+"""
+    got = parse_durations(text)
+    assert [n for n, _ in got] == [
+        "void cudnn::compute_dot_do_o_specialized<1, 64>(const void *, void *, unsigned int)",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26",
+        "anonymous_mosaic_gpu_kernel"]
+    assert [round(ms, 5) for _, ms in got] == [0.19363, 4.04, 1002.5]
+    with pytest.raises(ValueError, match="unknown unit 'furlong'"):
+        parse_durations("  k (1, 1, 1)x(1, 1, 1), Context 1\n    Duration  furlong  3\n")

@@ -41,8 +41,8 @@ class FlashConfig:
     block_kv_bwd: int = 64
     interpret: bool = False
     # forward: issue block j+1's Q K^T before block j's softmax (FA3 intra-warpgroup overlap).
-    # Off by default: on an H100 (D64 causal, B4 S4096) it measured 398-404 vs 411-427 TFLOP/s
-    # on top of the ping-pong; D128 was not timed.
+    # Off by default: on an H100 (causal, B4 S4096) it measured slower on top of the ping-pong,
+    # D64 398-404 vs 411-427 TFLOP/s, D128 430-438 vs 539-580 (bench/RESULTS.md).
     overlap: bool = False
 
     def __post_init__(self):
