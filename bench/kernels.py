@@ -125,19 +125,39 @@ def print_table() -> None:
 # ----------------------------------------------------------------------------- attention
 
 
-def _torch_sdpa(q, k, v, causal, backward):
-    """PyTorch SDPA on the same data ([B, H, S, D] layout, GQA)."""
+def torch_sdpa_call(q, k, v, causal, backward):
+    """A no-argument call of PyTorch SDPA on the same data ([B, H, S, D] layout, GQA): the
+    forward, or the backward alone (autograd.grad of a graph retained here)."""
     import torch
     tq, tk, tv = (torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if not backward:
-        with torch.no_grad():
-            return time_torch(lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True))
+        def forward():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True)
+        return forward
     for x in (tq, tk, tv):
         x.requires_grad_(True)
     out = sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True)
     g = torch.randn_like(out)
-    return time_torch(lambda: torch.autograd.grad(out, (tq, tk, tv), g, retain_graph=True))
+    return lambda: torch.autograd.grad(out, (tq, tk, tv), g, retain_graph=True)
+
+
+def _torch_sdpa(q, k, v, causal, backward):
+    """Milliseconds per call of PyTorch SDPA (torch_sdpa_call)."""
+    return time_torch(torch_sdpa_call(q, k, v, causal, backward))
+
+
+def attention_fns(causal: bool, window: int | None, sinks):
+    """{"tessera": flash_attention, "cudnn": jax.nn.dot_product_attention} as f(q, k, v) for one
+    mask (cuDNN takes no sinks)."""
+    from tessera.lower.kernels.flash_attention import flash_attention
+    return {
+        "tessera": lambda q, k, v: flash_attention(q, k, v, sinks=sinks, causal=causal, window=window),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn",
+            local_window_size=(window - 1, 0) if window else None),
+    }
 
 
 def _pullback(fn, q, k, v):
@@ -211,7 +231,7 @@ def tune_attention(check: bool = False) -> None:
 
 def run_attention(check: bool = False) -> None:
     """Causal / full / window-128+sinks attention, forward and backward, head dims 64 and 128."""
-    from tessera.lower.kernels.flash_attention import attention_flops, flash_attention
+    from tessera.lower.kernels.flash_attention import attention_flops
     from tessera.lower.reference.attention import attention as reference
     shapes = [(4, 4096, 64, 8, 64), (4, 4096, 32, 8, 128)]
     for b, s, hq, hkv, d in shapes:
@@ -220,11 +240,8 @@ def run_attention(check: bool = False) -> None:
             tag = f"B{b} S{s} H{hq}/{hkv} D{d} " + ("causal" if causal else "full")
             tag += f" w{window}+sinks" if window else ""
             flops = attention_flops(b, s, s, hq, d, causal=causal, window=window)
-            ours = lambda q, k, v: flash_attention(q, k, v, sinks=sinks if sk else None,
-                                                   causal=causal, window=window)
-            cudnn = lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=causal, implementation="cudnn",
-                local_window_size=(window - 1, 0) if window else None)
+            fns = attention_fns(causal, window, sinks if sk else None)
+            ours, cudnn = fns["tessera"], fns["cudnn"]
             xla = lambda q, k, v: reference(q, k, v, causal=causal, window=window)
             if check:
                 ref = reference(q[:1, :1024], k[:1, :1024], v[:1, :1024], sinks=sinks if sk else None,

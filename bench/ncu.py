@@ -23,7 +23,9 @@ import subprocess
 import sys
 
 IMPLS = ("tessera", "cudnn", "torch")
-_UNITS = {"nsecond": 1e-6, "ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "s": 1e3, "second": 1e3}
+QUERY_HEADS = {64: 64, 128: 32}  # by head dim, as bench.kernels' attention shapes
+_UNITS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+          "second": 1e3, "s": 1e3}
 _KERNEL = re.compile(r"^  (\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)")
 _DURATION = re.compile(r"^\s+Duration\s+(\S+)\s+([\d.,]+)\s*$")
 
@@ -49,27 +51,13 @@ def _one_call(impl: str, d: int, direction: str, window: int | None) -> None:
     import torch
 
     from bench import kernels as K
-    from tessera.lower.kernels.flash_attention import flash_attention
 
-    q, k, v, ct, sinks = K._attention_inputs(4, 4096, 64 if d == 64 else 32, 8, d)
+    q, k, v, ct, sinks = K._attention_inputs(4, 4096, QUERY_HEADS[d], 8, d)
     if impl == "torch":
-        tq, tk, tv = (torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v))
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        if direction == "fwd":
-            run = lambda: sdpa(tq, tk, tv, is_causal=True, enable_gqa=True)
-        else:
-            for x in (tq, tk, tv):
-                x.requires_grad_(True)
-            out = sdpa(tq, tk, tv, is_causal=True, enable_gqa=True)
-            g = torch.randn_like(out)
-            run = lambda: torch.autograd.grad(out, (tq, tk, tv), g, retain_graph=True)
+        run = K.torch_sdpa_call(q, k, v, True, direction == "bwd")
         wait = lambda _: torch.cuda.synchronize()
     else:
-        fn = {"tessera": lambda q, k, v: flash_attention(q, k, v, sinks=sinks if window else None,
-                                                         causal=True, window=window),
-              "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-                  q, k, v, is_causal=True, implementation="cudnn",
-                  local_window_size=(window - 1, 0) if window else None)}[impl]
+        fn = K.attention_fns(True, window, sinks if window else None)[impl]
         if direction == "fwd":
             f = jax.jit(fn)
             run = lambda: f(q, k, v)
@@ -87,8 +75,8 @@ def _one_call(impl: str, d: int, direction: str, window: int | None) -> None:
 
 def profile(impl: str, d: int, direction: str, window: int | None = None) -> list[tuple[str, float]]:
     """(kernel, ms) of one call of `impl`, from ncu run on a child process."""
-    cmd = ["ncu", "--profile-from-start", "off", "--target-processes", "all", "--section",
-           "SpeedOfLight", "--print-units", "base", sys.executable, "-m", "bench.ncu", "--call", impl, str(d), direction,
+    cmd = ["ncu", "--profile-from-start", "off", "--target-processes", "all", "--section", "SpeedOfLight",
+           "--print-units", "base", sys.executable, "-m", "bench.ncu", "--call", impl, str(d), direction,
            str(window or 0)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     kernels = parse_durations(res.stdout)
@@ -111,9 +99,14 @@ def main() -> None:
         return
     if shutil.which("ncu") is None:
         raise SystemExit("ncu (Nsight Compute) is not on PATH")
-    rows = []
+    from bench import kernels as K
+    from tessera.lower.kernels.flash_attention import attention_flops
     for d in (int(x) for x in args.d.split(",")):
         for direction in args.direction.split(","):
+            # TFLOP/s at ncu's clock: only the ratios between rows mean anything
+            flops = attention_flops(4, 4096, 4096, QUERY_HEADS[d], d, causal=True, window=args.window,
+                                    backward=direction == "bwd")
+            case = f"D{d} {direction}" + (f" w{args.window}" if args.window else "")
             for impl in args.impl.split(","):
                 if args.window and impl == "torch":
                     continue
@@ -123,16 +116,9 @@ def main() -> None:
                     print(e, flush=True)
                     continue
                 for name, ms in kernels:
-                    print(f"  D{d} {direction} {impl:<8} {ms * 1e3:10.1f} us  {name[:100]}", flush=True)
-                tag = f"D{d} {direction}" + (f" w{args.window}" if args.window else "")
-                rows.append((tag, impl, sum(ms for _, ms in kernels), len(kernels)))
-    print("\n| case | implementation | kernels | ms at ncu's clock | Tessera / best peer |\n|---|---|---|---|---|")
-    for case in dict.fromkeys(r[0] for r in rows):
-        mine = [r for r in rows if r[0] == case]
-        best = min((r[2] for r in mine if r[1] != "tessera"), default=None)
-        for _, impl, ms, n in mine:
-            ratio = f"{best / ms:.2f}x" if best and impl == "tessera" else ""
-            print(f"| {case} | {impl} | {n} | {ms:.3f} | {ratio} |")
+                    print(f"  {case} {impl:<8} {ms * 1e3:10.1f} us  {name[:100]}", flush=True)
+                K.record(case, f"{impl} ({len(kernels)} kernels)", lambda: sum(ms for _, ms in kernels), flops)
+    K.print_table()
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ def test_rotating_program_runs_every_call_on_its_own_input():
         assert out.tolist() == [3.0 * (v + i) for v in range(4)]
 
 
-
 def test_ncu_durations_are_read_per_kernel_in_launch_order():
     """bench.ncu reads ncu's details page: kernel header lines (C++ signatures included), then
     each kernel's Duration in its unit."""
