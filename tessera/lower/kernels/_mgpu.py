@@ -81,6 +81,46 @@ def mma(a, b, shape, *, acc=None, transpose_b: bool = False, interpret: bool, th
     return pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
 
 
+def _dot_t(a, b):
+    """fp32 a @ b.T of loaded tiles (the interpreter's stand-in for a transposed wgmma)."""
+    return lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def mma_pair(first, second, shape, *, interpret: bool, between=lambda x: x):
+    """(between(a1 @ b1.T), a2 @ b2.T) for first = (a1, b1), second = (a2, b2), SMEM refs.
+
+    Both products (fp32 [M, N] = `shape`) are issued back to back; `between` runs on the first
+    as soon as it lands, while the second is still in flight.
+    """
+    if interpret:
+        return between(_dot_t(*first)), _dot_t(*second)
+
+    def body(r1, r2):
+        for ref, (a, b) in ((r1, first), (r2, second)):
+            plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+        x = between(plgpu.wgmma_accumulator_load(r1, wait_n=1))  # one group left: the second
+        return x, r2[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def mma_acc_pair(first, second, *, interpret: bool):
+    """(acc1 + a1 @ b1, acc2 + a2() @ b2) for first = (acc1, a1, b1), second = (acc2, a2, b2).
+
+    a1 is a register array, `a2()` builds the second A operand while the first product is in
+    flight; b1, b2 are SMEM refs. Both accumulators are updated in place on the GPU.
+    """
+    (acc1, a1, b1), (acc2, a2, b2) = first, second
+    if interpret:
+        dot = lambda a, b: jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+        return acc1 + dot(a1, b1), acc2 + dot(a2(), b2)
+
+    def body(refs):
+        r1, r2 = refs
+        plgpu.wgmma(r1, a1, b1)
+        plgpu.wgmma(r2, a2(), b2)
+    return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2)))
+
+
 def zeros(shape, *, interpret: bool):
     """fp32 zeros in the wgmma accumulator layout (the interpreter has no layouts)."""
     x = jnp.full(shape, 0.0, jnp.float32)

@@ -53,6 +53,17 @@ class MaskSpec:
             hi = jnp.minimum(_div(jnp.maximum(last_row + block, 0), block), num_q_blocks)
         return lo, jnp.maximum(hi, lo)
 
+    def full_query_range(self, k_first, k_last, block: int, lo, hi):
+        """Query blocks [a, b) within [lo, hi) whose every row sees every key k_first..k_last."""
+        a = lo if not self.causal else _cdiv(jnp.maximum(k_last - self.q_offset, 0), block)
+        if self.window is None:
+            b = hi
+        else:  # the block's last position must still see k_first: p_last - k_first < window
+            b = _div(jnp.maximum(k_first + self.window - self.q_offset, 0), block)
+        b = jnp.where(k_last < self.kv_len, b, lo)  # padding keys are always masked
+        a = jnp.clip(a, lo, hi)
+        return a, jnp.clip(b, a, hi)
+
     def visible(self, q_pos, k_pos):
         """Elementwise visibility of int32 position tiles (same shape)."""
         ok = k_pos < self.kv_len

@@ -47,13 +47,15 @@ def _bars(n_resident: int, stages: int, n_streams: int):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars, *,
-               dm: _Dims, mask: MaskSpec):
-    """dQ for rows [t*2*bq, (t+1)*2*bq) of head h: stream K/V over the visible key blocks."""
+               dm: _Dims, mask: MaskSpec, num_tiles: int):
+    """dQ for rows [r, r + 2*bq) of head h, r = (num_tiles-1-t)*2*bq: stream K/V over the visible
+    key blocks. Tiles run last rows first: under a causal mask those see the most keys, so the
+    grid's last wave holds the lightest CTAs."""
     q2, do2, lse2, delta2, k_ring, v_ring = smem
     (q_bar, do_bar, lse_bar, delta_bar), (k_full, v_full), (k_free, v_free) = bars
     bq, bkv, interp = dm.bq, dm.bkv, dm.interpret
     b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
-    cta_row = lax.axis_index("t") * (2 * bq)
+    cta_row = (num_tiles - 1 - lax.axis_index("t")) * (2 * bq)
     lo, hi = mask.key_range(cta_row + mask.q_offset, cta_row + 2 * bq - 1 + mask.q_offset, bkv)
     kv_head = lax.div(h, jnp.int32(dm.group))
 
@@ -73,14 +75,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         lse = _mgpu.load_rows(lse_smem, interpret=interp)
         delta = _mgpu.load_rows(delta_smem, interpret=interp)
 
-        def step(kv, dq):
+        def step(kv, dq, masked):
             slot = lax.rem(kv - lo, dm.stages)
             plgpu.barrier_wait(k_full.at[slot])
-            s = _mgpu.mma(q_smem, k_ring.at[slot], (bq, bkv), transpose_b=True, interpret=interp)
-            p = jnp.exp2(s * dm.qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-            p = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), p, 0.0)
             plgpu.barrier_wait(v_full.at[slot])
-            dp = _mgpu.mma(do_smem, v_ring.at[slot], (bq, bkv), transpose_b=True, interpret=interp)
+
+            def probs(s):  # while dP = dO V^T is in flight
+                p = jnp.exp2(s * dm.qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                if masked:
+                    p = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), p, 0.0)
+                return p
+            p, dp = _mgpu.mma_pair((q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot]), (bq, bkv),
+                                   interpret=interp, between=probs)
             plgpu.barrier_arrive(v_free.at[slot])
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
             dq = _mgpu.mma(ds.astype(q_smem.dtype), k_ring.at[slot], dq.shape, acc=dq,
@@ -88,7 +94,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        dq = lax.fori_loop(lo, hi, step, _mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp))
+        dq = _mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp)
+        full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
+        dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
+        dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+        dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
         q_smem[...] = (dq * dm.scale).astype(q_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -134,36 +144,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         plgpu.barrier_wait(v_bar.at[wg])
         (q_full, do_full, lse_full, delta_full), (q_free, do_free, lse_free, delta_free) = fulls, frees
 
-        def step(i, carry):
+        def step(qb, carry, j, masked):
             dk, dv = carry
+            i = j * n_q + (qb - q_lo)  # the producer's step: (j-th head of the group, query block)
             slot = lax.rem(i, dm.stages)
-            _, row0 = unflatten(i)
-            plgpu.barrier_wait(q_full.at[slot])
-            plgpu.barrier_wait(lse_full.at[slot])
-            st = _mgpu.mma(k_smem, q_ring.at[slot], (bkv, bq), transpose_b=True, interpret=interp)
-            lse = _mgpu.load_rows(lse_ring.at[slot], interpret=interp, dim=0)
-            plgpu.barrier_arrive(lse_free.at[slot])
-            pt = jnp.exp2(st * dm.qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
-            visible = mask.tile(row0 + mask.q_offset, key0, (bkv, bq), interpret=interp,
-                                transposed=True)
-            pt = jnp.where(visible, pt, 0.0)  # [bkv, bq]
-            plgpu.barrier_wait(do_full.at[slot])
-            dv = _mgpu.mma(pt.astype(k_smem.dtype), do_ring.at[slot], dv.shape, acc=dv,
-                           interpret=interp)
-            dpt = _mgpu.mma(v_smem, do_ring.at[slot], (bkv, bq), transpose_b=True, interpret=interp)
-            plgpu.barrier_arrive(do_free.at[slot])
+            for bar in (q_full, do_full, lse_full):
+                plgpu.barrier_wait(bar.at[slot])
+
+            def probs(st):  # P^T, while dP^T = V dO^T is in flight
+                lse = _mgpu.load_rows(lse_ring.at[slot], interpret=interp, dim=0)
+                plgpu.barrier_arrive(lse_free.at[slot])
+                pt = jnp.exp2(st * dm.qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
+                if masked:
+                    visible = mask.tile(qb * bq + mask.q_offset, key0, (bkv, bq), interpret=interp,
+                                        transposed=True)
+                    pt = jnp.where(visible, pt, 0.0)
+                return pt  # [bkv, bq]
+            pt, dpt = _mgpu.mma_pair((k_smem, q_ring.at[slot]), (v_smem, do_ring.at[slot]), (bkv, bq),
+                                     interpret=interp, between=probs)
             plgpu.barrier_wait(delta_full.at[slot])
             delta = _mgpu.load_rows(delta_ring.at[slot], interpret=interp, dim=0)
             plgpu.barrier_arrive(delta_free.at[slot])
-            dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-            dk = _mgpu.mma(dst.astype(k_smem.dtype), q_ring.at[slot], dk.shape, acc=dk,
-                           interpret=interp)
+
+            def grad_scores():  # dS^T, while dV's product is in flight
+                return (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))).astype(k_smem.dtype)
+            dv, dk = _mgpu.mma_acc_pair((dv, pt.astype(k_smem.dtype), do_ring.at[slot]),
+                                        (dk, grad_scores, q_ring.at[slot]), interpret=interp)
+            plgpu.barrier_arrive(do_free.at[slot])
             plgpu.barrier_arrive(q_free.at[slot])
             return dk, dv
 
+        def head_steps(j, carry):  # query blocks of the group's j-th head: masked, full, masked
+            for a, b_, masked in ((q_lo, full_lo, True), (full_lo, full_hi, False),
+                                  (full_hi, q_hi, True)):
+                carry = lax.fori_loop(a, b_, functools.partial(step, j=j, masked=masked), carry)
+            return carry
+
         shape = (bkv, k_smem.shape[-1])
         zero = _mgpu.zeros(shape, interpret=interp)
-        dk, dv = lax.fori_loop(q_lo - q_lo, n_steps, step, (zero, zero))  # traced bounds
+        full_lo, full_hi = mask.full_query_range(key0, key0 + bkv - 1, bq, q_lo, q_hi)
+        dk, dv = lax.fori_loop(q_lo - q_lo, jnp.int32(dm.group), head_steps, (zero, zero))
         k_smem[...] = (dk * dm.scale).astype(k_smem.dtype)
         v_smem[...] = dv.astype(v_smem.dtype)
         plgpu.commit_smem()
@@ -223,7 +243,7 @@ def backward(q, k, v, sinks, out, lse, d_out, *, causal, window, scale, q_offset
     common = dict(num_threads=3, thread_name="wg", interpret=cfg.interpret)
 
     dq = _mgpu.kernel_call(
-        functools.partial(_dq_kernel, dm=dm, mask=mask),
+        functools.partial(_dq_kernel, dm=dm, mask=mask, num_tiles=s_pad // (2 * bq)),
         out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         grid=(hq, s_pad // (2 * bq), bsz), grid_names=("h", "t", "b"),
         scratch_types=((own(bq), own(bq), plgpu.SMEM((2, bq), jnp.float32),

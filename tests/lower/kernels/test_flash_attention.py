@@ -124,6 +124,19 @@ def test_forward_lowers_for_hopper(d, overlap):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_lowers_for_hopper(d):
+    """The dQ and dK/dV kernels pass the real Mosaic GPU lowering (paired wgmma groups, waits on
+    the first of two products, accumulators updated in place), which the interpreter skips."""
+    cfg = FlashConfig(block_kv=128, stages=2, block_q_bwd=128 if d == 64 else 64, num_ctas=132)
+    q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 1, d), jnp.bfloat16)
+    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, window=300, config=cfg).sum()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3  # forward, dQ, dK/dV
+
+
 def test_unsupported_shapes_fall_back():
     """Head dim 96, fp32 and mismatched heads are refused, so the lowering keeps the reference."""
     cfg = FlashConfig(interpret=True)

@@ -1,0 +1,51 @@
+"""Block ranges of MaskSpec against brute-force visibility of every (query, key) pair."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tessera.lower.kernels.attention_mask import MaskSpec
+
+BLOCK = 8
+CASES = [  # (causal, window, q_offset, rows, kv_len)
+    (True, None, 0, 40, 40), (True, 5, 0, 40, 40), (True, 13, 0, 40, 37), (False, None, 0, 24, 29),
+    (True, 9, 16, 24, 40), (True, None, 5, 24, 29), (False, 11, 3, 24, 40), (True, 7, 0, 40, 40),
+    (True, 10, 3, 24, 40), (True, 23, 0, 40, 40), (False, 15, 0, 24, 40),
+]
+
+
+def _visible(spec: MaskSpec, rows: int, keys: int) -> np.ndarray:
+    p = np.arange(rows)[:, None] + spec.q_offset
+    j = np.arange(keys)[None, :]
+    return np.broadcast_to(np.asarray(spec.visible(jnp.asarray(p), jnp.asarray(j))), (rows, keys))
+
+
+@pytest.mark.parametrize("causal,window,q_offset,rows,kv_len", CASES)
+def test_block_ranges_match_pairwise_visibility(causal, window, q_offset, rows, kv_len):
+    """key_range/full_range (query tiles) and query_range/full_query_range (key tiles): every
+    block with a visible pair is in range, and a block is "full" exactly when all its pairs are."""
+    spec = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=kv_len)
+    keys = -(-kv_len // BLOCK) * BLOCK
+    vis = _visible(spec, rows, keys)
+    n_q, n_k = rows // BLOCK, keys // BLOCK
+    block = lambda qb, kb: vis[qb * BLOCK:(qb + 1) * BLOCK, kb * BLOCK:(kb + 1) * BLOCK]
+    for qb in range(n_q):
+        p0 = qb * BLOCK + q_offset
+        lo, hi = (int(x) for x in spec.key_range(jnp.int32(p0), jnp.int32(p0 + BLOCK - 1), BLOCK))
+        a, b = (int(x) for x in spec.full_range(jnp.int32(p0), jnp.int32(p0 + BLOCK - 1), BLOCK,
+                                                 jnp.int32(lo), jnp.int32(hi)))
+        for kb in range(n_k):
+            assert not block(qb, kb).any() or lo <= kb < hi, (qb, kb)
+            if lo <= kb < hi:
+                assert (a <= kb < b) == bool(block(qb, kb).all()), (qb, kb, a, b)
+    for kb in range(n_k):
+        k0 = kb * BLOCK
+        lo, hi = (int(x) for x in spec.query_range(jnp.int32(k0), jnp.int32(k0 + BLOCK - 1), BLOCK, n_q))
+        a, b = (int(x) for x in spec.full_query_range(jnp.int32(k0), jnp.int32(k0 + BLOCK - 1), BLOCK,
+                                                       jnp.int32(lo), jnp.int32(hi)))
+        for qb in range(n_q):
+            assert not block(qb, kb).any() or lo <= qb < hi, (kb, qb)
+            if lo <= qb < hi:
+                assert (a <= qb < b) == bool(block(qb, kb).all()), (kb, qb, a, b)
