@@ -72,6 +72,17 @@ def test_interpret_query_offset_chunked_prefill():
            config=cfg, seed=2, q_offset=128)
 
 
+def test_interpret_window_split_into_masked_and_full_runs(monkeypatch):
+    """CPU interpreter: a window wide enough (here forced to one block) that the backward splits
+    its loops into masked / fully visible / masked stretches, with GQA 4:1 so dK/dV runs its
+    stretches once per query head of the group."""
+    import tessera.lower.kernels.flash_attention_bwd as bwd
+    monkeypatch.setattr(bwd, "_SPLIT_MIN_WINDOW_BLOCKS", 1)
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
+    _check((1, 64, 256, 4, 1, 64), jnp.bfloat16, causal=True, window=130, with_sinks=True,
+           config=cfg, seed=3, q_offset=192)
+
+
 def _check_forward(shape, dtype, *, causal, window, with_sinks, config, seed=0, q_offset=0):
     """Forward only (no backward: cheaper in the interpreter) against the fp32 reference."""
     q, k, v, sinks, _ = _inputs(seed, *shape, dtype, with_sinks)
@@ -124,14 +135,15 @@ def test_forward_lowers_for_hopper(d, overlap):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_backward_lowers_for_hopper(d):
+@pytest.mark.parametrize("d,window", [(64, None), (64, 300), (128, None), (128, 300)])
+def test_backward_lowers_for_hopper(d, window):
     """The dQ and dK/dV kernels pass the real Mosaic GPU lowering (paired wgmma groups, waits on
-    the first of two products, accumulators updated in place), which the interpreter skips."""
+    the first of two products, accumulators updated in place), which the interpreter skips;
+    causal loops run split into masked and full stretches, a 300 window as one masked loop."""
     cfg = FlashConfig(block_kv=128, stages=2, block_q_bwd=128 if d == 64 else 64, num_ctas=132)
     q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 1, d), jnp.bfloat16)
-    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, window=300, config=cfg).sum()
+    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, window=window, config=cfg).sum()
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3  # forward, dQ, dK/dV
