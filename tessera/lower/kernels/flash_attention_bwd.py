@@ -7,6 +7,9 @@ dQ: a CTA = 2 compute warpgroups x `block_q_bwd` rows; a memory warpgroup stream
 visible key range. dK/dV: a CTA = 2 compute warpgroups x `block_kv_bwd` keys of one KV head; the
 memory warpgroup streams Q/dO/lse/delta tiles of every query head of the group over the query
 range that sees those keys, so GQA sums happen in registers and dK/dV are written once.
+On a fully visible block the two products reading one streamed tile are issued together (S with
+dP; dV with dK) and the next step's operand is built while the second is in flight; blocks the
+mask cuts issue one product at a time (registers: bench/RESULTS.md).
 """
 
 from __future__ import annotations
