@@ -74,13 +74,13 @@ def test_interpret_query_offset_chunked_prefill():
 
 def test_interpret_window_split_into_masked_and_full_runs(monkeypatch):
     """CPU interpreter: a window wide enough (here forced to one block) that the backward splits
-    its loops into masked / fully visible / masked stretches, with GQA 4:1 so dK/dV runs its
-    stretches once per query head of the group."""
+    its loops into masked / fully visible / masked stretches (keys 64..127 are fully visible to
+    rows 128..191), with GQA 2:1 so dK/dV runs its stretches once per query head of the group."""
     import tessera.lower.kernels.flash_attention_bwd as bwd
     monkeypatch.setattr(bwd, "_SPLIT_MIN_WINDOW_BLOCKS", 1)
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
-    _check((1, 64, 256, 4, 1, 64), jnp.bfloat16, causal=True, window=130, with_sinks=True,
-           config=cfg, seed=3, q_offset=192)
+    _check((1, 64, 192, 2, 1, 64), jnp.bfloat16, causal=True, window=130, with_sinks=True,
+           config=cfg, seed=3, q_offset=128)
 
 
 def _check_forward(shape, dtype, *, causal, window, with_sinks, config, seed=0, q_offset=0):
