@@ -81,11 +81,6 @@ def mma(a, b, shape, *, acc=None, transpose_b: bool = False, interpret: bool, th
     return pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
 
 
-def _dot_t(a, b):
-    """fp32 a @ b.T of loaded tiles (the interpreter's stand-in for a transposed wgmma)."""
-    return lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def mma_pair(first, second, shape, *, interpret: bool, between=lambda x: x):
     """(between(a1 @ b1.T), a2 @ b2.T) for first = (a1, b1), second = (a2, b2), SMEM refs.
 
@@ -93,7 +88,9 @@ def mma_pair(first, second, shape, *, interpret: bool, between=lambda x: x):
     as soon as it lands, while the second is still in flight.
     """
     if interpret:
-        return between(_dot_t(*first)), _dot_t(*second)
+        (a1, b1), (a2, b2) = first, second
+        return (between(mma(a1, b1, shape, transpose_b=True, interpret=True)),
+                mma(a2, b2, shape, transpose_b=True, interpret=True))
 
     def body(r1, r2):
         for ref, (a, b) in ((r1, first), (r2, second)):
@@ -111,8 +108,8 @@ def mma_acc_pair(first, second, *, interpret: bool):
     """
     (acc1, a1, b1), (acc2, a2, b2) = first, second
     if interpret:
-        dot = lambda a, b: jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-        return acc1 + dot(a1, b1), acc2 + dot(a2(), b2)
+        return (mma(a1, b1, acc1.shape, acc=acc1, interpret=True),
+                mma(a2(), b2, acc2.shape, acc=acc2, interpret=True))
 
     def body(refs):
         r1, r2 = refs

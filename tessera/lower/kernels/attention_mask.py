@@ -7,6 +7,7 @@ j < kv_len, and (causal) j <= p, and (window) p - j < window.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -80,6 +81,14 @@ class MaskSpec:
         if transposed:
             return self.visible(cols + q_first, rows + k_first)
         return self.visible(rows + q_first, cols + k_first)
+
+
+def masked_stretches(step, carry, lo, full_lo, full_hi, hi):
+    """`step(i, carry, masked=...)` over [lo, full_lo) masked, [full_lo, full_hi) fully visible,
+    [full_hi, hi) masked: three loops, so a fully visible block traces no mask."""
+    for a, b, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+        carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
+    return carry
 
 
 def _traced_zero(nonneg):

@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import _mgpu
 from tessera.lower.kernels._vma import common, like
-from tessera.lower.kernels.attention_mask import MaskSpec
+from tessera.lower.kernels.attention_mask import MaskSpec, masked_stretches
 from tessera.lower.reference.attention import attention as attention_reference
 
 
@@ -237,9 +237,7 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
         return acc, m_new, l
 
     full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
-    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+    return masked_stretches(step, carry, lo, full_lo, full_hi, hi)
 
 
 def _mma_during(a, b, shape, during, *, interpret: bool):
@@ -249,9 +247,7 @@ def _mma_during(a, b, shape, during, *, interpret: bool):
     register arrays computed under the wgmma. The interpreter computes the product first.
     """
     if interpret:
-        out = lax.dot_general(a[...], b[...], (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-        return out, during()
+        return _mgpu.mma(a, b, shape, transpose_b=True, interpret=True), during()
 
     def body(acc_ref):
         plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
@@ -337,8 +333,7 @@ def _attend_overlap(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_s
     full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
     full_lo, full_hi = jnp.minimum(full_lo, last), jnp.minimum(full_hi, last)
     carry = (acc, m, l, s)
-    for a, b, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, last, True)):
-        carry = lax.fori_loop(a, b, functools.partial(step, masked=masked, issue=True), carry)
+    carry = masked_stretches(functools.partial(step, issue=True), carry, lo, full_lo, full_hi, last)
     acc, m, l, _ = lax.fori_loop(last, hi, functools.partial(step, masked=True, issue=False), carry)
     return acc, m, l
 

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import _mgpu
-from tessera.lower.kernels.attention_mask import MaskSpec
+from tessera.lower.kernels.attention_mask import MaskSpec, masked_stretches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +118,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ba
         dq = _mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp)
         if _split_full_blocks(mask, bkv):
             full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
-            dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
-            dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-            dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+            dq = masked_stretches(step, dq, lo, full_lo, full_hi, hi)
         else:
             dq = lax.fori_loop(lo, hi, functools.partial(step, masked=True), dq)
         q_smem[...] = (dq * dm.scale).astype(q_smem.dtype)
@@ -214,12 +212,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             return dk, dv
 
         def head_steps(j, carry):  # query blocks of the group's j-th head: masked, full, masked
-            for a, b_, masked in ((q_lo, full_lo, True), (full_lo, full_hi, False),
-                                  (full_hi, q_hi, True)):
-                carry = lax.fori_loop(
-                    a, b_, lambda qb, c, masked=masked: step(j * n_q + qb - q_lo, qb * bq, c, masked),
-                    carry)
-            return carry
+            block_step = lambda qb, c, masked: step(j * n_q + qb - q_lo, qb * bq, c, masked)
+            return masked_stretches(block_step, carry, q_lo, full_lo, full_hi, q_hi)
 
         shape = (bkv, k_smem.shape[-1])
         zero = _mgpu.zeros(shape, interpret=interp)
