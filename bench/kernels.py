@@ -543,26 +543,51 @@ def run_mxfp4(check: bool = False, experts=((32, 5760), (32, 2880), (128, 5760),
         del rhs, w
 
 
+MXFP4_TUNE = [  # label -> Mxfp4Config fields over the default; splits = K steps / steps per program
+    ("default", {}),
+    ("dot m16 k64 n64 s6 st1", dict(block_m=16, block_k=64, block_n=64, splits=6, num_stages=1)),
+    ("dot m16 k64 n64 s45 st1", dict(block_m=16, block_k=64, block_n=64, splits=45, num_stages=1)),
+    ("dot m16 k64 n128 s45 st1", dict(block_m=16, block_k=64, block_n=128, splits=45, num_stages=1)),
+    ("dot m16 k64 n64 s15 st1", dict(block_m=16, block_k=64, block_n=64, splits=15, num_stages=1)),
+    ("dot m16 k128 n64 s23 st1", dict(block_m=16, block_k=128, block_n=64, splits=23, num_stages=1)),
+    ("dot m16 k64 n32 s45 st1", dict(block_m=16, block_k=64, block_n=32, splits=45, num_stages=1)),
+    ("dot m16 k64 n64 s45 st1 w2", dict(block_m=16, block_k=64, block_n=64, splits=45, num_stages=1,
+                                        num_warps=2)),
+    ("fma m1 k64 n64 s45 st1", dict(block_m=1, block_k=64, block_n=64, splits=45, num_stages=1)),
+    ("fma m1 k64 n64 s15 st1", dict(block_m=1, block_k=64, block_n=64, splits=15, num_stages=1)),
+    ("fma m1 k64 n64 s6 st1", dict(block_m=1, block_k=64, block_n=64, splits=6, num_stages=1)),
+    ("fma m1 k128 n64 s23 st1", dict(block_m=1, block_k=128, block_n=64, splits=23, num_stages=1)),
+]
+
+
 def tune_mxfp4(check: bool = False) -> None:
-    """MXFP4 kernel tile variants (K splits, N tile, warps, pipelining depth) at three decode shapes."""
+    """MXFP4 expert matmul tile variants at decode shapes, timed from profiles (GPU busy time per call,
+    the tile table and split-K sum included): the calls are 5-50 us, where the slope of host timing jitters."""
     import dataclasses
-    from tessera.lower.kernels.mxfp4_matmul import default_config, ragged_dot
-    variants = [{}, dict(splits=1), dict(splits=4), dict(splits=8), dict(block_n=64), dict(block_n=256),
-                dict(num_warps=8), dict(num_stages=2), dict(num_stages=4)]
+    from bench.trace import profile_us
+    from tessera.lower.kernels.mxfp4_matmul import default_config, ragged_dot, ragged_dot_reference
     k = 2880
-    for tokens, g, n in [(1, 32, 5760), (8, 128, 5760), (64, 32, 2880)]:
+    for tokens, g, n in [(1, 32, 2880), (1, 128, 2880), (8, 32, 2880), (64, 32, 2880)]:
         rhs, m = _mxfp4_experts(g, k, n), tokens * 4
         routings = _decode_routings(tokens, 4, g, count=8)
         nbytes = np.mean([(s > 0).sum() for s in routings]) * (k // 2 + k // 32) * n + 2 * m * (k + n)
         lhs = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+        sizes = [jnp.asarray(s) for s in routings]
         base = default_config(m, k, n, g)
-        for kw in variants:
+        want = ragged_dot_reference(lhs, rhs, sizes[0]) if check else None
+        for label, kw in MXFP4_TUNE:
             cfg = dataclasses.replace(base, **kw)
-            name = "tessera " + (" ".join(f"{a}={b}" for a, b in kw.items()) or f"default (splits={base.splits})")
             fn = lambda x, r, s, cfg=cfg: ragged_dot(x, r, s, config=cfg)
-            record(f"tune mxfp4 M{m} G{g} {k}->{n}", name,
-                   lambda: time_rotating(fn, (lhs, rhs), [jnp.asarray(s) for s in routings], iters=10),
-                   nbytes, "GB/s")
+            case = f"tune mxfp4 M{m} G{g} {k}->{n}"
+            try:
+                err = f" rel err {rel_err(jax.jit(fn)(lhs, rhs, sizes[0]), want):.1e}" if check else ""
+                busy, span = profile_us(fn, (lhs, rhs), sizes, breakdown=label == "default")
+            except Exception as e:  # a variant Triton cannot compile must not stop the sweep
+                print(f"  {case} / {label}: failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            ROWS.append((case, f"tessera {label}", busy / 1e3, nbytes / (busy * 1e-6) / 1e9, "GB/s"))
+            print(f"  {case:<30} {label:<24} busy {busy:7.1f} us  span {span:7.1f} us "
+                  f"{ROWS[-1][3]:7.0f} GB/s{err}", flush=True)
         del rhs
 
 

@@ -27,7 +27,8 @@ class LowerCtx:
     mode: "train" (full sequence, no cache), "prefill" (full prompt, fills the cache) or
     "decode" (new tokens against the cache). positions: int32 [batch, seq] absolute positions of the
     tokens being processed. shard: inside `shard_map`, which mesh axes split which logical axes and the
-    collectives that go with them (lowerings then see local blocks).
+    collectives that go with them (lowerings then see local blocks). unroll: `repeat` runs its layers
+    unrolled over per-layer parameters and states (generation; tessera/lower/interpret.py says why).
     """
 
     accum_dtype: Any = jnp.float32
@@ -39,6 +40,7 @@ class LowerCtx:
     shard: Any = None  # tessera.lower.shard.collectives.ShardEnv inside shard_map, None on one device
     report: Any = None  # a dict that kernel selection records its choices in ({op label: implementation})
     aux: Any = None  # a dict of step counters lowerings add int32 scalars to ({name: count}), e.g. moe_dropped
+    unroll: bool = False
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

@@ -19,7 +19,7 @@ import optax
 
 from tessera.ir.types import Graph
 from tessera.lower.context import LowerCtx
-from tessera.lower.interpret import eval_region, init_state
+from tessera.lower.interpret import eval_region, init_state, split_layers
 from tessera.lower.reference import mxfp4
 from tessera.lower.reference.losses import cross_entropy
 from tessera.lower import storage
@@ -251,11 +251,14 @@ class Program:
     def _generate(self, params, prompts, seed, max_new: int, rule, stop_tokens, shard=None):
         b, p = prompts.shape
         body = self.graph.body
-        state = init_state(body, self._ctx(mode="prefill", shard=shard), b, p + max_new)
+        # layers unrolled over their own weights and caches (interpret.py: a scan would copy them per token);
+        # the split copies the stacked weights once per call, so generation holds them twice meanwhile
+        params = split_layers(body, params)
+        ctx = functools.partial(self._ctx, shard=shard, unroll=True)
+        state = init_state(body, ctx(mode="prefill"), b, p + max_new)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
-        (logits,), state = eval_region(body, [prompts], params,
-                                       self._ctx(mode="prefill", positions=positions, shard=shard), state)
+        (logits,), state = eval_region(body, [prompts], params, ctx(mode="prefill", positions=positions), state)
         logits = whole(logits)
         key = jax.random.key(seed)
         first = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, 0))
@@ -264,8 +267,7 @@ class Program:
         def step(carry, i):
             token, done, state = carry
             pos = jnp.full((b, 1), p + i, jnp.int32)
-            (logits,), state = eval_region(body, [token[:, None]], params,
-                                           self._ctx(mode="decode", positions=pos, shard=shard), state)
+            (logits,), state = eval_region(body, [token[:, None]], params, ctx(mode="decode", positions=pos), state)
             logits = whole(logits)
             nxt = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, i + 1))
             nxt = jnp.where(done, token, nxt)  # a finished row repeats its stop token

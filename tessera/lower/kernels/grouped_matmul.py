@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import _mgpu
+from tessera.lower.kernels._tables import cumsum
 from tessera.lower.kernels._vma import common, like
 
 MEMORY_REGISTERS = 40  # the TMA warpgroup's registers; the consumers share the rest
@@ -127,12 +128,12 @@ def _tile_table(group_sizes, m: int, block_m: int, align: int = ALIGN):
     Rows past sum(group_sizes) form group G, whose tiles store zeros. Unused entries have 0 rows.
     """
     sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    ends = jnp.minimum(cumsum(sizes), m)
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # + the tail group
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     base = starts // align * align
     count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)  # tiles per group
-    offsets = jnp.cumsum(count)
+    offsets = cumsum(count)
     t = jnp.arange(m // block_m + ends.shape[0] + 1, dtype=jnp.int32)
     # compare_all: one fused comparison; the default binary search is a device loop of small kernels
     grp = jnp.searchsorted(offsets, t, side="right", method="compare_all")
@@ -289,11 +290,11 @@ def _drhs_table(group_sizes, m: int, br: int, per_chunk: int):
     listed for both); an empty group lists one block with 0 rows, so its d rhs is written (zeros).
     Chunk c (groups [c * per_chunk, ...)) owns steps [lo[c], hi[c]). The last row is a sentinel.
     """
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    ends = jnp.minimum(cumsum(group_sizes.astype(jnp.int32)), m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     first_blk = jnp.minimum(starts // br, m // br - 1)
     count = jnp.where(ends > starts, (ends - 1) // br - first_blk + 1, 1)
-    offsets = jnp.cumsum(count)
+    offsets = cumsum(count)
     g = group_sizes.shape[0]
     t = jnp.arange(m // br + g + 1, dtype=jnp.int32)
     grp = jnp.minimum(jnp.searchsorted(offsets, t, side="right", method="compare_all"), g - 1)

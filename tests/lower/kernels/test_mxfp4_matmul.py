@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tessera.lower.kernels._tables import cumsum
 from tessera.lower.kernels.mxfp4_matmul import (Mxfp4Config, _tile_table, default_config, matmul, ragged_dot,
                                                 ragged_dot_reference, supported)
 from tessera.lower.reference import mxfp4 as ref
@@ -28,18 +29,29 @@ def _want(lhs, rhs, sizes):
     return ragged_dot_reference(lhs.astype(jnp.float32), rhs, sizes)
 
 
-def test_tile_table_covers_every_row_once():
-    """Each row up to m lands in exactly one run of its own group (tail rows: group G)."""
-    sizes = np.array([3, 0, 40, 17, 0, 1], np.int32)
-    m, bm = 70, 16
+def test_cumsum_is_numpy_cumsum():
+    x = np.random.default_rng(0).integers(0, 50, 37).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(cumsum(jnp.asarray(x))), np.cumsum(x))
+
+
+@pytest.mark.parametrize("sizes,m,bm", [
+    ([3, 0, 40, 17, 0, 1], 70, 16),  # rows past sum(sizes)
+    ([0, 1, 0, 0, 1, 0, 0, 0, 1, 1] + [0] * 110, 4, 16),  # decode: 120 experts, 4 of them hold a row
+    ([5, 5, 5, 5], 20, 4),  # every group exactly whole tiles
+    ([17, 1, 15, 0, 33], 66, 16),  # runs straddling tiles in every group
+])
+def test_tile_table_covers_every_row_once(sizes, m, bm):
+    """Each row up to m lands in exactly one run of its own group (tail rows: group G), and the table
+    has cdiv(m, bm) + min(G, m) + 1 entries however many groups are empty."""
+    sizes = np.array(sizes, np.int32)
     table = np.asarray(_tile_table(jnp.asarray(sizes), m, bm))
-    assert table.shape == (-(-m // bm) + len(sizes) + 1, 3)
+    assert table.shape == (-(-m // bm) + min(len(sizes), m) + 1, 3)
     owner = np.full(m, -1)
     for grp, row0, rows in table:
         assert 0 <= rows <= bm
         assert (owner[row0:row0 + rows] == -1).all()
         owner[row0:row0 + rows] = grp
-    want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(m - sizes.sum(), 6)])
+    want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(m - sizes.sum(), len(sizes))])
     np.testing.assert_array_equal(owner, want)
 
 
@@ -47,6 +59,12 @@ INTERPRET_CASES = [  # m, k, n, sizes, config
     (37, 128, 96, [5, 0, 20, 0, 9], Mxfp4Config(block_m=16, block_n=64, block_k=64, interpret=True)),
     (4, 96, 64, [0, 1, 0, 2, 1, 0], Mxfp4Config(block_m=16, block_n=32, block_k=32, splits=2, interpret=True)),
     (50, 64, 48, [0, 0, 50], Mxfp4Config(block_m=32, block_n=32, block_k=32, interpret=True)),
+    # block_k not dividing K (the last step masked), as decode's 256-wide steps over K = 2880 are
+    (9, 160, 64, [2, 0, 4, 1], Mxfp4Config(block_m=16, block_n=32, block_k=128, interpret=True)),
+    (6, 224, 32, [1, 5], Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True)),
+    # block_m < 16: the FMA path (decode: a row or two per expert)
+    (7, 160, 64, [1, 0, 3, 2], Mxfp4Config(block_m=2, block_n=32, block_k=128, splits=2, interpret=True)),
+    (5, 96, 48, [0, 1, 1, 1, 0, 1], Mxfp4Config(block_m=1, block_n=32, block_k=64, interpret=True)),
 ]
 
 
@@ -92,6 +110,8 @@ def test_supported_and_default_config():
     assert default_config(8192, 2880, 5760, 32).block_m == 64
     with pytest.raises(ValueError, match="power of two"):
         Mxfp4Config(block_n=96)
+    with pytest.raises(ValueError, match="power of two"):
+        Mxfp4Config(block_m=3)
 
 
 def _routing(tokens: int, top_k: int, g: int, seed: int) -> np.ndarray:
