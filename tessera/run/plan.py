@@ -134,12 +134,22 @@ def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool
         loss = cost.concrete(logits, mb).with_dtype("f32")  # log-softmax of the logits in fp32
         per_mb = stage_layers * acts["per_layer"] + acts["total"] - acts["layers"] * acts["per_layer"]
         total = in_flight * per_mb + cost.nbytes(loss, layout.activations(loss))
-        return {"activations": total, "kv_cache": 0.0}
+        return {"activations": total, "kv_cache": 0.0, "layer_copies": 0.0}
     if exp.task.kind == "generate":
         prompt = {**sizes, "seq": sizes["seq"] - exp.task.max_new_tokens}
         kv = cost.kv_cache_bytes(graph, sizes["batch"], sizes["seq"], layout.activations)
-        return {"activations": cost.working_set_bytes(graph, prompt, layout.activations), "kv_cache": kv}
-    return {"activations": cost.working_set_bytes(graph, sizes, layout.activations), "kv_cache": 0.0}
+        return {"activations": cost.working_set_bytes(graph, prompt, layout.activations), "kv_cache": kv,
+                "layer_copies": _layer_copies(graph, layout)}
+    return {"activations": cost.working_set_bytes(graph, sizes, layout.activations), "kv_cache": 0.0,
+            "layer_copies": 0.0}
+
+
+def _layer_copies(graph, layout: cost.Layout) -> float:
+    """Per-device bytes of the parameters a `repeat` stacks: generation splits them into one buffer per layer
+    once per call (tessera/lower/interpret.py), so while it runs it holds them twice."""
+    inside = {path for op, axes, _ in cost.walk_counted(graph.body) if axes for path, _ in cost.param_uses(op)}
+    return sum(layout.per_device(c.type) * cost.bits_per_element(c.type.dtype) / 8
+               for c in cost.param_counts(graph) if c.path in inside)
 
 
 def _decode_bytes(graph, layout: cost.Layout, batch: int) -> float:
