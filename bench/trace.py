@@ -12,6 +12,9 @@ reads the trace's GPU events and prints, per kernel name, the calls per case cal
 microseconds and the share of the GPU's busy time, and the busy time against the wall time.
 `generate` traces a whole model's generation instead (random weights): one call with --t new tokens
 and one with a single new token, and prints the difference per generated token, i.e. one decode step.
+Run it with `XLA_FLAGS=--xla_gpu_enable_command_buffer=`: profiling the token loop as a CUDA graph
+crashed the process (jax 0.11.2, H200); without graphs the kernels are the same, the gaps longer. Add
+`--xla_gpu_deterministic_ops=true` to see the program `tessera run` runs (deterministic: true).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def profile_us(fn, consts, varying, out: pathlib.Path | None = None, breakdown: 
     from bench.kernels import rotating_program
     many, args = rotating_program(fn, consts, varying)
     jax.block_until_ready(many(*args))
-    out = out or pathlib.Path(tempfile.mkdtemp())
+    out = pathlib.Path(tempfile.mkdtemp(dir=out))  # a fresh directory: never an older run's trace
     with jax.profiler.trace(str(out)):
         jax.block_until_ready(many(*args))
     events = _gpu_events(out)
@@ -158,9 +161,10 @@ def generate_trace(spec: str, new: int, out: pathlib.Path, overrides=(), top: in
     print(f"{spec}: {step * 1e3:.3f} ms per decode step (wall), {ids.shape[0] / step:.1f} tokens/s", flush=True)
     traces = {}
     for n in (new, 1):
-        with jax.profiler.trace(str(out / f"gen{n}"), create_perfetto_trace=True):
+        where = pathlib.Path(tempfile.mkdtemp(prefix=f"gen{n}-", dir=out))  # never an older run's trace
+        with jax.profiler.trace(str(where), create_perfetto_trace=True):
             gen(n)
-        traces[n] = _gpu_events(out / f"gen{n}")
+        traces[n] = _gpu_events(where)
     report(traces[new], calls=new - 1, base=traces[1], top=top)
     print("kernel implementations:", json.dumps(prog.kernel_report(), indent=1))
 
@@ -185,12 +189,14 @@ def main() -> None:
     t, n = defaults.get(opts.case, (None, None))
     opts.t, opts.n = opts.t or t, opts.n or n
     out = pathlib.Path(opts.out or tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
     if opts.case == "generate":
         return generate_trace(opts.spec, opts.t, out, opts.set)
     from bench.kernels import rotating_program
     fn, consts, varying = CASES[opts.case](opts)
     many, args = rotating_program(fn, consts, varying)
     jax.block_until_ready(many(*args))  # compile and warm up
+    out = pathlib.Path(tempfile.mkdtemp(dir=out))  # a fresh directory: never an older run's trace
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
         jax.block_until_ready(many(*args))
     report(_gpu_events(out), calls=len(varying))

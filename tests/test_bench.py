@@ -31,6 +31,19 @@ def test_gpu_events_come_from_the_device_rows(tmp_path, capsys):
     assert "6.0 us  75.0%  attn" in out and "2.0 us  25.0%  merge" in out
 
 
+def test_report_subtracts_a_base_trace_kernel_by_kernel(capsys):
+    """generate(16) minus generate(1): what 15 decode steps add, per step."""
+    ev = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur}  # noqa: E731
+    base = [ev("prefill", 0.0, 50.0), ev("step", 60.0, 10.0)]
+    events = base + [ev("step", 80.0 + 20 * i, 10.0) for i in range(15)] + [ev("merge", 85.0 + 20 * i, 2.0)
+                                                                           for i in range(15)]
+    trace.report(events, calls=15, base=base)
+    out = capsys.readouterr().out
+    assert "GPU busy 12.0 us per call over a span of 20.0 us per call" in out
+    assert "1.0x      10.0 us  83.3%  step" in out and "1.0x       2.0 us  16.7%  merge" in out
+    assert "prefill" not in out  # cancelled by the base
+
+
 def test_a_trace_without_gpu_rows_says_what_it_saw(tmp_path):
     _write(tmp_path / "t.json.gz", [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}])
     with pytest.raises(SystemExit, match="/host:CPU"):

@@ -17,8 +17,13 @@ tensor-core dots. Split-K partials (fp32) are summed outside; at decode M that b
 Backend: `pl.pallas_call` lowered through Triton (jax 0.10-0.12; CPU interpreter for CI). Forward only;
 the gradient w.r.t. lhs goes through the reference (dequantised weights), packed weights get none.
 
-Measured on an H200 at decode sizes (bench/RESULTS.md): 3-9x faster than dequantise + ragged_dot and
-0.8-2x a bf16 grouped GEMM, but at 6-24% of the copy bandwidth (what limits it: RESULTS.md).
+block_m < 16 takes the products on the FMA units instead (`_step_fma`); at decode it measured no
+faster than 16-row dots (bench/RESULTS.md), so the defaults keep the dots.
+
+Measured on an H200 at decode sizes (bench/RESULTS.md): 3-9x faster than dequantise + ragged_dot, but
+far from the copy bandwidth: one token's 4 experts (17.7 MB) take 29 us, and Nsight Compute counts
+16.4M warp instructions for them at 31% of the warps an SM holds, i.e. the dequantisation's
+instructions, not DRAM, set the time.
 """
 
 from __future__ import annotations
