@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,11 +13,13 @@ import tessera
 from tessera.lower.context import LowerCtx
 from tessera.lower.interpret import eval_region, init_state, split_layers
 
+TINY = Path(__file__).resolve().parents[2] / "specs" / "gpt_oss_tiny.yaml"
+
 
 @pytest.fixture(scope="module")
 def tiny():
     """gpt_oss_tiny at 4 layers (period 2: sliding and full attention alternate), fp32, and its params."""
-    prog = tessera.compile(tessera.load("specs/gpt_oss_tiny.yaml", overrides={"model.args.layers": 4}))
+    prog = tessera.compile(tessera.load(TINY, overrides={"model.args.layers": 4}))
     return prog, prog.init(seed=0)
 
 
