@@ -126,8 +126,8 @@ def _tile_table(group_sizes, m: int, block_m: int):
     Rows past sum(group_sizes) form a virtual group G whose tiles store zeros (ragged_dot's 0);
     entries past the last run have 0 rows. At most min(G, m) groups hold rows, and each adds at
     most one partial run, so the table (and the kernel's grid) stays at a few entries at decode
-    however many experts there are: an empty program still costs its launch (G = 128, M = 4: a
-    grid over all 130 entries took 82-151 us where the 6 that hold rows need ~10).
+    however many experts there are: an empty program still costs its launch (G = 128, M = 4 on an
+    H200: 53-166 us a call over all 130 entries, 35 us over the 6 that can hold rows).
     """
     ends = jnp.minimum(cumsum(group_sizes.astype(jnp.int32)), m)
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # + the tail group
