@@ -133,9 +133,11 @@ def mxfp4_case(tokens: int, n: int, g: int):
 def generate_trace(spec: str, new: int, out: pathlib.Path, overrides=(), top: int = 40) -> None:
     """One model's decode step, kernel by kernel: generate(new) minus generate(1), per new token.
 
-    Builds the program from tessera.lower alone (greedy, token-id prompts): importing the run
-    layer (orbax, tensorboardX) beside the profiler crashed the process on the GPU image.
+    The program is the one `tessera run` compiles for the spec (greedy, the spec's token-id prompts,
+    no stop tokens), with random weights; the XLA flags are the caller's (see the module docstring).
     """
+    if new < 2:
+        raise SystemExit(f"generate needs --t >= 2 new tokens (got {new}): a step is generate(t) - generate(1)")
     import time
 
     import numpy as np
@@ -192,14 +194,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if opts.case == "generate":
         return generate_trace(opts.spec, opts.t, out, opts.set)
-    from bench.kernels import rotating_program
-    fn, consts, varying = CASES[opts.case](opts)
-    many, args = rotating_program(fn, consts, varying)
-    jax.block_until_ready(many(*args))  # compile and warm up
-    out = pathlib.Path(tempfile.mkdtemp(dir=out))  # a fresh directory: never an older run's trace
-    with jax.profiler.trace(str(out), create_perfetto_trace=True):
-        jax.block_until_ready(many(*args))
-    report(_gpu_events(out), calls=len(varying))
+    profile_us(*CASES[opts.case](opts), out=out, breakdown=True)
 
 
 if __name__ == "__main__":
