@@ -26,7 +26,7 @@ class MaskSpec:
     def key_range(self, p_first, p_last, block: int):
         """Blocks [lo, hi) of `block` keys holding any key visible to positions p_first..p_last."""
         if self.window is None:
-            lo = _traced_zero(p_first)
+            lo = _traced_zero(jnp.maximum(p_first, 0))  # positions may be negative (front padding)
         else:
             lo = _div(jnp.maximum(p_first - self.window + 1, 0), block)
         end = jnp.int32(self.kv_len) if not self.causal else jnp.minimum(p_last + 1, self.kv_len)

@@ -358,12 +358,16 @@ def _q_slots(cfg: FlashConfig, d: int, dtype) -> int:
 
 
 def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfig, has_sinks: bool):
-    """(out [B, S, Hq, D], lse [B, Hq, S_pad] log2 units) of the forward kernel."""
+    """(out [B, S, Hq, D], lse [B, Hq, S] log2 units) of the forward kernel."""
     bsz, s, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     n, rows = _WGS, _WGS * cfg.block_q
     s_pad, t_pad = _round_up(s, rows), _round_up(t, cfg.block_kv)
-    qp, kp, vp = _pad_seq(q, s_pad), _pad_seq(k, t_pad), _pad_seq(v, t_pad)
+    # Causal: the query padding goes in front, where its rows see no keys and their blocks are
+    # skipped or cheap; at the end each padded row would see every key.
+    front = s_pad - s if causal else 0
+    qp = jnp.pad(q, ((0, 0), (front, s_pad - s - front), (0, 0), (0, 0))) if s_pad != s else q
+    kp, vp = _pad_seq(k, t_pad), _pad_seq(v, t_pad)
     sink_rows = sinks.astype(jnp.float32) * _mgpu.LOG2E if has_sinks else jnp.full((hq,), _mgpu.NEG_BIG)
     sink_rows = jnp.broadcast_to(sink_rows[:, None], (hq, cfg.block_q)).astype(jnp.float32)
     stages = min(cfg.stages, max(t_pad // cfg.block_kv, 2))
@@ -378,7 +382,7 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages), plgpu.Barrier(num_arrivals=n))
-    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=t)
+    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t)
     n_items = (s_pad // rows) * bsz * hq
     grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
     work = _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask)
@@ -391,7 +395,7 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
         grid=(grid,), grid_names=("c",),
         num_threads=n + 1, thread_name="wg", scratch_types=(smem, bars),
     )(qp, kp, vp, sink_rows)
-    return like(out[:, :s], q), like(lse, q)
+    return like(out[:, front:front + s], q), like(lse[:, :, front:front + s], q)
 
 
 # ----------------------------------------------------------------------------- public op

@@ -258,7 +258,7 @@ def _pad_seq(x, n: int):
 
 
 def backward(q, k, v, sinks, out, lse, d_out, *, causal, window, scale, q_offset, cfg, has_sinks):
-    """(dq, dk, dv, dsinks) of flash attention given the forward's out and lse [B, Hq, S_pad]."""
+    """(dq, dk, dv, dsinks) of flash attention given the forward's out and lse [B, Hq, S]."""
     bsz, s, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     bq, bkv = cfg.block_q_bwd, cfg.block_kv_bwd

@@ -49,3 +49,18 @@ def test_block_ranges_match_pairwise_visibility(causal, window, q_offset, rows, 
             assert not block(qb, kb).any() or lo <= qb < hi, (kb, qb)
             if lo <= qb < hi:
                 assert (a <= qb < b) == bool(block(qb, kb).all()), (kb, qb, a, b)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 6), (False, None)])
+def test_key_ranges_of_front_padding_stay_in_bounds(causal, window):
+    """The forward pads causal queries in front: positions start at q_offset = -21. Key ranges
+    of such tiles never leave [0, key blocks] and still cover every visible block."""
+    spec = MaskSpec(causal=causal, window=window, q_offset=-21, kv_len=30)
+    n_k = -(-30 // BLOCK)
+    vis = _visible(spec, 56, n_k * BLOCK)
+    for qb in range(56 // BLOCK):
+        p0 = qb * BLOCK - 21
+        lo, hi = (int(x) for x in spec.key_range(jnp.int32(p0), jnp.int32(p0 + BLOCK - 1), BLOCK))
+        assert 0 <= lo <= hi <= n_k, (qb, lo, hi)
+        for kb in range(n_k):
+            assert not vis[qb * BLOCK:(qb + 1) * BLOCK, kb * BLOCK:(kb + 1) * BLOCK].any() or lo <= kb < hi

@@ -57,6 +57,14 @@ def test_interpret_causal_window_sinks_gqa():
     _check((1, 100, 100, 2, 1, 64), jnp.bfloat16, causal=True, window=48, with_sinks=True, config=cfg)
 
 
+def test_interpret_causal_front_padding():
+    """CPU interpreter: causal without a window, S = 300 (not a multiple of a 128-row item), so
+    the first item starts 84 rows before position 0 (the padding goes in front); one CTA runs
+    all 6 items of both heads."""
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
+    _check((1, 300, 300, 2, 2, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
+
+
 def test_interpret_full_attention_fp16():
     """CPU interpreter: not causal, no sinks, fp16, keys longer than queries."""
     cfg = FlashConfig(block_q=64, block_kv=64, interpret=True)
