@@ -25,8 +25,12 @@ def align(x, have: tuple[str, ...], want: tuple[str, ...]):
     return x
 
 
-def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=jnp.float32):
-    """einsum with named dims: each operand's dim names, the output's dim names; fp32 accumulation."""
+def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=jnp.float32, store=None):
+    """einsum with named dims: each operand's dim names, the output's dim names.
+
+    Products accumulate in `accum` (fp32); the result is stored as `store` (default `accum`): see
+    `stored_dtype`.
+    """
     letters: dict[str, str] = {}
     pool = iter(string.ascii_letters)
 
@@ -34,7 +38,24 @@ def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=
         return "".join(letters.setdefault(d, next(pool)) for d in dims)
 
     spec = ",".join(sub(d) for d in spec_in) + "->" + sub(out)
-    return jnp.einsum(spec, *arrays, preferred_element_type=accum)
+    if store is not None and any(jnp.result_type(a) != jnp.dtype(store) for a in arrays):
+        store = None  # operands wider (or other) than the stored type: keep the accumulator's
+    return jnp.einsum(spec, *arrays, preferred_element_type=store or accum)
+
+
+def stored_dtype(result, accum, *, partial: bool = False):
+    """The element type a matmul writes: the op's `result` type, or `accum` for partial sums.
+
+    Under `bf16 @accum(fp32)` the GEMM accumulates in fp32 and rounds once to bf16, as casting
+    an fp32 result would; a bias is then added in fp32 to the rounded product (a second
+    rounding, at most half a bf16 ulp). Writing fp32 and casting afterwards is slow at decode:
+    with deterministic GPU ops XLA turns an fp32-result GEMV of bf16 operands into an fp32
+    conversion of the whole weight plus an fp32 cuBLAS GEMV, on every token (GPT-OSS 20b on an
+    H200: 8.45 -> 6.26 ms a decode step, bench/RESULTS.md). The router keeps fp32: its logits
+    choose the experts. `partial`: a tensor-parallel partial sum, summed across devices before
+    it is rounded, so it stays in `accum`.
+    """
+    return accum if partial else result
 
 
 def move_last(x, have: tuple[str, ...], dim: str):

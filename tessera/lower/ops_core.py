@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.context import jnp_dtype
-from tessera.lower.named import align, einsum, move_last, names
+from tessera.lower.named import align, einsum, move_last, names, stored_dtype
 from tessera.lower.reference import activations
 from tessera.lower.reference.attention import attention_mask
 from tessera.lower.reference.losses import cross_entropy
@@ -62,7 +62,9 @@ def _scale(ctx, op, attrs, ins, params):
 @lowers("dot")
 def _dot(ctx, op, attrs, ins, params):
     a, b = op.values
-    return [_out(op, einsum([names(a), names(b)], names(op.results[0]), *ins, accum=ctx.accum_dtype))]
+    store = stored_dtype(jnp_dtype(op.results[0].type.dtype), ctx.accum_dtype)
+    return [_out(op, einsum([names(a), names(b)], names(op.results[0]), *ins, accum=ctx.accum_dtype,
+                            store=store))]
 
 
 @lowers("sum")

@@ -16,7 +16,7 @@ from tessera.ir.cost import cache_len
 from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
-from tessera.lower.named import align, einsum, move_last, names
+from tessera.lower.named import align, einsum, move_last, names, stored_dtype
 from tessera.lower.reference import activations, moe as moe_ref, mxfp4, rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
@@ -66,9 +66,11 @@ def _unembed(ctx, op, attrs, ins, params):
         x = ctx.shard.seq_gather(x, axis=have.index("seq"))
     if attrs["tied"]:
         table = mxfp4.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]
-        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype).astype(dt)]
+        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype,
+                       store=stored_dtype(dt, ctx.accum_dtype)).astype(dt)]
     w = mxfp4.dense(params["weight"], x.dtype)
-    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype).astype(dt)]
+    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype,
+                   store=stored_dtype(dt, ctx.accum_dtype)).astype(dt)]
 
 
 def _norm(fn):
@@ -91,9 +93,9 @@ def _linear(ctx, op, attrs, ins, params):
     over = tuple(d.name for d in attrs["over"])
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
-               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype)
+               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype))
     if "bias" in params:
-        y = y + align(params["bias"].astype(jnp.float32), out_dims, names(op.results[0]))
+        y = y.astype(jnp.float32) + align(params["bias"].astype(jnp.float32), out_dims, names(op.results[0]))
     return [y.astype(dt)]
 
 
@@ -163,9 +165,9 @@ def _sdpa(ctx, op, attrs, ins, params):
 
 def _project(x, w, b, accum):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
-    y = jnp.einsum("bse,ehd->bshd", x, w.astype(x.dtype), preferred_element_type=accum)
+    y = jnp.einsum("bse,ehd->bshd", x, w.astype(x.dtype), preferred_element_type=stored_dtype(x.dtype, accum))
     if b is not None:
-        y = y + b.astype(jnp.float32)
+        y = y.astype(jnp.float32) + b.astype(jnp.float32)
     return y.astype(x.dtype)
 
 
@@ -217,11 +219,12 @@ def _attention(ctx, op, attrs, ins, params, cache):
     else:  # decode: the new tokens join the cache, then attend over it
         new_cache = _cache_write(cache, k, v, pos)
         out = select.decode(ctx, label, q, new_cache, pos[:, 0], **core)
-    y = jnp.einsum("bshd,hde->bse", out, p["o"], preferred_element_type=ctx.accum_dtype)
+    store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
+    y = jnp.einsum("bshd,hde->bse", out, p["o"], preferred_element_type=store)
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
-        y = y + p["o_bias"].astype(jnp.float32)
+        y = y.astype(jnp.float32) + p["o_bias"].astype(jnp.float32)
     return [align(y.astype(_dtype(op)), BSE, have)], new_cache
 
 
@@ -232,17 +235,19 @@ def _mlp(ctx, op, attrs, ins, params):
     if ctx.shard is not None:
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
-    f32 = dict(preferred_element_type=ctx.accum_dtype)
-    g = jnp.einsum("bse,ef->bsf", x, p["gate"], **f32)
-    u = jnp.einsum("bse,ef->bsf", x, p["up"], **f32)
+    cols = dict(preferred_element_type=stored_dtype(x.dtype, ctx.accum_dtype))
+    g = jnp.einsum("bse,ef->bsf", x, p["gate"], **cols)
+    u = jnp.einsum("bse,ef->bsf", x, p["up"], **cols)
     if "gate_bias" in p:
-        g, u = g + p["gate_bias"], u + p["up_bias"]
+        g = g.astype(jnp.float32) + p["gate_bias"].astype(jnp.float32)
+        u = u.astype(jnp.float32) + p["up_bias"].astype(jnp.float32)
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
-    y = jnp.einsum("bsf,fe->bse", h, p["down"], **f32)
+    rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
+    y = jnp.einsum("bsf,fe->bse", h, p["down"], preferred_element_type=rows)
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
         y = ctx.shard.reduce_out(y, "mlp")
     if "down_bias" in p:
-        y = y + p["down_bias"]
+        y = y.astype(jnp.float32) + p["down_bias"].astype(jnp.float32)
     return [align(y.astype(_dtype(op)), BSE, have)]
 
 
