@@ -358,8 +358,11 @@ def _drhs_kernel(table_ref, lo_ref, hi_ref, lhs_ref, dout_ref, out_ref, *, cfg, 
     tf = transforms(lhs_ref.dtype)
     pipeline = functools.partial(_drhs_pipeline, cfg=cfg, table_ref=table_ref, dtype=lhs_ref.dtype)
     ignore = lambda *_, **__: None
-    allocs = pipeline(ignore, ignore, 0, m // br).get_allocations(lhs_ref.at[:, pl.ds(0, bk)],
-                                                                  dout_ref.at[:, pl.ds(0, bn)])
+    # The real pipelines run a traced number of steps, so they keep all `drhs_stages` slots; a static
+    # grid shorter than that would shrink the allocation below them (m = 100: a launch failure).
+    steps = max(m // br, cfg.drhs_stages)
+    allocs = pipeline(ignore, ignore, 0, steps).get_allocations(lhs_ref.at[:, pl.ds(0, bk)],
+                                                                dout_ref.at[:, pl.ds(0, bn)])
     base = plgpu.SMEM((WGS, 64, bn), jnp.float32) if cfg.interpret else None
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((WGS, 64, bn), out_ref.dtype, transforms=tf),
