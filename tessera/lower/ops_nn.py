@@ -64,13 +64,12 @@ def _unembed(ctx, op, attrs, ins, params):
     out = names(op.results[0])
     if ctx.shard is not None:  # logits stay split over vocab: [..., vocab / tp]
         x = ctx.shard.seq_gather(x, axis=have.index("seq"))
+    store = stored_dtype(dt, ctx.accum_dtype)
     if attrs["tied"]:
         table = mxfp4.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]
-        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype,
-                       store=stored_dtype(dt, ctx.accum_dtype)).astype(dt)]
+        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store).astype(dt)]
     w = mxfp4.dense(params["weight"], x.dtype)
-    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype,
-                   store=stored_dtype(dt, ctx.accum_dtype)).astype(dt)]
+    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store).astype(dt)]
 
 
 def _norm(fn):
@@ -95,8 +94,13 @@ def _linear(ctx, op, attrs, ins, params):
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
                mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype))
     if "bias" in params:
-        y = y.astype(jnp.float32) + align(params["bias"].astype(jnp.float32), out_dims, names(op.results[0]))
+        y = _plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
     return [y.astype(dt)]
+
+
+def _plus_bias(y, bias):
+    """y + bias in fp32: a product stored in bf16 (named.stored_dtype) is widened before the add."""
+    return y.astype(jnp.float32) + bias.astype(jnp.float32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -167,7 +171,7 @@ def _project(x, w, b, accum):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
     y = jnp.einsum("bse,ehd->bshd", x, w.astype(x.dtype), preferred_element_type=stored_dtype(x.dtype, accum))
     if b is not None:
-        y = y.astype(jnp.float32) + b.astype(jnp.float32)
+        y = _plus_bias(y, b)
     return y.astype(x.dtype)
 
 
@@ -224,7 +228,7 @@ def _attention(ctx, op, attrs, ins, params, cache):
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
-        y = y.astype(jnp.float32) + p["o_bias"].astype(jnp.float32)
+        y = _plus_bias(y, p["o_bias"])
     return [align(y.astype(_dtype(op)), BSE, have)], new_cache
 
 
@@ -239,15 +243,14 @@ def _mlp(ctx, op, attrs, ins, params):
     g = jnp.einsum("bse,ef->bsf", x, p["gate"], **cols)
     u = jnp.einsum("bse,ef->bsf", x, p["up"], **cols)
     if "gate_bias" in p:
-        g = g.astype(jnp.float32) + p["gate_bias"].astype(jnp.float32)
-        u = u.astype(jnp.float32) + p["up_bias"].astype(jnp.float32)
+        g, u = _plus_bias(g, p["gate_bias"]), _plus_bias(u, p["up_bias"])
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
     y = jnp.einsum("bsf,fe->bse", h, p["down"], preferred_element_type=rows)
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
         y = ctx.shard.reduce_out(y, "mlp")
     if "down_bias" in p:
-        y = y.astype(jnp.float32) + p["down_bias"].astype(jnp.float32)
+        y = _plus_bias(y, p["down_bias"])
     return [align(y.astype(_dtype(op)), BSE, have)]
 
 

@@ -345,9 +345,10 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _pad_seq(x, n: int):
-    """Zero-pad axis 1 of [B, S, H, D] to length n."""
-    return x if x.shape[1] == n else jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
+def _pad_seq(x, n: int, front: int = 0):
+    """Zero-pad axis 1 of [B, S, H, D] to length n, `front` of the new rows before the first."""
+    back = n - x.shape[1] - front
+    return x if x.shape[1] == n else jnp.pad(x, ((0, 0), (front, back), (0, 0), (0, 0)))
 
 
 def _q_slots(cfg: FlashConfig, d: int, dtype) -> int:
@@ -366,8 +367,7 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
     # Causal: the query padding goes in front, where its rows see no keys and their blocks are
     # skipped or cheap; at the end each padded row would see every key.
     front = s_pad - s if causal else 0
-    qp = jnp.pad(q, ((0, 0), (front, s_pad - s - front), (0, 0), (0, 0))) if s_pad != s else q
-    kp, vp = _pad_seq(k, t_pad), _pad_seq(v, t_pad)
+    qp, kp, vp = _pad_seq(q, s_pad, front), _pad_seq(k, t_pad), _pad_seq(v, t_pad)
     sink_rows = sinks.astype(jnp.float32) * _mgpu.LOG2E if has_sinks else jnp.full((hq,), _mgpu.NEG_BIG)
     sink_rows = jnp.broadcast_to(sink_rows[:, None], (hq, cfg.block_q)).astype(jnp.float32)
     stages = min(cfg.stages, max(t_pad // cfg.block_kv, 2))
