@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax.numpy as jnp
 from jax import lax
@@ -22,6 +23,8 @@ class MaskSpec:
     window: int | None
     q_offset: int
     kv_len: int  # valid keys; keys at or past it are padding
+    # whether the kernel's key tiles reach past kv_len; if not, tiles skip the length test
+    keys_padded: bool = True
 
     def key_range(self, p_first, p_last, block: int):
         """Blocks [lo, hi) of `block` keys holding any key visible to positions p_first..p_last."""
@@ -41,6 +44,20 @@ class MaskSpec:
             b = jnp.minimum(b, _div(p_first + 1, block))
         a = jnp.clip(a, lo, hi)
         return a, jnp.clip(b, a, hi)
+
+    def half_edges(self, p_first, p_last, block: int, lo, full_lo, full_hi, hi):
+        """(up, down), 0 or 1 each: whether the first block of the leading masked stretch
+        [lo, full_lo) holds no key visible to p_first..p_last in its first half (up; None without
+        a window, which never cuts there), and the last block of the trailing one [full_hi, hi)
+        none in its second half (down)."""
+        half = block // 2
+        up = None
+        if self.window is not None:
+            first_key = p_first - self.window + 1  # the first key any of the positions sees
+            up = ((lo < full_lo) & (first_key >= lo * block + half)).astype(jnp.int32)
+        end = jnp.int32(self.kv_len) if not self.causal else jnp.minimum(p_last + 1, self.kv_len)
+        down = ((full_hi < hi) & (end <= (hi - 1) * block + half)).astype(jnp.int32)
+        return up, down
 
     def query_range(self, k_first, k_last, block: int, num_q_blocks: int):
         """Query blocks [lo, hi) (rows, not positions) that see any key k_first..k_last."""
@@ -67,12 +84,16 @@ class MaskSpec:
 
     def visible(self, q_pos, k_pos):
         """Elementwise visibility of int32 position tiles (same shape)."""
-        ok = k_pos < self.kv_len
+        tests = []
+        if self.keys_padded:
+            tests.append(k_pos < self.kv_len)
         if self.causal:
-            ok &= k_pos <= q_pos
+            tests.append(k_pos <= q_pos)
         if self.window is not None:
-            ok &= q_pos - k_pos < self.window
-        return ok
+            tests.append(q_pos - k_pos < self.window)
+        if not tests:  # a masked tile with nothing to test: every pair is visible
+            return k_pos == k_pos  # (all true, in the tiles' layout)
+        return functools.reduce(operator.and_, tests)
 
     def tile(self, q_first, k_first, shape, *, interpret: bool, transposed: bool = False):
         """Visibility of a [rows, cols] accumulator tile; rows are queries (keys when transposed)."""

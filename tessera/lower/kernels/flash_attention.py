@@ -1,15 +1,16 @@
 """Flash attention for Hopper (Mosaic GPU): GQA, causal, sliding window, per-head sinks; fwd + bwd.
 
 Forward, FlashAttention-3 style: a work item is 2 x `block_q` query rows of one query head; a
-persistent CTA (one per SM) runs items heaviest-first with 2 compute warpgroups (one `block_q`
-half each) and 1 memory warpgroup that streams K/V tiles through a `stages`-deep TMA ring kept
-running across items. The compute warpgroups ping-pong on a schedule barrier so one's softmax
-overlaps the other's wgmma; the next item's Q is prefetched. Only KV blocks holding a visible
-key are visited (window: O(window) per row, not O(T)); blocks where every key is visible skip
-the mask. Sinks seed the running max/denominator. Statistics
-are kept in the log2 domain (exp2 with the scale folded in), fp32; the output of a fully
-masked row is 0, as in the reference. `FlashConfig(overlap=True)` adds FA3's intra-warpgroup
-overlap (block j+1's Q K^T in flight during block j's softmax). Backward: `flash_attention_bwd.py`.
+persistent CTA (one per SM) runs items heaviest-first (dealt in a snake, see `_Work`) with 2
+compute warpgroups (one `block_q` half each) and 1 memory warpgroup that streams K/V tiles
+through a `stages`-deep TMA ring kept running across items. The compute warpgroups ping-pong on
+a schedule barrier so one's softmax overlaps the other's wgmma; the next item's Q is prefetched.
+Only KV blocks holding a visible key are visited (window: O(window) per row, not O(T)); blocks
+where every key is visible skip the mask, and an edge block whose visible keys all lie in one
+half runs at half width. Sinks seed the running max/denominator. Statistics are kept in the
+log2 domain (exp2 with the scale folded in), fp32; the output of a fully masked row is 0, as in
+the reference. `FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's
+Q K^T in flight during block j's softmax). Backward: `flash_attention_bwd.py`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,13 @@ _WGS = 2  # compute warpgroups per CTA (3 measured slower on an H200 at head dim
 
 @dataclasses.dataclass(frozen=True)
 class _Work:
-    """The persistent schedule: items (tile, batch, head), heaviest (latest causal) tiles first."""
+    """The persistent schedule: items (tile, batch, head), heaviest (latest causal) tiles first.
+
+    Round r hands items r * grid ... (r + 1) * grid - 1 out to the CTAs, in CTA order on even
+    rounds and in reverse on odd ones (a snake). Item weights only fall, so each pair of rounds
+    evens out: on B4 S4096 H64 causal every CTA gets 1024 KV blocks, where dealing every round
+    in CTA order gave CTA 0 1040 and the last one 1008 (the kernel ends with its slowest CTA).
+    """
     n_tiles: int
     bsz: int
     hq: int
@@ -101,12 +108,15 @@ class _Work:
     mask: MaskSpec
 
     def count(self, cta):
-        """Items CTA `cta` runs: cta, cta + grid, cta + 2 grid, ..."""
-        return _mgpu.strided_count(self.n_tiles * self.bsz * self.hq, cta, self.grid)
+        """Items CTA `cta` runs: one a round, and one of the last, partial round if it reaches it."""
+        rounds, rest = divmod(self.n_tiles * self.bsz * self.hq, self.grid)
+        pos = cta if rounds % 2 == 0 else self.grid - 1 - cta  # its place in the partial round
+        return jnp.int32(rounds) + (pos < rest).astype(jnp.int32)
 
     def item(self, cta, i):
         """(batch, head, first row, first/last KV block) of the CTA's i-th item."""
-        w = cta + i * self.grid
+        pos = jnp.where(lax.rem(i, 2) == 0, cta, self.grid - 1 - cta)
+        w = i * self.grid + pos
         per_tile = self.bsz * self.hq
         tile = self.n_tiles - 1 - lax.div(w, jnp.int32(per_tile))
         rest = lax.rem(w, jnp.int32(per_tile))
@@ -213,15 +223,20 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    def step(kv, carry, masked):
+    def step(kv, carry, masked, part=None):
+        """Block kv; `part` 0 / 1: only its first / second half of keys (the other holds none visible)."""
         acc, m, l = carry
         slot = lax.rem(g + kv - lo, stages)
+        n = bkv if part is None else bkv // 2
+        first_key = 0 if part is None else part * n
+        k_tile, v_tile = (ring.at[slot] if part is None else ring.at[slot, pl.ds(first_key, n)]
+                          for ring in (k_smem, v_smem))
         # the schedule barrier lets the other warpgroup's softmax start while this wgmma runs
-        s = _mgpu.mma(q_smem, k_smem.at[slot], (bq, bkv), transpose_b=True, interpret=interp,
+        s = _mgpu.mma(q_smem, k_tile, (bq, n), transpose_b=True, interpret=interp,
                       then=sync_after_issue)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
-            s = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), s, -jnp.inf)
+            s = jnp.where(mask.tile(p0, kv * bkv + first_key, (bq, n), interpret=interp), s, -jnp.inf)
         acc, m_new, l, p16 = _softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
         plgpu.barrier_arrive(sched)  # softmax done
         plgpu.barrier_wait(v_bar.at[slot])
@@ -232,12 +247,25 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
                 pl.when(kv == lo)(first_pv)
             nxt = kv + 1
             pl.when(nxt < hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g + nxt - lo, stages)]))
-        acc = _mgpu.mma(p16, v_smem.at[slot], acc.shape, acc=acc, interpret=interp, then=wait_next_k)
+        acc = _mgpu.mma(p16, v_tile, acc.shape, acc=acc, interpret=interp, then=wait_next_k)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
+    # Edge blocks whose visible keys all lie in one half run at half width: on the causal
+    # diagonal the upper 64-row warpgroup sees only the first half of its last block, and with a
+    # 128 window the lower one only the second half of its first block. 64-key tiles keep whole
+    # blocks (their 32-key halves failed the GPU test; 64-key tiles are no default).
     full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
-    return masked_stretches(step, carry, lo, full_lo, full_hi, hi)
+    up, down = (mask.half_edges(p0, p0 + bq - 1, bkv, lo, full_lo, full_hi, hi) if bkv >= 128
+                else (None, None))
+    if up is not None:
+        carry = lax.fori_loop(lo, lo + up, functools.partial(step, masked=True, part=1), carry)
+    rest_lo = lo if up is None else lo + up
+    rest_hi = hi if down is None else hi - down
+    carry = masked_stretches(step, carry, rest_lo, full_lo, full_hi, rest_hi)
+    if down is not None:
+        carry = lax.fori_loop(rest_hi, hi, functools.partial(step, masked=True, part=0), carry)
+    return carry
 
 
 def _mma_during(a, b, shape, during, *, interpret: bool):
@@ -382,7 +410,8 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages), plgpu.Barrier(num_arrivals=n))
-    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t)
+    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t,
+                    keys_padded=t_pad > t)
     n_items = (s_pad // rows) * bsz * hq
     grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
     work = _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask)

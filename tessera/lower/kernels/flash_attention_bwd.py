@@ -275,7 +275,7 @@ def backward(q, k, v, sinks, out, lse, d_out, *, causal, window, scale, q_offset
     qp, dop = _pad_seq(q, s_pad), _pad_seq(d_out.astype(q.dtype), s_pad)
     kp, vp = _pad_seq(k, t_pad), _pad_seq(v, t_pad)
     dm = _Dims(bq, bkv, cfg.stages, hq // hkv, scale * _mgpu.LOG2E, scale, cfg.interpret)
-    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=t)
+    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=t, keys_padded=t_pad > t)
     tf = _mgpu.smem_transforms(q.dtype)
     ring = lambda rows: plgpu.SMEM((cfg.stages, rows, d), q.dtype, transforms=tf)
     own = lambda rows: plgpu.SMEM((2, rows, d), q.dtype, transforms=tf)

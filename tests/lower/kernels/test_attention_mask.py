@@ -64,3 +64,35 @@ def test_key_ranges_of_front_padding_stay_in_bounds(causal, window):
         assert 0 <= lo <= hi <= n_k, (qb, lo, hi)
         for kb in range(n_k):
             assert not vis[qb * BLOCK:(qb + 1) * BLOCK, kb * BLOCK:(kb + 1) * BLOCK].any() or lo <= kb < hi
+
+
+@pytest.mark.parametrize("causal,window,q_offset,rows,kv_len", CASES + [(True, 8, 0, 40, 40), (False, None, 0, 24, 20)])
+def test_half_edges_drop_only_invisible_halves(causal, window, q_offset, rows, kv_len):
+    """Query tiles of half a block's height (the forward's 64-row warpgroups against 128-key
+    blocks): an edge block run at half width must hold no visible pair in the half it drops, and
+    where a half is empty of visible pairs the edge is taken (the causal diagonal's upper rows)."""
+    spec = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=kv_len)
+    n_k = -(-kv_len // BLOCK)
+    vis = _visible(spec, rows, n_k * BLOCK)
+    half, taken = BLOCK // 2, 0
+    for r0 in range(0, rows, half):
+        p0 = jnp.int32(r0 + q_offset)
+        p1 = p0 + half - 1
+        lo, hi = spec.key_range(p0, p1, BLOCK)
+        full_lo, full_hi = spec.full_range(p0, p1, BLOCK, lo, hi)
+        up, down = spec.half_edges(p0, p1, BLOCK, lo, full_lo, full_hi, hi)
+        lo, hi, full_lo, full_hi, down = int(lo), int(hi), int(full_lo), int(full_hi), int(down)
+        up = 0 if up is None else int(up)
+        tile = vis[r0:r0 + half]
+        if up:
+            assert lo < full_lo and not tile[:, lo * BLOCK:lo * BLOCK + half].any(), (r0, lo)
+        if down:
+            assert full_hi < hi and not tile[:, (hi - 1) * BLOCK + half:hi * BLOCK].any(), (r0, hi)
+        assert up + down <= hi - lo
+        if hi > lo and full_hi < hi and not tile[:, (hi - 1) * BLOCK + half:hi * BLOCK].any():
+            assert down, (r0, hi)
+        if window is not None and lo < full_lo and not tile[:, lo * BLOCK:lo * BLOCK + half].any():
+            assert up, (r0, lo)
+        taken += up + down
+    if causal and q_offset % half == 0:
+        assert taken > 0  # the diagonal's upper rows at least

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tessera.lower.kernels.flash_attention import FlashConfig, flash_attention, supported
+from tessera.lower.kernels.attention_mask import MaskSpec
+from tessera.lower.kernels.flash_attention import FlashConfig, _Work, flash_attention, supported
 from tessera.lower.reference.attention import attention
 from tests.lower.kernels._check import assert_close
 
@@ -63,6 +64,35 @@ def test_interpret_causal_front_padding():
     all 6 items of both heads."""
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
     _check((1, 300, 300, 2, 2, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
+
+
+def test_interpret_half_width_edge_blocks_and_snake_schedule():
+    """CPU interpreter, the GPU's tiles (128-key blocks, 64-row warpgroups): causal, window 128,
+    sinks, S = 300. The upper warpgroup runs the diagonal block at half width, the lower one the
+    window's first block; 15 items over 4 CTAs end on a reversed partial round."""
+    cfg = FlashConfig(block_q=64, block_kv=128, num_ctas=4, interpret=True)
+    _check((1, 300, 300, 5, 1, 64), jnp.bfloat16, causal=True, window=128, with_sinks=True, config=cfg)
+
+
+@pytest.mark.parametrize("n_tiles,bsz,hq,grid", [(32, 4, 64, 132), (3, 1, 5, 4), (5, 2, 3, 7), (2, 1, 1, 2)])
+def test_snake_schedule_runs_each_item_once_and_balances_causal_work(n_tiles, bsz, hq, grid):
+    """Every (tile, batch, head) item goes to exactly one CTA; with causal weights (tile t holds
+    t + 1 key blocks) no CTA gets more than one item's weight above another."""
+    mask = MaskSpec(causal=True, window=None, q_offset=0, kv_len=n_tiles * 128)
+    work = _Work(n_tiles, bsz, hq, grid, 128, 128, mask)
+    seen, loads = [], []
+    for cta in range(grid):
+        count = int(work.count(jnp.int32(cta)))
+        load = 0
+        for i in range(count):
+            b, h, row, lo, hi = (int(x) for x in work.item(jnp.int32(cta), jnp.int32(i)))
+            seen.append((row // 128, b, h))
+            load += hi - lo
+        loads.append(load)
+    assert sorted(seen) == [(t, b, h) for t in range(n_tiles) for b in range(bsz) for h in range(hq)]
+    assert max(loads) - min(loads) <= n_tiles
+    if (n_tiles, bsz, hq, grid) == (32, 4, 64, 132):
+        assert max(loads) == min(loads) == 1024  # in CTA order every round: 1040 and 1008
 
 
 def test_interpret_full_attention_fp16():
