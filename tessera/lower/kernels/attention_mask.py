@@ -32,9 +32,12 @@ class MaskSpec:
             lo = _traced_zero(jnp.maximum(p_first, 0))  # positions may be negative (front padding)
         else:
             lo = _div(jnp.maximum(p_first - self.window + 1, 0), block)
-        end = jnp.int32(self.kv_len) if not self.causal else jnp.minimum(p_last + 1, self.kv_len)
-        hi = jnp.maximum(_cdiv(end, block), lo)
+        hi = jnp.maximum(_cdiv(self._key_end(p_last), block), lo)
         return lo, hi
+
+    def _key_end(self, p_last):
+        """One past the last key any of the positions up to p_last sees."""
+        return jnp.int32(self.kv_len) if not self.causal else jnp.minimum(p_last + 1, self.kv_len)
 
     def full_range(self, p_first, p_last, block: int, lo, hi):
         """Blocks [a, b) within [lo, hi) whose every key is visible to every position p_first..p_last."""
@@ -55,8 +58,7 @@ class MaskSpec:
         if self.window is not None:
             first_key = p_first - self.window + 1  # the first key any of the positions sees
             up = ((lo < full_lo) & (first_key >= lo * block + half)).astype(jnp.int32)
-        end = jnp.int32(self.kv_len) if not self.causal else jnp.minimum(p_last + 1, self.kv_len)
-        down = ((full_hi < hi) & (end <= (hi - 1) * block + half)).astype(jnp.int32)
+        down = ((full_hi < hi) & (self._key_end(p_last) <= (hi - 1) * block + half)).astype(jnp.int32)
         return up, down
 
     def query_range(self, k_first, k_last, block: int, num_q_blocks: int):

@@ -107,16 +107,18 @@ class _Work:
     block_kv: int
     mask: MaskSpec
 
+    def _place(self, cta, rnd):
+        """CTA `cta`'s place in round `rnd`: in CTA order on even rounds, reversed on odd ones."""
+        return jnp.where(lax.rem(rnd, 2) == 0, cta, self.grid - 1 - cta)
+
     def count(self, cta):
         """Items CTA `cta` runs: one a round, and one of the last, partial round if it reaches it."""
         rounds, rest = divmod(self.n_tiles * self.bsz * self.hq, self.grid)
-        pos = cta if rounds % 2 == 0 else self.grid - 1 - cta  # its place in the partial round
-        return jnp.int32(rounds) + (pos < rest).astype(jnp.int32)
+        return jnp.int32(rounds) + (self._place(cta, jnp.int32(rounds)) < rest).astype(jnp.int32)
 
     def item(self, cta, i):
         """(batch, head, first row, first/last KV block) of the CTA's i-th item."""
-        pos = jnp.where(lax.rem(i, 2) == 0, cta, self.grid - 1 - cta)
-        w = i * self.grid + pos
+        w = i * self.grid + self._place(cta, i)
         per_tile = self.bsz * self.hq
         tile = self.n_tiles - 1 - lax.div(w, jnp.int32(per_tile))
         rest = lax.rem(w, jnp.int32(per_tile))
