@@ -545,18 +545,16 @@ def run_mxfp4(check: bool = False, experts=((32, 5760), (32, 2880), (128, 5760),
 
 MXFP4_TUNE = [  # label -> Mxfp4Config fields over the default; splits = K steps / steps per program
     ("default", {}),
-    ("dot m16 k64 n64 s6 st1", dict(block_m=16, block_k=64, block_n=64, splits=6, num_stages=1)),
-    ("dot m16 k64 n64 s45 st1", dict(block_m=16, block_k=64, block_n=64, splits=45, num_stages=1)),
-    ("dot m16 k64 n128 s45 st1", dict(block_m=16, block_k=64, block_n=128, splits=45, num_stages=1)),
-    ("dot m16 k64 n64 s15 st1", dict(block_m=16, block_k=64, block_n=64, splits=15, num_stages=1)),
-    ("dot m16 k128 n64 s23 st1", dict(block_m=16, block_k=128, block_n=64, splits=23, num_stages=1)),
-    ("dot m16 k64 n32 s45 st1", dict(block_m=16, block_k=64, block_n=32, splits=45, num_stages=1)),
-    ("dot m16 k64 n64 s45 st1 w2", dict(block_m=16, block_k=64, block_n=64, splits=45, num_stages=1,
-                                        num_warps=2)),
-    ("fma m1 k64 n64 s45 st1", dict(block_m=1, block_k=64, block_n=64, splits=45, num_stages=1)),
-    ("fma m1 k64 n64 s15 st1", dict(block_m=1, block_k=64, block_n=64, splits=15, num_stages=1)),
-    ("fma m1 k64 n64 s6 st1", dict(block_m=1, block_k=64, block_n=64, splits=6, num_stages=1)),
-    ("fma m1 k128 n64 s23 st1", dict(block_m=1, block_k=128, block_n=64, splits=23, num_stages=1)),
+    ("loads in the step (ahead 0)", dict(ahead=0)),
+    ("ahead 2", dict(ahead=2)),
+    ("ahead 1 splits 3", dict(ahead=1, splits=3)),
+    ("ahead 1 splits 9", dict(ahead=1, splits=9)),
+    ("ahead 1 splits 15", dict(ahead=1, splits=15)),
+    ("ahead 1 n32", dict(ahead=1, block_n=32)),
+    ("ahead 1 n128", dict(ahead=1, block_n=128)),
+    ("ahead 1 k128", dict(ahead=1, block_k=128)),
+    ("ahead 1 warps 2", dict(ahead=1, num_warps=2)),
+    ("fma m1 k64 n64 s6", dict(block_m=1, block_k=64, block_n=64, splits=6)),
 ]
 
 

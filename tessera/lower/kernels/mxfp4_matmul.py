@@ -9,10 +9,10 @@ The packed layout splits the product without interleaving nibbles:
 A tile table built outside the kernel lists, per group, its runs of up to `block_m` consecutive rows
 (groups need not start on a block boundary: rows are gathered, so each expert's weights are read once
 per run, and at decode sizes once). Each program takes one table entry x one N tile x one of `splits`
-K ranges: it streams [block_k/2, block_n] code bytes and their scales, turns every nibble into an
-E4M3 bit pattern (E2M1 s|e|m -> s000|0e|m00: the same value times 2^-6, zero and the subnormal 0.5
-included) and converts it to bf16 in registers, multiplies by the 2^(s-127) scale and feeds two
-tensor-core dots. Split-K partials (fp32) are summed outside; at decode M that buffer is tiny.
+K ranges: it streams [block_k/2, block_n] code bytes and their scales, turns four code bytes at a
+time into eight bf16 weights with one inline-PTX bit sequence (`dequantize`: byte permutes, masks
+and two bf16x2 FMAs, exact) and feeds two tensor-core dots. Split-K partials (fp32) are summed
+outside; at decode M that buffer is tiny.
 
 Backend: `pl.pallas_call` lowered through Triton (jax 0.10-0.12; CPU interpreter for CI). Forward only;
 the gradient w.r.t. lhs goes through the reference (dequantised weights), packed weights get none.
@@ -20,10 +20,10 @@ the gradient w.r.t. lhs goes through the reference (dequantised weights), packed
 block_m < 16 takes the products on the FMA units instead (`_step_fma`); at decode it measured no
 faster than 16-row dots (bench/RESULTS.md), so the defaults keep the dots.
 
-Measured on an H200 at decode sizes (bench/RESULTS.md): 3-9x faster than dequantise + ragged_dot, but
-far from the copy bandwidth: one token's 4 experts (17.7 MB) take 29 us, and Nsight Compute counts
-16.4M warp instructions for them at 31% of the warps an SM holds, i.e. the dequantisation's
-instructions, not DRAM, set the time.
+Measured on an H200 (bench/RESULTS.md, profile busy time, 2880 -> 2880 unless said): one token's 4
+experts (17.7 MB) in 22.8 us (776 GB/s), 8 tokens in 86 us, 2880 -> 5760 at 4096 rows in 0.88 ms; the
+E4M3 route converting one nibble at a time took 33.8 / 137 / 1345 us, of which the inline PTX saved
+~15% and issuing each K step's loads one step early (`Mxfp4Config.ahead`) the rest.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Mxfp4Config:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    ahead: int = 1  # K steps whose loads are issued before the current one is computed
     interpret: bool = False  # the Pallas interpreter (CPU)
 
     def __post_init__(self):
@@ -68,6 +69,8 @@ class Mxfp4Config:
             raise ValueError(f"{self.block_k=} must be >= 32 (one MXFP4 scale group)")
         if self.splits < 1:
             raise ValueError(f"{self.splits=} must be >= 1")
+        if self.ahead < 0:
+            raise ValueError(f"{self.ahead=} must be >= 0")
 
 
 def _block_k(k: int) -> int:
@@ -82,6 +85,8 @@ def default_config(m: int, k: int, n: int, g: int, *, interpret: bool = False) -
     Decode, measured on an H200 (bench.kernels tune_mxfp4, profile busy time, 2880 -> 2880): 64-wide
     K steps split 6 ways beat the old 128-column tiles (M4: 33.6 vs 35.0 us; M32: 137 vs 156 us; M256
     equal); wider K steps (128-512, one or a few per program) were slower at every M (36-63 us at M4).
+    With the PTX dequantisation, loads one step ahead beat two or three ahead at every size (M4: 22.8
+    vs 24.3 / 26.2 us; 4096 rows: 0.88 vs 1.26 ms for two).
     """
     rows_per_group = max(1, m // max(g, 1))
     steps = k // _block_k(k)
@@ -95,13 +100,13 @@ def default_config(m: int, k: int, n: int, g: int, *, interpret: bool = False) -
 
 
 def _on_gpu() -> bool:
-    """A CUDA GPU that converts E4M3 in hardware (compute capability >= 8.9)."""
+    """A CUDA GPU with bf16x2 FMAs (compute capability >= 8.0; the kernel is measured on Hopper only)."""
     try:
         dev = jax.devices()[0]
     except RuntimeError:
         return False
     cc = str(getattr(dev, "compute_capability", "0"))
-    return dev.platform == "gpu" and tuple(int(p) for p in cc.split(".")[:2]) >= (8, 9)
+    return dev.platform == "gpu" and tuple(int(p) for p in cc.split(".")[:2]) >= (8, 0)
 
 
 def supported(lhs, rhs, group_sizes, config: Mxfp4Config | None = None) -> bool:
@@ -143,26 +148,103 @@ def _tile_table(group_sizes, m: int, block_m: int):
     return jnp.stack([grp, row0, rows], axis=1).astype(jnp.int32)
 
 
+# Four code bytes and their four scale bytes (pack=4: one 32-bit register each) -> four bf16 weights
+# of one nibble ($0, $1: two a register). A byte goes to the high byte of a 16-bit half (prmt),
+# where the nibble's sign is one shift from bf16's sign bit and its 3 magnitude bits are one shift
+# from the bf16 exponent's two lowest bits and the mantissa's top: the bf16 pattern of the E2M1
+# value times 2^-126, the code 0.5 a subnormal. A bf16x2 FMA by 2^126 (subnormal inputs are kept)
+# makes it the value, a second one by the scale 2^(s-127) (the scale byte shifted into a bf16
+# exponent) scales it; both are exact. One sequence per nibble: Pallas lowers an inline-asm op to
+# one result only; ptxas shares the byte permutes of the two.
+_DEQUANT_PTX = """{{
+.reg .b32 c01, c23, s01, s23, t, two126, neg0;
+mov.b32 two126, 0x7E807E80;
+mov.b32 neg0, 0x80008000;
+prmt.b32 c01, $2, 0, 0x1404;
+prmt.b32 c23, $2, 0, 0x3424;
+prmt.b32 s01, $3, 0, 0x1404;
+prmt.b32 s23, $3, 0, 0x3424;
+shr.b32 s01, s01, 1;
+shr.b32 s23, s23, 1;
+{sign}.b32 $0, c01, {sign_shift};
+and.b32 $0, $0, 0x80008000;
+shr.b32 t, c01, {magnitude_shift};
+and.b32 t, t, 0x01C001C0;
+or.b32 $0, $0, t;
+{sign}.b32 $1, c23, {sign_shift};
+and.b32 $1, $1, 0x80008000;
+shr.b32 t, c23, {magnitude_shift};
+and.b32 t, t, 0x01C001C0;
+or.b32 $1, $1, t;
+fma.rn.bf16x2 $0, $0, two126, neg0;
+fma.rn.bf16x2 $1, $1, two126, neg0;
+fma.rn.bf16x2 $0, $0, s01, neg0;
+fma.rn.bf16x2 $1, $1, s23, neg0;
+}}"""
+# the low nibble sits at bits 11..8 of its half (sign 4 below bf16's, magnitude 2 above its place),
+# the high nibble at bits 15..12 (the sign in place, the magnitude 6 above)
+_DEQUANT_LO = _DEQUANT_PTX.format(sign="shl", sign_shift=4, magnitude_shift=2)
+_DEQUANT_HI = _DEQUANT_PTX.format(sign="shr", sign_shift=0, magnitude_shift=6)
+
+
+def dequantize(codes, scales, *, interpret: bool = False):
+    """uint8 code bytes and their scale bytes (same shape) -> (low-nibble, high-nibble) weights in bf16.
+
+    Exact (as reference.mxfp4.dequantize) for scale bytes 1..254; the scale byte 0 (2^-127) gives
+    zeros. On the GPU inline PTX (`_DEQUANT_PTX`, four bytes a sequence); the interpreter takes the
+    E4M3 route below (XLA:CPU flushes the subnormals the PTX relies on).
+    """
+    if interpret:
+        scale = lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32) * FP8_SHIFT
+        c = codes.astype(jnp.int32)
+        return tuple((_e2m1_to_bf16(nib).astype(jnp.float32) * scale).astype(jnp.bfloat16)
+                     for nib in (c & 15, c >> 4))
+    out = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
+    return tuple(pltriton.elementwise_inline_asm(asm, args=[codes, scales], pack=4, constraints="=r,=r,r,r",
+                                                 result_shape_dtypes=[out])[0]
+                 for asm in (_DEQUANT_LO, _DEQUANT_HI))
+
+
 def _e2m1_to_bf16(nibble):
     """int32 E2M1 codes (0..15) -> bf16 values times 2^-6, via the E4M3 bit pattern s000 0em0 0."""
     bits = ((nibble & 7) << 2) | ((nibble & 8) << 4)
     return lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.bfloat16)
 
 
-def _load_step(x_ref, codes_ref, scales_ref, j, srow, *, grp, row0, r, c, row_ok, col_ok, k: int):
-    """Code rows j [rows] (int32 codes [rows, bn]), scale rows srow, x's even / odd columns [bm, rows].
+def _load_step(x_ref, codes_ref, scales_ref, kk, live, *, grp, row0, r, c, row_ok, col_ok, k: int, bk: int):
+    """K step kk's code bytes and scale bytes [bk/2, bn] (uint8; each scale byte read for its 16 code
+    rows) and x's even / odd columns [bm, bk/2]; nothing is read where `live` is false.
 
     Rows and columns are gathered (pointer tensors), so a run may start at any row of lhs. Code rows
     past K/2 (the last step of a block_k that does not divide K) read as zeros.
     """
-    k_ok = j < k // 2
+    j = kk * (bk // 2) + jnp.arange(bk // 2, dtype=jnp.int32)
+    k_ok = (j < k // 2) & live
     w_mask = k_ok[:, None] & col_ok[None, :]
     codes = pltriton.load(codes_ref.at[(grp * (k // 2) + j)[:, None], c[None, :]], mask=w_mask, other=0)
-    sc = pltriton.load(scales_ref.at[(grp * (k // 32) + srow)[:, None], c[None, :]], mask=w_mask, other=127)
+    sc = pltriton.load(scales_ref.at[(grp * (k // 32) + j // 16)[:, None], c[None, :]], mask=w_mask, other=127)
     xr, x_mask = (row0 + r)[:, None], row_ok[:, None] & k_ok[None, :]
     x_e = pltriton.load(x_ref.at[xr, (2 * j)[None, :]], mask=x_mask, other=0.0)
     x_o = pltriton.load(x_ref.at[xr, (2 * j + 1)[None, :]], mask=x_mask, other=0.0)
-    return codes.astype(jnp.int32), sc.astype(jnp.int32), x_e, x_o
+    return codes, sc, x_e, x_o
+
+
+def _steps(load, step, lo, hi, acc, *, ahead: int):
+    """acc after step(load(kk), acc) for kk in [lo, hi), each step's loads issued `ahead` steps early.
+
+    The loaded tiles ride in the loop carry, so a step's reads are in flight during the steps
+    before it (Triton does not pipeline these loads itself: they feed the dequantisation, not a
+    dot). Loads past `hi` are masked off.
+    """
+    pending = tuple(load(lo + d, lo + d < hi) for d in range(ahead))
+
+    def body(kk, carry):
+        acc, pending = carry
+        if not ahead:
+            return step(load(kk, True), acc), ()
+        nxt = load(kk + ahead, kk + ahead < hi)
+        return step(pending[0], acc), pending[1:] + (nxt,)
+    return lax.fori_loop(lo, hi, body, (acc, pending))[0]
 
 
 def _e2m1_to_f32(nibble):
@@ -172,25 +254,24 @@ def _e2m1_to_f32(nibble):
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
 
-def _step_fma(load, kk, acc, *, bk: int):
+def _step_fma(tiles, acc):
     """acc [bm, bk/2, bn] + one K step on the FMA units (block_m < 16: a tensor-core dot would be at
     least 16 rows): each row's products stay per code row until the end, so no step reduces across
     threads or converts a tile to a dot operand's layout."""
-    j = kk * (bk // 2) + jnp.arange(bk // 2, dtype=jnp.int32)
-    codes, sc, x_e, x_o = load(j, j // 16)
+    codes, sc, x_e, x_o = tiles
+    codes, sc = codes.astype(jnp.int32), sc.astype(jnp.int32)
     scale = lax.bitcast_convert_type(sc << 23, jnp.float32)  # 2^(s-127), exact
     w_lo, w_hi = _e2m1_to_f32(codes & 15) * scale, _e2m1_to_f32(codes >> 4) * scale
     x_e, x_o = x_e.astype(jnp.float32), x_o.astype(jnp.float32)
     return acc + x_e[:, :, None] * w_lo[None] + x_o[:, :, None] * w_hi[None]
 
 
-def _step(load, kk, acc, *, bk: int):
-    """acc + one K step: dequantise [bk/2, bn] code bytes (scales read per code row), two dots."""
-    j = kk * (bk // 2) + jnp.arange(bk // 2, dtype=jnp.int32)
-    codes, sc, x_e, x_o = load(j, j // 16)  # each scale byte read for its 16 code rows
-    scale = lax.bitcast_convert_type((sc << 7).astype(jnp.uint16), jnp.bfloat16)  # 2^(s-127), exact
-    acc += jnp.dot(x_e, _e2m1_to_bf16(codes & 15) * scale, preferred_element_type=jnp.float32)
-    return acc + jnp.dot(x_o, _e2m1_to_bf16(codes >> 4) * scale, preferred_element_type=jnp.float32)
+def _step(tiles, acc, *, interpret: bool):
+    """acc + one K step: dequantise [bk/2, bn] code bytes, two dots."""
+    codes, sc, x_e, x_o = tiles
+    w_lo, w_hi = dequantize(codes, sc, interpret=interpret)
+    acc += jnp.dot(x_e, w_lo, preferred_element_type=jnp.float32)
+    return acc + jnp.dot(x_o, w_hi, preferred_element_type=jnp.float32)
 
 
 def _kernel(table_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: Mxfp4Config, m: int, k: int, n: int,
@@ -213,16 +294,15 @@ def _kernel(table_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: Mxfp4Confi
     @pl.when((grp < num_groups) & (rows > 0))
     def _():
         load = functools.partial(_load_step, x_ref, codes_ref, scales_ref, grp=grp, row0=row0, r=r, c=c,
-                                 row_ok=row_ok, col_ok=col_ok, k=k)
+                                 row_ok=row_ok, col_ok=col_ok, k=k, bk=bk)
         lo = s * steps_per_split
         hi = jnp.minimum(lo + steps_per_split, -(-k // bk))
         if bm < 16:  # FMA units, products summed over the code rows at the end
-            step = functools.partial(_step_fma, load, bk=bk)
-            acc = lax.fori_loop(lo, hi, step, jnp.zeros((bm, bk // 2, bn), jnp.float32))
+            acc = _steps(load, _step_fma, lo, hi, jnp.zeros((bm, bk // 2, bn), jnp.float32), ahead=cfg.ahead)
             acc = acc.sum(axis=1) * FP16_SHIFT
         else:
-            acc = lax.fori_loop(lo, hi, functools.partial(_step, load, bk=bk), jnp.zeros((bm, bn), jnp.float32))
-            acc = acc * FP8_SHIFT
+            step = functools.partial(_step, interpret=cfg.interpret)
+            acc = _steps(load, step, lo, hi, jnp.zeros((bm, bn), jnp.float32), ahead=cfg.ahead)
         pltriton.store(out_ref.at[out_rows[:, None], c[None, :]], acc.astype(out_ref.dtype), mask=out_mask)
 
 

@@ -57,13 +57,17 @@ def test_tile_table_covers_every_row_once(sizes, m, bm):
 
 INTERPRET_CASES = [  # m, k, n, sizes, config
     (37, 128, 96, [5, 0, 20, 0, 9], Mxfp4Config(block_m=16, block_n=64, block_k=64, interpret=True)),
+    # loads issued one and two K steps ahead (and past a split's last step: masked off)
+    (21, 320, 64, [9, 0, 12], Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, ahead=1, interpret=True)),
+    (5, 288, 32, [2, 3], Mxfp4Config(block_m=16, block_n=32, block_k=32, splits=3, ahead=2, interpret=True)),
     (4, 96, 64, [0, 1, 0, 2, 1, 0], Mxfp4Config(block_m=16, block_n=32, block_k=32, splits=2, interpret=True)),
     (50, 64, 48, [0, 0, 50], Mxfp4Config(block_m=32, block_n=32, block_k=32, interpret=True)),
     # block_k not dividing K (the last step masked), as decode's 256-wide steps over K = 2880 are
     (9, 160, 64, [2, 0, 4, 1], Mxfp4Config(block_m=16, block_n=32, block_k=128, interpret=True)),
     (6, 224, 32, [1, 5], Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True)),
     # block_m < 16: the FMA path (decode: a row or two per expert)
-    (7, 160, 64, [1, 0, 3, 2], Mxfp4Config(block_m=2, block_n=32, block_k=128, splits=2, interpret=True)),
+    (7, 160, 64, [1, 0, 3, 2], Mxfp4Config(block_m=2, block_n=32, block_k=128, splits=2, ahead=1,
+                                           interpret=True)),
     (5, 96, 48, [0, 1, 1, 1, 0, 1], Mxfp4Config(block_m=1, block_n=32, block_k=64, interpret=True)),
 ]
 
@@ -157,3 +161,27 @@ def test_gpu_select_picks_the_kernel():
     assert ctx.report["experts"].startswith("mxfp4_ragged_dot")
     assert out.dtype == jnp.float32
     assert_close(out, _want(lhs, rhs, gs), 1e-5, "out")
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_is_bitwise_the_reference():
+    """The inline-PTX conversion on every code byte x every scale byte 1..254: the reference's bf16 bits
+    (signed zeros, the subnormal code 0.5, and the scales that overflow to inf included)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    from tessera.lower.kernels.mxfp4_matmul import dequantize
+
+    codes = np.broadcast_to(np.arange(256, dtype=np.uint8)[:, None], (256, 256))
+    scales = np.broadcast_to((1 + np.arange(256) % 254).astype(np.uint8)[None, :], (256, 256))
+
+    def body(c_ref, s_ref, lo_ref, hi_ref):
+        lo_ref[...], hi_ref[...] = dequantize(c_ref[...], s_ref[...])
+    out = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    lo, hi = pl.pallas_call(body, out_shape=(out, out),
+                            compiler_params=pltriton.CompilerParams(num_warps=4))(
+        jnp.asarray(codes), jnp.asarray(scales))
+    table = np.asarray(ref.E2M1, np.float64)
+    for got, nibble in ((lo, codes & 15), (hi, codes >> 4)):
+        want = jnp.asarray(np.ldexp(table[nibble], scales.astype(np.int64) - 127), jnp.float32).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
