@@ -9,7 +9,8 @@
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config) | supported(...) |
 | rms_norm (Triton backend) | rms_norm(x, scale, *, eps, config), add_rms_norm(x, residual, scale, *, eps, config) | supported(...) -> (ok, why) |
 
-Each `supported()` is False off Hopper (unless a config asks for the CPU interpreter), so the
-lowering keeps the `jax.numpy` reference there. Modules import Pallas lazily: import them only
+Each `supported()` is False without its GPU (unless a config asks for the CPU interpreter): Hopper
+for the Mosaic GPU kernels, compute capability 8.0+ for mxfp4_matmul, any CUDA GPU for rms_norm;
+the lowering keeps the `jax.numpy` reference there. Modules import Pallas lazily: import them only
 where a kernel may run.
 """

@@ -10,8 +10,9 @@ this epilogue. Rows past sum(group_sizes) give 0.
 
 Gradients (custom_vjp): under differentiation the forward runs the two grouped GEMMs unfused and
 keeps g, u (no recomputation), the products stored in x's dtype before the bias as the MoE
-lowering stores them (the reference with `product_dtype`); d g, d u are elementwise, then d x = d g @ gate^T + d u @ up^T and
-d gate, d up are per-expert x^T @ d g, x^T @ d u, all on the grouped kernels.
+lowering stores them (the reference with `product_dtype`); d g, d u are elementwise, then
+d x = d g @ gate^T + d u @ up^T and d gate, d up are per-expert x^T @ d g, x^T @ d u, all on the
+grouped kernels.
 
 Measured (H200, 32768 rows, 128 experts, D = F = 2880): 2.89 ms, the unfused pair of 192-wide
 grouped GEMMs + XLA activation 2.95 ms. F = 2880 allows only 64-wide accumulator pairs here (2 x 64

@@ -154,8 +154,8 @@ def _tile_table(group_sizes, m: int, block_m: int):
 # from the bf16 exponent's two lowest bits and the mantissa's top: the bf16 pattern of the E2M1
 # value times 2^-126, the code 0.5 a subnormal. A bf16x2 FMA by 2^126 (subnormal inputs are kept)
 # makes it the value, a second one by the scale 2^(s-127) (the scale byte shifted into a bf16
-# exponent) scales it; both are exact. One sequence per nibble: Pallas lowers an inline-asm op to
-# one result only; ptxas shares the byte permutes of the two.
+# exponent) scales it; both are exact. One sequence per nibble: Pallas lowers an inline-asm op
+# with two results wrongly (jax 0.11.2: "2 outvars do not match 1 outvals").
 _DEQUANT_PTX = """{{
 .reg .b32 c01, c23, s01, s23, t, two126, neg0;
 mov.b32 two126, 0x7E807E80;

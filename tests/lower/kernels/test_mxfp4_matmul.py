@@ -163,6 +163,66 @@ def test_gpu_select_picks_the_kernel():
     assert_close(out, _want(lhs, rhs, gs), 1e-5, "out")
 
 
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """Runs the instructions `_DEQUANT_PTX` uses (mov, prmt, shl, shr, and, or on .b32; fma.rn.bf16x2)
+    on uint32 numpy arrays, one lane per instance; `regs` maps "$i" to inputs; returns every register."""
+    regs = dict(regs)
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    def halves(x):  # a bf16x2 register -> its two halves as float64
+        return [np.asarray((x >> sh) & 0xFFFF, np.uint16).view(jnp.bfloat16).astype(np.float64) for sh in (0, 16)]
+
+    for line in asm.strip("{}\n").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        x = [val(a) for a in src]
+        if op == "mov.b32":
+            out = x[0]
+        elif op == "prmt.b32":  # default mode: byte i of d is byte sel_i of {b, a}
+            sel = int(src[2], 0)
+            out = np.uint32(0)
+            for i in range(4):
+                j = (sel >> 4 * i) & 0xF
+                assert j < 8, "prmt sign-replicate mode is not emulated"
+                byte = (x[0] >> 8 * j) & 0xFF if j < 4 else (x[1] >> 8 * (j - 4)) & 0xFF
+                out = out | (byte << 8 * i)
+        elif op in ("shl.b32", "shr.b32"):
+            out = x[0] << x[1] if op == "shl.b32" else x[0] >> x[1]
+        elif op in ("and.b32", "or.b32"):
+            out = x[0] & x[1] if op == "and.b32" else x[0] | x[1]
+        elif op == "fma.rn.bf16x2":  # every product here is exact in float64; one rounding to bf16
+            with np.errstate(over="ignore"):  # overflow to inf, as the hardware rounds it
+                lo, hi = (np.asarray(a * b + c).astype(jnp.bfloat16).view(np.uint16).astype(np.uint32)
+                          for a, b, c in zip(*(halves(v) for v in x)))
+            out = lo | (hi << 16)
+        else:
+            raise AssertionError(f"instruction {op} is not emulated")
+        regs[d] = np.asarray(out, np.uint32)
+    return regs
+
+
+def test_dequant_ptx_is_bitwise_the_reference_on_an_emulator():
+    """The inline PTX itself, run by a small emulator of its instructions: every code byte x every
+    scale byte 1..254 gives the reference's bf16 bits (the GPU test below runs it on the hardware)."""
+    from tessera.lower.kernels.mxfp4_matmul import _DEQUANT_HI, _DEQUANT_LO
+
+    codes = np.repeat(np.arange(256, dtype=np.uint32), 254)
+    scales = np.tile(np.arange(1, 255, dtype=np.uint32), 256)
+    pack = lambda b: b[0::4] | b[1::4] << 8 | b[2::4] << 16 | b[3::4] << 24  # four bytes a register
+    table = np.asarray(ref.E2M1, np.float64)
+    for asm, nibble in ((_DEQUANT_LO, codes & 15), (_DEQUANT_HI, codes >> 4)):
+        out = _run_ptx(asm, {"$2": pack(codes), "$3": pack(scales)})
+        got = np.stack([out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16], axis=1)
+        with np.errstate(over="ignore"):  # scales past 2^127 / 6 give inf
+            want = np.asarray(np.ldexp(table[nibble], scales.astype(np.int64) - 127), np.float32).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(got.reshape(-1).astype(np.uint16), want.view(np.uint16))
+
+
 @pytest.mark.gpu
 def test_gpu_dequantize_is_bitwise_the_reference():
     """The inline-PTX conversion on every code byte x every scale byte 1..254: the reference's bf16 bits
