@@ -79,20 +79,21 @@ def _block_k(k: int) -> int:
 
 
 def default_config(m: int, k: int, n: int, g: int, *, interpret: bool = False) -> Mxfp4Config:
-    """Decode (few rows per expert): 16 x 64 tiles, K split 6 ways; prefill: 64 x 128, K split until ~4
-    programs per SM.
+    """Decode (few rows per expert): 16 x 64 tiles, K split 6 ways (3 from 32 rows); prefill: 64 x 128,
+    K split until ~4 programs per SM.
 
     Decode, measured on an H200 (bench.kernels tune_mxfp4, profile busy time, 2880 -> 2880): 64-wide
     K steps split 6 ways beat the old 128-column tiles (M4: 33.6 vs 35.0 us; M32: 137 vs 156 us; M256
     equal); wider K steps (128-512, one or a few per program) were slower at every M (36-63 us at M4).
     With the PTX dequantisation, loads one step ahead beat two or three ahead at every size (M4: 22.8
-    vs 24.3 / 26.2 us; 4096 rows: 0.88 vs 1.26 ms for two).
+    vs 24.3 / 26.2 us; 4096 rows: 0.88 vs 1.26 ms for two); 3 K splits beat 6 from M32 on (84.2 vs
+    86.0 us; M256: 124.1 vs 129.0) but not at M4 (27.5 vs 22.4).
     """
     rows_per_group = max(1, m // max(g, 1))
     steps = k // _block_k(k)
-    if rows_per_group <= 16:
-        return Mxfp4Config(block_m=16, block_n=64, block_k=_block_k(k), splits=max(1, min(6, steps // 4)),
-                           interpret=interpret)
+    if rows_per_group <= 16:  # from 8 tokens on, most experts hold rows: fewer K splits suffice
+        splits = max(1, min(6 if m < 32 else 3, steps // 4))
+        return Mxfp4Config(block_m=16, block_n=64, block_k=_block_k(k), splits=splits, interpret=interpret)
     block_n = 128
     programs = (-(-m // 64) + g) * -(-n // block_n)
     splits = max(1, min(8, steps // 4, -(-528 // programs)))  # 528 = 4 x 132 SMs

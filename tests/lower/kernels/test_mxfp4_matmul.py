@@ -110,7 +110,8 @@ def test_supported_and_default_config():
     assert not supported(lhs, ref.dequantize(rhs), gs, interp)
     assert not supported(lhs[:, :32], rhs, gs, interp)
     decode = default_config(4, 2880, 5760, 32)
-    assert (decode.block_m, decode.block_k) == (16, 64) and decode.splits > 1
+    assert (decode.block_m, decode.block_k, decode.splits) == (16, 64, 6)
+    assert default_config(32, 2880, 2880, 32).splits == 3  # 8 tokens: most experts hold rows
     assert default_config(8192, 2880, 5760, 32).block_m == 64
     with pytest.raises(ValueError, match="power of two"):
         Mxfp4Config(block_n=96)
