@@ -255,10 +255,12 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
 
     # Edge blocks whose visible keys all lie in one half run at half width: on the causal
     # diagonal the upper 64-row warpgroup sees only the first half of its last block, and with a
-    # 128 window the lower one only the second half of its first block. 64-key tiles keep whole
-    # blocks (their 32-key halves failed the GPU test; 64-key tiles are no default).
+    # 128 window the lower one only the second half of its first block. Only 128-key tiles take
+    # halves: theirs are the ones GPU-tested. The 32-key halves of 64-key tiles failed the GPU
+    # test although the interpreter passed them, and the halves of 192- or 256-key tiles (no
+    # default where there is a mask) have not run on a GPU.
     full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
-    up, down = (mask.half_edges(p0, p0 + bq - 1, bkv, lo, full_lo, full_hi, hi) if bkv >= 128
+    up, down = (mask.half_edges(p0, p0 + bq - 1, bkv, lo, full_lo, full_hi, hi) if bkv == 128
                 else (None, None))
     if up is not None:
         carry = lax.fori_loop(lo, lo + up, functools.partial(step, masked=True, part=1), carry)
