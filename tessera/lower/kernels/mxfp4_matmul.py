@@ -10,7 +10,7 @@ A tile table built outside the kernel lists, per group, its runs of up to `block
 (groups need not start on a block boundary: rows are gathered, so each expert's weights are read once
 per run, and at decode sizes once). Each program takes one table entry x one N tile x one of `splits`
 K ranges: it streams [block_k/2, block_n] code bytes and their scales, turns four code bytes at a
-time into eight bf16 weights with one inline-PTX bit sequence (`dequantize`: byte permutes, masks
+time into eight bf16 weights with inline-PTX bit sequences (`dequantize_tile`: byte permutes, masks
 and two bf16x2 FMAs, exact) and feeds two tensor-core dots. Split-K partials (fp32) are summed
 outside; at decode M that buffer is tiny.
 
@@ -188,7 +188,7 @@ _DEQUANT_LO = _DEQUANT_PTX.format(sign="shl", sign_shift=4, magnitude_shift=2)
 _DEQUANT_HI = _DEQUANT_PTX.format(sign="shr", sign_shift=0, magnitude_shift=6)
 
 
-def dequantize(codes, scales, *, interpret: bool = False):
+def dequantize_tile(codes, scales, *, interpret: bool = False):
     """uint8 code bytes and their scale bytes (same shape) -> (low-nibble, high-nibble) weights in bf16.
 
     Exact (as reference.mxfp4.dequantize) for scale bytes 1..254; the scale byte 0 (2^-127) gives
@@ -270,7 +270,7 @@ def _step_fma(tiles, acc):
 def _step(tiles, acc, *, interpret: bool):
     """acc + one K step: dequantise [bk/2, bn] code bytes, two dots."""
     codes, sc, x_e, x_o = tiles
-    w_lo, w_hi = dequantize(codes, sc, interpret=interpret)
+    w_lo, w_hi = dequantize_tile(codes, sc, interpret=interpret)
     acc += jnp.dot(x_e, w_lo, preferred_element_type=jnp.float32)
     return acc + jnp.dot(x_o, w_hi, preferred_element_type=jnp.float32)
 

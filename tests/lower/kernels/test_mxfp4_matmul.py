@@ -231,13 +231,13 @@ def test_gpu_dequantize_is_bitwise_the_reference():
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
-    from tessera.lower.kernels.mxfp4_matmul import dequantize
+    from tessera.lower.kernels.mxfp4_matmul import dequantize_tile
 
     codes = np.broadcast_to(np.arange(256, dtype=np.uint8)[:, None], (256, 256))
     scales = np.broadcast_to((1 + np.arange(256) % 254).astype(np.uint8)[None, :], (256, 256))
 
     def body(c_ref, s_ref, lo_ref, hi_ref):
-        lo_ref[...], hi_ref[...] = dequantize(c_ref[...], s_ref[...])
+        lo_ref[...], hi_ref[...] = dequantize_tile(c_ref[...], s_ref[...])
     out = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
     lo, hi = pl.pallas_call(body, out_shape=(out, out),
                             compiler_params=pltriton.CompilerParams(num_warps=4))(
