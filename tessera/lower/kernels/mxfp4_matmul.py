@@ -42,8 +42,7 @@ from tessera.lower.kernels._vma import common, out_struct
 from tessera.lower.reference import mxfp4 as ref
 
 DTYPES = (jnp.dtype(jnp.bfloat16),)
-FP8_SHIFT = 64.0  # E2M1 bits read as E4M3 are the value times 2^-6
-FP16_SHIFT = 16384.0  # ... and read as fp16, the value times 2^-14
+FP16_SHIFT = 16384.0  # E2M1 bits read as fp16 are the value times 2^-14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,23 +192,17 @@ def dequantize_tile(codes, scales, *, interpret: bool = False):
 
     Exact (as reference.mxfp4.dequantize) for scale bytes 1..254; the scale byte 0 (2^-127) gives
     zeros. On the GPU inline PTX (`_DEQUANT_PTX`, four bytes a sequence); the interpreter takes the
-    E4M3 route below (XLA:CPU flushes the subnormals the PTX relies on).
+    fp16 route of the FMA path (XLA:CPU flushes the subnormals the PTX relies on, and so also the
+    code 0.5 under the scale byte 1, 2^-127: zero there).
     """
     if interpret:
-        scale = lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32) * FP8_SHIFT
-        c = codes.astype(jnp.int32)
-        return tuple((_e2m1_to_bf16(nib).astype(jnp.float32) * scale).astype(jnp.bfloat16)
-                     for nib in (c & 15, c >> 4))
+        scale, c = _scale_f32(scales), codes.astype(jnp.int32)
+        # the value first (exact), then the scale: 2^14 * 2^(s-127) would overflow for s > 240
+        return tuple((_e2m1_to_f32(nib) * FP16_SHIFT * scale).astype(jnp.bfloat16) for nib in (c & 15, c >> 4))
     out = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
     return tuple(pltriton.elementwise_inline_asm(asm, args=[codes, scales], pack=4, constraints="=r,=r,r,r",
                                                  result_shape_dtypes=[out])[0]
                  for asm in (_DEQUANT_LO, _DEQUANT_HI))
-
-
-def _e2m1_to_bf16(nibble):
-    """int32 E2M1 codes (0..15) -> bf16 values times 2^-6, via the E4M3 bit pattern s000 0em0 0."""
-    bits = ((nibble & 7) << 2) | ((nibble & 8) << 4)
-    return lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.bfloat16)
 
 
 def _load_step(x_ref, codes_ref, scales_ref, kk, live, *, grp, row0, r, c, row_ok, col_ok, k: int, bk: int):
@@ -248,6 +241,11 @@ def _steps(load, step, lo, hi, acc, *, ahead: int):
     return lax.fori_loop(lo, hi, body, (acc, pending))[0]
 
 
+def _scale_f32(scale_bytes):
+    """E8M0 scale bytes -> 2^(s-127) in fp32, exact (the byte 0 gives 0)."""
+    return lax.bitcast_convert_type(scale_bytes.astype(jnp.int32) << 23, jnp.float32)
+
+
 def _e2m1_to_f32(nibble):
     """int32 E2M1 codes (0..15) -> fp32 values times 2^-14, via the fp16 bit pattern s000 00em 0000 0000
     (the subnormal 0.5 included: fp16 -> fp32 conversion is exact)."""
@@ -260,8 +258,7 @@ def _step_fma(tiles, acc):
     least 16 rows): each row's products stay per code row until the end, so no step reduces across
     threads or converts a tile to a dot operand's layout."""
     codes, sc, x_e, x_o = tiles
-    codes, sc = codes.astype(jnp.int32), sc.astype(jnp.int32)
-    scale = lax.bitcast_convert_type(sc << 23, jnp.float32)  # 2^(s-127), exact
+    codes, scale = codes.astype(jnp.int32), _scale_f32(sc)
     w_lo, w_hi = _e2m1_to_f32(codes & 15) * scale, _e2m1_to_f32(codes >> 4) * scale
     x_e, x_o = x_e.astype(jnp.float32), x_o.astype(jnp.float32)
     return acc + x_e[:, :, None] * w_lo[None] + x_o[:, :, None] * w_hi[None]

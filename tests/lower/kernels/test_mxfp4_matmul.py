@@ -164,6 +164,32 @@ def test_gpu_select_picks_the_kernel():
     assert_close(out, _want(lhs, rhs, gs), 1e-5, "out")
 
 
+def _reference_bits(nibble, scales) -> np.ndarray:
+    """uint16 bf16 bits of E2M1 codes `nibble` times 2^(scales - 127), computed in float64 (no flushing)."""
+    with np.errstate(over="ignore"):  # scales past 2^127 / 6 give inf
+        exact = np.ldexp(np.asarray(ref.E2M1, np.float64)[nibble], scales.astype(np.int64) - 127)
+        return np.asarray(exact, np.float32).astype(jnp.bfloat16).view(np.uint16)
+
+
+def _all_codes_and_scales(dtype):
+    """Every code byte x every scale byte 1..254, as two flat arrays."""
+    return np.repeat(np.arange(256, dtype=dtype), 254), np.tile(np.arange(1, 255, dtype=dtype), 256)
+
+
+def test_interpreter_dequantize_tile_is_bitwise_the_reference():
+    """The interpreter's conversion: every code x scale 2..254 exact; under the scale 1 (2^-126) only the
+    codes +-0.5, whose 2^-127 XLA:CPU flushes, give zero."""
+    from tessera.lower.kernels.mxfp4_matmul import dequantize_tile
+
+    codes, scales = _all_codes_and_scales(np.uint8)
+    lo, hi = dequantize_tile(jnp.asarray(codes), jnp.asarray(scales), interpret=True)
+    for got, nibble in ((lo, codes & 15), (hi, codes >> 4)):
+        got, want = np.asarray(got).view(np.uint16), _reference_bits(nibble, scales)
+        flushed = (scales == 1) & ((nibble & 7) == 1)
+        np.testing.assert_array_equal(got[~flushed], want[~flushed])
+        assert set(got[flushed].tolist()) <= {0x0000, 0x8000}
+
+
 def _run_ptx(asm: str, regs: dict) -> dict:
     """Runs the instructions `_DEQUANT_PTX` uses (mov, prmt, shl, shr, and, or on .b32; fma.rn.bf16x2)
     on uint32 numpy arrays, one lane per instance; `regs` maps "$i" to inputs; returns every register."""
@@ -212,16 +238,12 @@ def test_dequant_ptx_is_bitwise_the_reference_on_an_emulator():
     scale byte 1..254 gives the reference's bf16 bits (the GPU test below runs it on the hardware)."""
     from tessera.lower.kernels.mxfp4_matmul import _DEQUANT_HI, _DEQUANT_LO
 
-    codes = np.repeat(np.arange(256, dtype=np.uint32), 254)
-    scales = np.tile(np.arange(1, 255, dtype=np.uint32), 256)
+    codes, scales = _all_codes_and_scales(np.uint32)
     pack = lambda b: b[0::4] | b[1::4] << 8 | b[2::4] << 16 | b[3::4] << 24  # four bytes a register
-    table = np.asarray(ref.E2M1, np.float64)
     for asm, nibble in ((_DEQUANT_LO, codes & 15), (_DEQUANT_HI, codes >> 4)):
         out = _run_ptx(asm, {"$2": pack(codes), "$3": pack(scales)})
         got = np.stack([out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16], axis=1)
-        with np.errstate(over="ignore"):  # scales past 2^127 / 6 give inf
-            want = np.asarray(np.ldexp(table[nibble], scales.astype(np.int64) - 127), np.float32).astype(jnp.bfloat16)
-        np.testing.assert_array_equal(got.reshape(-1).astype(np.uint16), want.view(np.uint16))
+        np.testing.assert_array_equal(got.reshape(-1).astype(np.uint16), _reference_bits(nibble, scales))
 
 
 @pytest.mark.gpu
@@ -242,7 +264,5 @@ def test_gpu_dequantize_is_bitwise_the_reference():
     lo, hi = pl.pallas_call(body, out_shape=(out, out),
                             compiler_params=pltriton.CompilerParams(num_warps=4))(
         jnp.asarray(codes), jnp.asarray(scales))
-    table = np.asarray(ref.E2M1, np.float64)
     for got, nibble in ((lo, codes & 15), (hi, codes >> 4)):
-        want = jnp.asarray(np.ldexp(table[nibble], scales.astype(np.int64) - 127), jnp.float32).astype(jnp.bfloat16)
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), _reference_bits(nibble, scales))
