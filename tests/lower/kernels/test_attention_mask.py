@@ -96,3 +96,29 @@ def test_half_edges_drop_only_invisible_halves(causal, window, q_offset, rows, k
         taken += up + down
     if causal and q_offset % half == 0:
         assert taken > 0  # the diagonal's upper rows at least
+
+
+@pytest.mark.parametrize("causal,window,q_offset,rows,kv_len", CASES + [(True, 6, -13, 24, 20)])
+@pytest.mark.parametrize("keys_padded", [True, False])
+def test_visibility_is_the_definition_and_tiles_agree(causal, window, q_offset, rows, kv_len, keys_padded):
+    """visible() is the module's definition (j < kv_len, causal j <= p, window p - j < window;
+    the causal window test is one unsigned compare), and tile() (either orientation) gives it
+    for a tile's positions."""
+    spec = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=kv_len, keys_padded=keys_padded)
+    keys = -(-kv_len // BLOCK) * BLOCK
+    p = np.arange(rows)[:, None] + q_offset
+    j = np.arange(keys)[None, :]
+    want = np.ones((rows, keys), bool)
+    if keys_padded:
+        want &= j < kv_len
+    if causal:
+        want &= j <= p
+    if window is not None:
+        want &= p - j < window
+    np.testing.assert_array_equal(_visible(spec, rows, keys), want)
+    for q0, k0 in ((0, 0), (8, 16), (16, 8)):
+        shape = (rows - q0, keys - k0)
+        got = spec.tile(jnp.int32(q0 + q_offset), jnp.int32(k0), shape, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), want[q0:, k0:])
+        got_t = spec.tile(jnp.int32(q0 + q_offset), jnp.int32(k0), shape[::-1], interpret=True, transposed=True)
+        np.testing.assert_array_equal(np.asarray(got_t), want[q0:, k0:].T)
