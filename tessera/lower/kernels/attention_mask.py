@@ -25,6 +25,12 @@ class MaskSpec:
     kv_len: int  # valid keys; keys at or past it are padding
     # whether the kernel's key tiles reach past kv_len; if not, tiles skip the length test
     keys_padded: bool = True
+    # causal window tiles as one tile of q - k (the iota difference plus a scalar): a score then
+    # pays one add, one unsigned compare and the select, against ~2x that for two signed tests
+    # (H200, D64 forward, window 128 + sinks: 262-289 -> 220-240 us). But LLVM hoists the
+    # loop-invariant difference out of the KV loop, one register a score: the D128 forward
+    # spilled with it (causal 963-981 -> 1112 us), so only kernels with registers to spare set it.
+    diff_tile: bool = False
 
     def key_range(self, p_first, p_last, block: int):
         """Blocks [lo, hi) of `block` keys holding any key visible to positions p_first..p_last."""
@@ -86,34 +92,30 @@ class MaskSpec:
 
     def visible(self, q_pos, k_pos):
         """Elementwise visibility of int32 position tiles (same shape)."""
-        return self._visible(q_pos - k_pos, k_pos)
-
-    def _visible(self, d, k_pos):
-        """Visibility from d = position - key (the keys themselves are read only for padding)."""
         tests = []
         if self.keys_padded:
             tests.append(k_pos < self.kv_len)
-        if self.causal and self.window is not None:
-            # 0 <= d < window as one unsigned compare (a negative d wraps past the window): per
-            # score an add, a compare and the select, where two signed tests took ~5 instructions
-            tests.append(d.astype(jnp.uint32) < jnp.uint32(self.window))
-        elif self.causal:
-            tests.append(d >= 0)
-        elif self.window is not None:
-            tests.append(d < self.window)
+        if self.causal:
+            tests.append(k_pos <= q_pos)
+        if self.window is not None:
+            tests.append(q_pos - k_pos < self.window)
         if not tests:  # a masked tile with nothing to test: every pair is visible
-            return d == d  # (all true, in the tiles' layout)
+            return k_pos == k_pos  # (all true, in the tiles' layout)
         return functools.reduce(operator.and_, tests)
+
+    def _in_window(self, d):
+        """0 <= d < window for d = position - key: one unsigned compare (a negative d wraps past it)."""
+        return d.astype(jnp.uint32) < jnp.uint32(self.window)
 
     def tile(self, q_first, k_first, shape, *, interpret: bool, transposed: bool = False):
         """Visibility of a [rows, cols] accumulator tile; rows are queries (keys when transposed)."""
         rows = _mgpu.iota2d(shape, 0, interpret=interpret)
         cols = _mgpu.iota2d(shape, 1, interpret=interpret)
         q_idx, k_idx = (cols, rows) if transposed else (rows, cols)
-        # q - k as the difference of the iotas plus one scalar: the iota part folds into a
-        # constant per register, so a score pays one add
-        d = (q_idx - k_idx) + (q_first - k_first)
-        return self._visible(d, k_idx + k_first if self.keys_padded else None)
+        if self.diff_tile and self.causal and self.window is not None:
+            seen = self._in_window((q_idx - k_idx) + (q_first - k_first))
+            return seen & (k_idx + k_first < self.kv_len) if self.keys_padded else seen
+        return self.visible(q_idx + q_first, k_idx + k_first)
 
 
 def masked_stretches(step, carry, lo, full_lo, full_hi, hi):

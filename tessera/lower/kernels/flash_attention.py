@@ -415,7 +415,7 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
             plgpu.Barrier(num_arrivals=n, num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages), plgpu.Barrier(num_arrivals=n))
     mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t,
-                    keys_padded=t_pad > t)
+                    keys_padded=t_pad > t, diff_tile=d <= 64)  # see MaskSpec.diff_tile
     n_items = (s_pad // rows) * bsz * hq
     grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
     work = _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask)

@@ -100,11 +100,14 @@ def test_half_edges_drop_only_invisible_halves(causal, window, q_offset, rows, k
 
 @pytest.mark.parametrize("causal,window,q_offset,rows,kv_len", CASES + [(True, 6, -13, 24, 20)])
 @pytest.mark.parametrize("keys_padded", [True, False])
-def test_visibility_is_the_definition_and_tiles_agree(causal, window, q_offset, rows, kv_len, keys_padded):
-    """visible() is the module's definition (j < kv_len, causal j <= p, window p - j < window;
-    the causal window test is one unsigned compare), and tile() (either orientation) gives it
-    for a tile's positions."""
-    spec = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=kv_len, keys_padded=keys_padded)
+@pytest.mark.parametrize("diff_tile", [True, False])
+def test_visibility_is_the_definition_and_tiles_agree(causal, window, q_offset, rows, kv_len, keys_padded,
+                                                      diff_tile):
+    """visible() is the module's definition (j < kv_len, causal j <= p, window p - j < window),
+    and tile() (either orientation, with or without the q - k tile and its unsigned window
+    test) gives it for a tile's positions."""
+    spec = MaskSpec(causal=causal, window=window, q_offset=q_offset, kv_len=kv_len, keys_padded=keys_padded,
+                    diff_tile=diff_tile)
     keys = -(-kv_len // BLOCK) * BLOCK
     p = np.arange(rows)[:, None] + q_offset
     j = np.arange(keys)[None, :]
