@@ -86,3 +86,57 @@ def test_ncu_durations_are_read_per_kernel_in_launch_order():
     assert [round(ms, 5) for _, ms in got] == [0.19363, 4.04, 1002.5]
     with pytest.raises(ValueError, match="unknown unit 'furlong'"):
         parse_durations("  k (1, 1, 1)x(1, 1, 1), Context 1\n    Duration  furlong  3\n")
+
+
+def _scope(tid, name, begin_cycles, end_cycles, start_us=1000.0):
+    """A scope of the on-device profiler: ts is start time in us plus cycles / 1000."""
+    return [{"name": name, "ph": "B", "ts": start_us + begin_cycles / 1e3, "tid": tid, "pid": 1},
+            {"name": name, "ph": "E", "ts": start_us + end_cycles / 1e3, "tid": tid, "pid": 1}]
+
+
+def test_profile_summary_counts_cycles_per_phase_and_the_gaps_between_phases():
+    from bench import profile
+    per_cta = 3  # tid 1 + index over the grid: CTA 0 holds tids 1, 2, 3; CTA 1 tids 4, 5, 6
+    events = []
+    for tid in (1, 2, 4, 5):  # the compute warpgroups of 2 CTAs
+        events += _scope(tid, "qk", 0, 100) + _scope(tid, "softmax", 120, 520)
+        events += _scope(tid, "qk", 600, 700) + _scope(tid, "softmax", 700, 1300)
+    events += [{"name": "inner", "ph": "B", "ts": 1000.2, "tid": 1, "pid": 1},
+               {"name": "inner", "ph": "E", "ts": 1000.25, "tid": 1, "pid": 1}]  # inside softmax
+    events.sort(key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"))
+    events += _scope(3, "memory", 0, 9000)  # the memory warpgroup: not a role asked for
+    s = profile.summarize(events, per_cta=per_cta, roles=(0, 1))
+    assert s.warpgroups == 4 and s.span == pytest.approx(1300)
+    assert list(s.phases)[:2] == ["softmax", "qk"] and "memory" not in s.phases
+    assert s.phases["softmax"].cycles == pytest.approx(1000) and s.phases["softmax"].count == 2
+    assert s.phases["qk"].cycles == pytest.approx(200)
+    assert s.phases["qk"].percentiles == pytest.approx((100, 100, 100))
+    assert s.phases["inner"].count == pytest.approx(0.25) and s.phases["inner"].cycles == pytest.approx(12.5)
+    # gaps between top-level scopes only: qk -> softmax (20, then 0), softmax -> qk (80)
+    assert s.gaps[("qk", "softmax")].cycles == pytest.approx(20)
+    assert s.gaps[("softmax", "qk")].cycles == pytest.approx(80) and s.gaps[("softmax", "qk")].count == 1
+
+
+def test_profile_summary_rejects_crossed_scopes():
+    from bench import profile
+    events = [{"name": "a", "ph": "B", "ts": 0.0, "tid": 1}, {"name": "b", "ph": "B", "ts": 0.1, "tid": 1},
+              {"name": "a", "ph": "E", "ts": 0.2, "tid": 1}, {"name": "b", "ph": "E", "ts": 0.3, "tid": 1}]
+    with pytest.raises(ValueError, match="'b' closed by 'a'"):
+        profile.summarize(events, per_cta=3, roles=(0,))
+
+
+def test_profiling_context_sets_the_profiler_of_kernels_traced_inside(monkeypatch):
+    from tessera.lower.kernels import _mgpu
+    seen = []
+    monkeypatch.setattr(_mgpu.plgpu, "kernel", lambda body, **kw: seen.append(kw) or body)
+    _mgpu.kernel_call(None, interpret=False)
+    with _mgpu.profiling("/tmp/traces", 64):
+        _mgpu.kernel_call(None, interpret=False)
+        _mgpu.kernel_call(None, interpret=True)
+    _mgpu.kernel_call(None, interpret=False)
+    plain, profiled, interpreted, after = seen
+    assert plain["compiler_params"].profile_space == 0 and plain["compiler_params"].approx_math
+    assert (profiled["compiler_params"].profile_dir, profiled["compiler_params"].profile_space) == ("/tmp/traces", 64)
+    assert profiled["compiler_params"].approx_math
+    assert "compiler_params" not in interpreted and "interpret" in interpreted
+    assert after["compiler_params"].profile_space == 0

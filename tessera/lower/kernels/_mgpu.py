@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -36,11 +38,33 @@ def interpret_params():
     return InterpretGPUParams()
 
 
+_PROFILE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("profile", default=None)
+
+
+@contextlib.contextmanager
+def profiling(directory: str, space: int = 512):
+    """Kernels traced inside record their `jax.named_scope` phases with Mosaic GPU's on-device
+    profiler: every call writes a Perfetto trace, `<ns>-trace.json`, to `directory`.
+
+    `space` is the number of scope entries a warpgroup may record per call (more is undefined
+    behaviour); each warpgroup keeps 16 bytes of SMEM per entry. The setting is read when a kernel
+    is traced, so only functions jitted anew inside the block are profiled. The interpreter ignores it.
+    """
+    token = _PROFILE.set((str(directory), space))
+    try:
+        yield
+    finally:
+        _PROFILE.reset(token)
+
+
 def kernel_call(body, *, interpret: bool, **kwargs):
     """`plgpu.kernel` with approximate math on the GPU, or the CPU interpreter when `interpret`."""
     if interpret:
         return plgpu.kernel(body, interpret=interpret_params(), **kwargs)
-    return plgpu.kernel(body, compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs)
+    params = {"approx_math": True}
+    if (profile := _PROFILE.get()) is not None:
+        params.update(profile_dir=profile[0], profile_space=profile[1])
+    return plgpu.kernel(body, compiler_params=plgpu.CompilerParams(**params), **kwargs)
 
 
 def smem_transforms(dtype):

@@ -9,7 +9,8 @@ Only KV blocks holding a visible key are visited (window: O(window) per row, not
 where every key is visible skip the mask, and an edge block whose visible keys all lie in one
 half runs at half width. Sinks seed the running max/denominator. Statistics are kept in the
 log2 domain (exp2 with the scale folded in), fp32; the output of a fully masked row is 0, as in
-the reference. `FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's
+the reference. The phases of a step and an item are named scopes, which `_mgpu.profiling` (and
+`python -m bench.profile`) turns into an on-device trace of each warpgroup. `FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's
 Q K^T in flight during block j's softmax). Backward: `flash_attention_bwd.py`.
 """
 
@@ -173,7 +174,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars,
                     load_q(i + 1, lax.rem(i + 1, n_buf))
             b, h, row, lo, hi = work.item(cta, i)
             if n_buf == 3:  # item i-2's output left long ago: no wait
-                prefetch()
+                with jax.named_scope("prefetch"):
+                    prefetch()
             else:  # item i-1's output has just been issued: prefetch while the first PV runs
                 pl.when(hi == lo)(prefetch)
             attend = _attend_overlap if cfg.overlap else _attend
@@ -182,12 +184,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, lse_ref, smem, bars,
                                 k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched), cfg=cfg,
                                 mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
                                 first_pv=prefetch if n_buf == 2 else None)
-            inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
-            q_smem.at[buf, wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-            row_smem.at[buf, wg][...] = m + jnp.log2(l)  # log2-sum-exp2 (sink included); -inf if empty
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[buf, wg], out_ref.at[b, pl.ds(row + wg * bq, bq), h])
-            plgpu.copy_smem_to_gmem(row_smem.at[buf, wg], lse_ref.at[b, h, pl.ds(row + wg * bq, bq)])
+            with jax.named_scope("epilogue"):
+                inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
+                q_smem.at[buf, wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+                row_smem.at[buf, wg][...] = m + jnp.log2(l)  # log2-sum-exp2 (sink included); -inf if empty
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem.at[buf, wg], out_ref.at[b, pl.ds(row + wg * bq, bq), h])
+                plgpu.copy_smem_to_gmem(row_smem.at[buf, wg], lse_ref.at[b, h, pl.ds(row + wg * bq, bq)])
             return g + (hi - lo)
 
         lax.fori_loop(n_items - n_items, n_items, item_body, n_items - n_items)
@@ -214,12 +217,14 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
     k_bar, v_bar, k_free, v_free, sched = bars
     bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
     dtype = q_smem.dtype
-    plgpu.barrier_wait(q_bar)
-    plgpu.barrier_wait(row_bar)
+    with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_bar)
+        plgpu.barrier_wait(row_bar)
     m = _mgpu.load_rows(row_smem, interpret=interp)  # sink * log2e, or NEG_BIG
     carry = (_mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp), m,
              _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp))
-    pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g, stages)]))
+    with jax.named_scope("wait_k"):
+        pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g, stages)]))
 
     def sync_after_issue():
         plgpu.barrier_arrive(sched)
@@ -234,22 +239,27 @@ def _attend(q_smem, row_smem, q_bar, row_bar, p0, lo, hi, g, k_smem, v_smem, bar
         k_tile, v_tile = (ring.at[slot] if part is None else ring.at[slot, pl.ds(first_key, n)]
                           for ring in (k_smem, v_smem))
         # the schedule barrier lets the other warpgroup's softmax start while this wgmma runs
-        s = _mgpu.mma(q_smem, k_tile, (bq, n), transpose_b=True, interpret=interp,
-                      then=sync_after_issue)
+        with jax.named_scope("qk"):
+            s = _mgpu.mma(q_smem, k_tile, (bq, n), transpose_b=True, interpret=interp,
+                          then=sync_after_issue)
         plgpu.barrier_arrive(k_free.at[slot])
-        if masked:
-            s = jnp.where(mask.tile(p0, kv * bkv + first_key, (bq, n), interpret=interp), s, -jnp.inf)
-        acc, m_new, l, p16 = _softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
+        with jax.named_scope("softmax"):
+            if masked:
+                s = jnp.where(mask.tile(p0, kv * bkv + first_key, (bq, n), interpret=interp), s, -jnp.inf)
+            acc, m_new, l, p16 = _softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
         plgpu.barrier_arrive(sched)  # softmax done
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_wait(sched)  # tensor cores free again
+        with jax.named_scope("wait_v"):
+            plgpu.barrier_wait(v_bar.at[slot])
+        with jax.named_scope("wait_turn"):
+            plgpu.barrier_wait(sched)  # tensor cores free again
 
         def wait_next_k():
             if first_pv is not None:
                 pl.when(kv == lo)(first_pv)
             nxt = kv + 1
             pl.when(nxt < hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g + nxt - lo, stages)]))
-        acc = _mgpu.mma(p16, v_tile, acc.shape, acc=acc, interpret=interp, then=wait_next_k)
+        with jax.named_scope("pv"):
+            acc = _mgpu.mma(p16, v_tile, acc.shape, acc=acc, interpret=interp, then=wait_next_k)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
