@@ -1,6 +1,6 @@
 """Times Tessera's GPU kernels against their peers on the same shapes in one run; prints one table.
 
-    python -m bench.kernels [--only attention,moe,decode] [--check]
+    python -m bench.kernels [--only attention,moe,decode] [--check] [--head-dims 64]
 
 Peers: XLA (jnp reference), cuDNN through jax.nn.dot_product_attention, PyTorch SDPA and
 torch._grouped_mm, lax.ragged_dot, a padded batched einsum. TFLOP/s count only the work needed
@@ -229,11 +229,15 @@ def tune_attention(check: bool = False) -> None:
         del ref
 
 
+ATTENTION_SHAPES = {64: (4, 4096, 64, 8, 64), 128: (4, 4096, 32, 8, 128)}  # head dim: (B, S, Hq, Hkv, D)
+HEAD_DIMS = tuple(ATTENTION_SHAPES)  # --head-dims: the attention rows to run (all of them take ~10 min)
+
+
 def run_attention(check: bool = False) -> None:
     """Causal / full / window-128+sinks attention, forward and backward, head dims 64 and 128."""
     from tessera.lower.kernels.flash_attention import attention_flops
     from tessera.lower.reference.attention import attention as reference
-    shapes = [(4, 4096, 64, 8, 64), (4, 4096, 32, 8, 128)]
+    shapes = [ATTENTION_SHAPES[d] for d in HEAD_DIMS]
     for b, s, hq, hkv, d in shapes:
         q, k, v, ct, sinks = _attention_inputs(b, s, hq, hkv, d)
         for causal, window, sk in [(True, None, False), (False, None, False), (True, 128, True)]:
@@ -633,9 +637,13 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--timing", choices=["program", "dispatch"], default="program",
                     help="JAX rows: calls inside one program (default) or one program per call")
+    ap.add_argument("--head-dims", default="64,128", help="attention rows: head dims 64 and/or 128")
     opts = ap.parse_args()
-    global TIMING
+    global TIMING, HEAD_DIMS
     TIMING = opts.timing
+    HEAD_DIMS = tuple(int(d) for d in opts.head_dims.split(","))
+    if not set(HEAD_DIMS) <= set(ATTENTION_SHAPES):
+        ap.error(f"--head-dims takes {sorted(ATTENTION_SHAPES)}, got {opts.head_dims}")
     print(f"devices: {jax.devices()}  jax {jax.__version__}  timing: {TIMING}")
     groups = {"attention": run_attention, "moe": run_moe, "dense": run_dense, "tune": tune_attention,
               "decode": run_decode, "mxfp4": run_mxfp4, "rmsnorm": run_rms_norm,
