@@ -85,7 +85,7 @@ def summarize(events: list[dict], *, per_cta: int, roles: tuple[int, ...]) -> Su
 def print_summary(s: Summary, title: str) -> None:
     print(f"{title}: {s.warpgroups} warpgroups, span {s.span:.0f} cycles each")
     print(f"  {'phase':<24}{'cycles/wg':>11}{'share':>7}{'runs/wg':>9}{'p5':>8}{'p50':>8}{'p95':>8}")
-    rows = [(name, p) for name, p in s.phases.items()]
+    rows = list(s.phases.items())
     rows += [(f"{a} -> {b}", p) for (a, b), p in list(s.gaps.items())[:8]]
     for name, p in rows:
         share = p.cycles / s.span if s.span else 0.0

@@ -10,8 +10,9 @@ where every key is visible skip the mask, and an edge block whose visible keys a
 half runs at half width. Sinks seed the running max/denominator. Statistics are kept in the
 log2 domain (exp2 with the scale folded in), fp32; the output of a fully masked row is 0, as in
 the reference. The phases of a step and an item are named scopes, which `_mgpu.profiling` (and
-`python -m bench.profile`) turns into an on-device trace of each warpgroup. `FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's
-Q K^T in flight during block j's softmax). Backward: `flash_attention_bwd.py`.
+`python -m bench.profile`) turns into an on-device trace of each warpgroup.
+`FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's Q K^T in flight during
+block j's softmax). Backward: `flash_attention_bwd.py`.
 """
 
 from __future__ import annotations
