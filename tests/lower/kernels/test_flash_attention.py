@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from tessera.lower.kernels.attention_mask import MaskSpec
-from tessera.lower.kernels.flash_attention import FlashConfig, _Work, flash_attention, supported
+from tessera.lower.kernels.flash_attention import (FlashConfig, _forward, _Work, flash_attention,
+                                                  supported)
 from tessera.lower.reference.attention import attention
 from tests.lower.kernels._check import assert_close
 
@@ -56,6 +57,27 @@ def test_interpret_causal_window_sinks_gqa():
     one persistent CTA runs both heads (Q double buffer, K/V ring carried across items)."""
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
     _check((1, 100, 100, 2, 1, 64), jnp.bfloat16, causal=True, window=48, with_sinks=True, config=cfg)
+
+
+def test_interpret_forward_alone_skips_the_statistics():
+    """A forward without a gradient stores no log-sum-exp (one kernel output fewer); its output is
+    bitwise the gradient path's, whose statistics are log2(sum of 2^(score log2 e)) over the
+    visible keys and the sink: the reference's, in log2 units."""
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
+    q, k, v, sinks, _ = _inputs(3, 1, 100, 100, 2, 1, 64, jnp.bfloat16, True)
+    kw = dict(causal=True, window=48, scale=0.125, q_offset=0, cfg=cfg, has_sinks=True)
+    out, lse = _forward(q, k, v, sinks, **kw, want_lse=True)
+    alone, none = _forward(q, k, v, sinks, **kw, want_lse=False)
+    assert none is None
+    assert bool(jnp.all(alone == out))
+    scores = jnp.einsum("bshd,bthd->bhst", q.astype(jnp.float32),
+                        jnp.repeat(k, 2, axis=2).astype(jnp.float32)) * 0.125
+    pos = jnp.arange(100)
+    seen = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 48)
+    scores = jnp.where(seen, scores, -jnp.inf)
+    with_sink = jnp.concatenate([scores, jnp.broadcast_to(sinks[None, :, None, None], (1, 2, 100, 1))], -1)
+    want = jax.nn.logsumexp(with_sink, axis=-1) / jnp.log(2.0)
+    assert_close(lse, want, 1e-3, "lse")
 
 
 def test_interpret_causal_front_padding():
