@@ -54,6 +54,12 @@ class MaskSpec:
         a = jnp.clip(a, lo, hi)
         return a, jnp.clip(b, a, hi)
 
+    def may_have_full_blocks(self, rows: int, block: int) -> bool:
+        """Whether some block of `block` keys can be fully visible to `rows` consecutive positions.
+        Causal with window < rows + block - 1 rules it out: the first row must see the block's last
+        key (causal) and the last row its first key (window)."""
+        return not (self.causal and self.window is not None and self.window < rows + block - 1)
+
     def half_edges(self, p_first, p_last, block: int, lo, full_lo, full_hi, hi):
         """(up, down), 0 or 1 each: whether the first block of the leading masked stretch
         [lo, full_lo) holds no key visible to p_first..p_last in its first half (up; None without

@@ -66,6 +66,19 @@ def test_key_ranges_of_front_padding_stay_in_bounds(causal, window):
             assert not vis[qb * BLOCK:(qb + 1) * BLOCK, kb * BLOCK:(kb + 1) * BLOCK].any() or lo <= kb < hi
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 7, 10, 11, 12, 20])
+@pytest.mark.parametrize("rows", [4, 8])
+def test_may_have_full_blocks_is_exact(causal, window, rows):
+    """Whether some tile of `rows` queries (at any position) has a fully visible BLOCK-key block:
+    the static test the forward uses to run one masked loop against every tile of 96 positions."""
+    spec = MaskSpec(causal=causal, window=window, q_offset=0, kv_len=96, keys_padded=False)
+    vis = _visible(spec, 96, 96)
+    any_full = any(vis[r0:r0 + rows, kb * BLOCK:(kb + 1) * BLOCK].all()
+                   for r0 in range(96 - rows + 1) for kb in range(96 // BLOCK))
+    assert spec.may_have_full_blocks(rows, BLOCK) == any_full
+
+
 @pytest.mark.parametrize("causal,window,q_offset,rows,kv_len", CASES + [(True, 8, 0, 40, 40), (False, None, 0, 24, 20)])
 def test_half_edges_drop_only_invisible_halves(causal, window, q_offset, rows, kv_len):
     """Query tiles of half a block's height (the forward's 64-row warpgroups against 128-key
