@@ -1,16 +1,17 @@
 """Flash attention for Hopper (Mosaic GPU): GQA, causal, sliding window, per-head sinks; fwd + bwd.
 
 Forward, FlashAttention-3 style: a work item is 2 x `block_q` query rows of one query head; a
-persistent CTA (one per SM) runs items heaviest-first (dealt in a snake, see `_Work`) with 2
-compute warpgroups (one `block_q` half each) and 1 memory warpgroup that streams K/V tiles
-through a `stages`-deep TMA ring kept running across items. The compute warpgroups ping-pong on
-a schedule barrier so one's softmax overlaps the other's wgmma; the next item's Q is prefetched.
-Only KV blocks holding a visible key are visited (window: O(window) per row, not O(T)); blocks
-where every key is visible skip the mask, and an edge block whose visible keys all lie in one
-half runs at half width. Sinks seed the running max/denominator. Statistics are kept in the
-log2 domain (exp2 with the scale folded in), fp32; the output of a fully masked row is 0, as in
-the reference. The phases of a step and an item are named scopes, which `_mgpu.profiling` (and
-`python -m bench.profile`) turns into an on-device trace of each warpgroup.
+persistent CTA (one per SM) runs items heaviest-first (dealt in a snake, see `_Work`) with 2 compute
+warpgroups (one `block_q` half each) and 1 memory warpgroup that streams K/V tiles through a
+`stages`-deep TMA ring kept running across items. The compute warpgroups ping-pong on a schedule
+barrier so one's softmax overlaps the other's wgmma; the next item's Q is prefetched. Only KV blocks
+holding a visible key are visited (window: O(window) per row, not O(T)); blocks where every key is
+visible skip the mask, and an edge block whose visible keys all lie in one half runs at half width.
+Sinks seed the running max/denominator. Statistics are kept in the log2 domain (exp2 with the scale
+folded in), fp32; the output of a fully masked row is 0, as in the reference; the log-sum-exp the
+backward needs is stored only when a gradient is taken. The phases of a step and an item are named
+scopes, which `_mgpu.profiling` (and `python -m bench.profile`) turns into an on-device trace of
+each warpgroup.
 `FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's Q K^T in flight during
 block j's softmax). Backward: `flash_attention_bwd.py`.
 """
@@ -139,7 +140,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     each item's output leaves through the slot that held its Q. The K/V ring and its barriers
     run on across items, so the producer fills the next item's pipeline during an epilogue.
     """
-    *lse_ref, smem, bars = rest  # lse_ref: [] when only the output is wanted (no gradient)
+    *lse_refs, smem, bars = rest  # [lse_ref], or [] without a gradient
     q_smem, k_smem, v_smem, row_smem = smem  # [n_buf, 2, bq, d], [stages, bkv, d] x2, [n_buf, 2, bq]
     q_bar, k_bar, v_bar, k_free, v_free, sched = bars  # q_bar: an item's Q and sink row both
     n, bq, bkv, stages = _WGS, cfg.block_q, cfg.block_kv, cfg.stages
@@ -148,7 +149,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     dtype = q_smem.dtype
     cta, wg = lax.axis_index("c"), lax.axis_index("wg")
     n_items = work.count(cta)
-    copies = 1 + len(lse_ref)  # TMA stores an item issues
+    copies = 1 + len(lse_refs)  # TMA stores an item issues
 
     def sched_sync():
         plgpu.barrier_arrive(sched)
@@ -190,11 +191,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
             with jax.named_scope("epilogue"):
                 inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
                 q_smem.at[buf, wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-                if lse_ref:
-                    row_smem.at[buf, wg][...] = m + jnp.log2(l)  # log2-sum-exp2 (sink included); -inf if empty
+                if lse_refs:  # log2-sum-exp2 (sink included); -inf if empty
+                    row_smem.at[buf, wg][...] = m + jnp.log2(l)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_smem.at[buf, wg], out_ref.at[b, pl.ds(row + wg * bq, bq), h])
-                for ref in lse_ref:
+                for ref in lse_refs:
                     plgpu.copy_smem_to_gmem(row_smem.at[buf, wg], ref.at[b, h, pl.ds(row + wg * bq, bq)])
             return g + (hi - lo)
 
