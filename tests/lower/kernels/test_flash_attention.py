@@ -9,7 +9,7 @@ import pytest
 from tessera.lower.kernels.attention_mask import MaskSpec
 from tessera.lower.kernels.flash_attention import (FlashConfig, _forward, _Work, flash_attention,
                                                   supported)
-from tessera.lower.reference.attention import attention
+from tessera.lower.reference.attention import attention, attention_mask
 from tests.lower.kernels._check import assert_close
 
 
@@ -72,9 +72,7 @@ def test_interpret_forward_alone_skips_the_statistics():
     assert bool(jnp.all(alone == out))
     scores = jnp.einsum("bshd,bthd->bhst", q.astype(jnp.float32),
                         jnp.repeat(k, 2, axis=2).astype(jnp.float32)) * 0.125
-    pos = jnp.arange(100)
-    seen = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 48)
-    scores = jnp.where(seen, scores, -jnp.inf)
+    scores = jnp.where(attention_mask(100, 100, causal=True, window=48), scores, -jnp.inf)
     with_sink = jnp.concatenate([scores, jnp.broadcast_to(sinks[None, :, None, None], (1, 2, 100, 1))], -1)
     want = jax.nn.logsumexp(with_sink, axis=-1) / jnp.log(2.0)
     assert_close(lse, want, 1e-3, "lse")
