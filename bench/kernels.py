@@ -1,6 +1,6 @@
 """Times Tessera's GPU kernels against their peers on the same shapes in one run; prints one table.
 
-    python -m bench.kernels [--only attention,moe,decode] [--check] [--head-dims 64]
+    python -m bench.kernels [--only attention,moe,decode] [--check] [--head-dims 64] [--rounds 3]
 
 Peers: XLA (jnp reference), cuDNN through jax.nn.dot_product_attention, PyTorch SDPA and
 torch._grouped_mm, lax.ragged_dot, a padded batched einsum. TFLOP/s count only the work needed
@@ -26,6 +26,7 @@ ROWS: list[tuple[str, str, float, float, str]] = []  # (case, impl, ms, rate, un
 
 
 TIMING = "program"  # or "dispatch" (--timing): how time_jax times a call, see there
+ROUNDS = 3  # --rounds: how many times the tune sweeps time each variant, in turns (record_rounds)
 
 
 def time_jax(fn, *args, iters: int = 20, reps: int = 5) -> float:
@@ -99,14 +100,34 @@ def rel_err(got, want) -> float:
 
 def record(case: str, impl: str, run, work: float, unit: str = "TFLOP/s") -> None:
     """Time `run()` (returns ms), store the row; failures are printed and skipped."""
-    try:
-        ms = run()
-    except Exception as e:  # a peer missing on this machine must not hide the others
-        print(f"  {case} / {impl}: failed: {type(e).__name__}: {str(e)[:300]}")
-        return
+    record_rounds(case, [(impl, run)], work, unit, rounds=1)
+
+
+def record_rounds(case: str, variants, work: float, unit: str = "TFLOP/s", *, rounds: int | None = None) -> None:
+    """Time `variants` [(impl, run)] in turns, `rounds` times (--rounds), and store each one's median.
+
+    Variants of a kernel differ by a few percent, and so does one build between processes and over
+    minutes (H200, window 128 + sinks: 182-235 us in separate processes, 191-204 us in one). A
+    variant timed once after another is compared with the machine's drift; timed in turns, within
+    one process, each round sees the same machine. A failing variant is printed and dropped.
+    """
+    rounds = ROUNDS if rounds is None else rounds
+    times: dict[str, list[float]] = {impl: [] for impl, _ in variants}
+    for _ in range(rounds):
+        for impl, run in variants:
+            if impl not in times:
+                continue
+            try:
+                times[impl].append(run())
+            except Exception as e:  # a peer missing on this machine must not hide the others
+                print(f"  {case} / {impl}: failed: {type(e).__name__}: {str(e)[:300]}")
+                del times[impl]
     scale = 1e12 if unit == "TFLOP/s" else 1e9
-    ROWS.append((case, impl, ms, work / (ms * 1e-3) / scale, unit))
-    print(f"  {case:<44} {impl:<26} {ms:9.3f} ms {ROWS[-1][3]:9.1f} {unit}", flush=True)
+    for impl, ms in times.items():
+        med = statistics.median(ms)
+        ROWS.append((case, impl, med, work / (med * 1e-3) / scale, unit))
+        spread = f"  ({min(ms):.3f}-{max(ms):.3f} over {len(ms)} rounds)" if len(ms) > 1 else ""
+        print(f"  {case:<44} {impl:<26} {med:9.3f} ms {ROWS[-1][3]:9.1f} {unit}{spread}", flush=True)
 
 
 def print_table() -> None:
@@ -211,6 +232,7 @@ def tune_attention(check: bool = False) -> None:
             f32 = lambda x: x.astype(jnp.float32)
             ref = jax.jit(lambda q, k, v: reference(f32(q), f32(k), f32(v), sinks=sk, causal=causal,
                                                     window=window))(q, k, v)
+        runs = []
         for label, kw in cfgs:
             cfg = FlashConfig(**kw)
             fn = lambda q, k, v, cfg=cfg: flash_attention(q, k, v, sinks=sk, causal=causal,
@@ -222,10 +244,10 @@ def tune_attention(check: bool = False) -> None:
                     print(f"  check {tag} {label}: failed: {type(e).__name__}: {str(e)[:400]}")
                     continue
             if direction == "fwd":
-                record(f"tune fwd {tag}", f"tessera {label}", lambda: time_jax(fn, q, k, v), flops)
+                runs.append((f"tessera {label}", lambda fn=fn: time_jax(fn, q, k, v)))
             else:
-                record(f"tune bwd {tag}", f"tessera {label}",
-                       lambda: time_jax(_backward, _pullback(fn, q, k, v), ct), 2.5 * flops)
+                runs.append((f"tessera {label}", lambda fn=fn: time_jax(_backward, _pullback(fn, q, k, v), ct)))
+        record_rounds(f"tune {direction} {tag}", runs, flops * (1.0 if direction == "fwd" else 2.5))
         del ref
 
 
@@ -415,10 +437,11 @@ def tune_decode(check: bool = False) -> None:
     for t in (4096, 16384):
         q, caches, sinks = decode_inputs(t)
         nbytes = 2.0 * b * t * hkv * d * 2 + 2 * q.nbytes
+        runs = []
         for label, kw in variants:
             fn = lambda q, kv, cfg=DecodeConfig(**kw): decode_attention(q, *kv, sinks=sinks, config=cfg)
-            record(f"tune decode B{b} T{t}", f"tessera {label}", lambda: time_rotating(fn, (q,), caches * 5),
-                   nbytes, "GB/s")
+            runs.append((f"tessera {label}", lambda fn=fn: time_rotating(fn, (q,), caches * 5)))
+        record_rounds(f"tune decode B{b} T{t}", runs, nbytes, "GB/s")
 
 
 # ----------------------------------------------------------------------------- MXFP4 experts, RMSNorm
@@ -632,15 +655,19 @@ def run_rms_norm(check: bool = False) -> None:
 
 def main() -> None:
     """Run the selected groups and print the table."""
+    global TIMING, HEAD_DIMS, ROUNDS
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="attention,moe,decode,dense")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--timing", choices=["program", "dispatch"], default="program",
                     help="JAX rows: calls inside one program (default) or one program per call")
     ap.add_argument("--head-dims", default="64,128", help="attention rows: head dims 64 and/or 128")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="tune sweeps: time each variant this many times, in turns, and keep the median")
     opts = ap.parse_args()
-    global TIMING, HEAD_DIMS
-    TIMING = opts.timing
+    if opts.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {opts.rounds}")
+    TIMING, ROUNDS = opts.timing, opts.rounds
     HEAD_DIMS = tuple(int(d) for d in opts.head_dims.split(","))
     if not set(HEAD_DIMS) <= set(ATTENTION_SHAPES):
         ap.error(f"--head-dims takes {sorted(ATTENTION_SHAPES)}, got {opts.head_dims}")

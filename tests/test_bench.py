@@ -140,3 +140,31 @@ def test_profiling_context_sets_the_profiler_of_kernels_traced_inside(monkeypatc
     assert profiled["compiler_params"].approx_math
     assert "compiler_params" not in interpreted and "interpret" in interpreted
     assert after["compiler_params"].profile_space == 0
+
+
+def test_variants_are_timed_in_turns_and_keep_their_median(monkeypatch, capsys):
+    from bench import kernels
+
+    monkeypatch.setattr(kernels, "ROWS", [])
+    calls = []
+
+    def timer(name, times):
+        it = iter(times)
+
+        def run():
+            calls.append(name)
+            return next(it)
+        return run
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("no such tile")
+
+    kernels.record_rounds("tune fwd x", [("tessera a", timer("a", [2.0, 1.0, 4.0])), ("tessera broken", broken),
+                                         ("tessera b", timer("b", [1.0, 3.0, 2.0]))], 4e9, rounds=3)
+    assert calls == ["a", "broken", "b", "a", "b", "a", "b"]  # in turns; a failing variant is dropped at once
+    assert [(r[1], r[2]) for r in kernels.ROWS] == [("tessera a", 2.0), ("tessera b", 2.0)]
+    assert kernels.ROWS[0][3] == pytest.approx(2.0)  # 4e9 FLOP in 2 ms: 2 TFLOP/s
+    out = capsys.readouterr().out
+    assert "tune fwd x / tessera broken: failed: RuntimeError: no such tile" in out
+    assert "(1.000-4.000 over 3 rounds)" in out and "(1.000-3.000 over 3 rounds)" in out
