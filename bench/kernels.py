@@ -26,7 +26,7 @@ ROWS: list[tuple[str, str, float, float, str]] = []  # (case, impl, ms, rate, un
 
 
 TIMING = "program"  # or "dispatch" (--timing): how time_jax times a call, see there
-ROUNDS = 3  # --rounds: how many times the tune sweeps time each variant, in turns (record_rounds)
+ROUNDS = 3  # --rounds: how many times tune / tune_decode time each variant, in turns (record_rounds)
 
 
 def time_jax(fn, *args, iters: int = 20, reps: int = 5) -> float:
@@ -663,7 +663,7 @@ def main() -> None:
                     help="JAX rows: calls inside one program (default) or one program per call")
     ap.add_argument("--head-dims", default="64,128", help="attention rows: head dims 64 and/or 128")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
-                    help="tune sweeps: time each variant this many times, in turns, and keep the median")
+                    help="tune and tune_decode: time each variant this many times, in turns, and keep the median")
     opts = ap.parse_args()
     if opts.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {opts.rounds}")
