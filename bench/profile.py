@@ -99,7 +99,7 @@ def profile_attention(*, d: int, window: int | None, batch: int, seq: int, space
     import jax
     import jax.numpy as jnp
     from tessera.lower.kernels import _mgpu
-    from tessera.lower.kernels.flash_attention import flash_attention
+    from tessera.lower.kernels.flash_attention import _WGS, flash_attention
 
     hq = 64 if d == 64 else 32
     ks = jax.random.split(jax.random.key(0), 4)
@@ -120,7 +120,8 @@ def profile_attention(*, d: int, window: int | None, batch: int, seq: int, space
         raise SystemExit(f"no trace was written to {out}")
     print(f"trace: {written[-1]} (open it in Perfetto)")
     events = json.loads(written[-1].read_text())["traceEvents"]
-    return summarize(events, per_cta=3, roles=(0, 1))  # 2 compute warpgroups, then the memory one
+    # the kernel's compute warpgroups, then its one memory warpgroup
+    return summarize(events, per_cta=_WGS + 1, roles=tuple(range(_WGS)))
 
 
 def main() -> None:
