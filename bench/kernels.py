@@ -11,6 +11,7 @@ measured copy bandwidth. The ratio column is Tessera / best peer on the same row
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -67,11 +68,17 @@ def time_in_program(fn, *args, calls: tuple[int, int] = (2, 6), reps: int = 7) -
 
     Every call's output is returned, so none is dead code; the optimization barrier chaining
     the calls (rotating_program) keeps XLA from merging them. Each program's time is the fastest
-    of `reps` runs (host jitter only adds time).
+    of `reps` runs (host jitter only adds time). The programs are compiled on the first call for
+    `fn` and reused after it: timing rounds of the same function compile once.
     """
-    f = lambda *a: fn(*a[:-1])  # the varying input is only a call index
     ticks = [jnp.int32(i) for i in range(calls[1])]
-    return _slope_ms(f, args, ticks[:calls[0]], ticks, reps)
+    return _slope_ms(_tick_ignored(fn), args, ticks[:calls[0]], ticks, reps)
+
+
+@functools.cache
+def _tick_ignored(fn):
+    """fn taking one more, ignored argument (the call index), one wrapper per fn: see _rotating."""
+    return lambda *a: fn(*a[:-1])
 
 
 def time_torch(fn, iters: int = 20, reps: int = 5) -> float:
@@ -246,7 +253,9 @@ def tune_attention(check: bool = False) -> None:
             if direction == "fwd":
                 runs.append((f"tessera {label}", lambda fn=fn: time_jax(fn, q, k, v)))
             else:
-                runs.append((f"tessera {label}", lambda fn=fn: time_jax(_backward, _pullback(fn, q, k, v), ct)))
+                # one pullback a variant: a new one each round would be a new program to compile
+                pull = functools.cache(functools.partial(_pullback, fn, q, k, v))
+                runs.append((f"tessera {label}", lambda pull=pull: time_jax(_backward, pull(), ct)))
         record_rounds(f"tune {direction} {tag}", runs, flops * (1.0 if direction == "fwd" else 2.5))
         del ref
 
@@ -451,15 +460,21 @@ def rotating_program(fn, consts, varying):
     """A jitted program running fn(*consts, v) for each v of `varying` back to back, and its arguments.
 
     An optimization barrier between calls makes each depend on the last, so XLA cannot merge the
-    calls' dots into one (which it does for dots sharing an operand).
+    calls' dots into one (which it does for dots sharing an operand). The program is one jitted
+    function per `fn`, so timing `fn` again (another round) reuses its compiled executables.
     """
+    return _rotating(fn), (consts, varying)
+
+
+@functools.cache
+def _rotating(fn):
     def many(c, vs):
         outs = []
         for v in vs:
             outs.append(fn(*c, v))
             c, _ = jax.lax.optimization_barrier((c, outs[-1]))
         return outs
-    return jax.jit(many), (consts, varying)
+    return jax.jit(many)
 
 
 def _program_ms(fn, consts, varying, iters: int) -> float:

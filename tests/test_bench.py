@@ -61,6 +61,27 @@ def test_rotating_program_runs_every_call_on_its_own_input():
         assert out.tolist() == [3.0 * (v + i) for v in range(4)]
 
 
+def test_timing_a_function_again_compiles_nothing():
+    """Rounds of timing (record_rounds) reuse the first round's programs: on a GPU a kernel
+    variant takes ~50 s to compile, its timing well under a second."""
+    import jax.numpy as jnp
+    from bench.kernels import time_in_program
+
+    traces = []
+
+    def fn(x):
+        traces.append(x.shape)
+        return x * 2.0
+
+    x = jnp.arange(8.0)
+    assert time_in_program(fn, x, calls=(2, 4), reps=2) >= 0.0
+    assert len(traces) == 2 + 4  # a program of 2 calls and one of 4, each traced once
+    time_in_program(fn, x, calls=(2, 4), reps=2)
+    assert len(traces) == 6
+    time_in_program(fn, jnp.arange(16.0), calls=(2, 4), reps=2)  # new shapes: traced anew
+    assert len(traces) == 12
+
+
 def test_ncu_durations_are_read_per_kernel_in_launch_order():
     """bench.ncu reads ncu's details page: kernel header lines (C++ signatures included), then
     each kernel's Duration in its unit."""
