@@ -223,11 +223,7 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
     k_bar, v_bar, k_free, v_free, sched = bars
     bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
     dtype = q_smem.dtype
-    with jax.named_scope("wait_q"):
-        plgpu.barrier_wait(q_bar)  # Q and the sink row
-    m = _mgpu.load_rows(row_smem, interpret=interp)  # sink * log2e, or NEG_BIG
-    carry = (_mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp), m,
-             _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp))
+    carry = _start(q_smem, row_smem, q_bar, has_sinks=has_sinks, interpret=interp)
     with jax.named_scope("wait_k"):
         pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g, stages)]))
 
@@ -291,6 +287,16 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
     return carry
 
 
+def _start(q_smem, row_smem, q_bar, *, has_sinks: bool, interpret: bool):
+    """Wait for the item's Q and sink row; the running (acc, m, l) before its first block: zeros,
+    the sink's logit in log2 units (NEG_BIG without sinks), and the sink's weight 1 (or 0)."""
+    with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_bar)
+    bq, d = q_smem.shape
+    return (_mgpu.zeros((bq, d), interpret=interpret), _mgpu.load_rows(row_smem, interpret=interpret),
+            _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interpret))
+
+
 def _mma_during(a, b, shape, during, *, interpret: bool):
     """(a @ b.T fp32 [M, N] = `shape`, during()): `during()` runs while the wgmma is in flight.
 
@@ -331,10 +337,7 @@ def _attend_overlap(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars
     bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
     dtype = q_smem.dtype
     slot_of = lambda kv: lax.rem(g + kv - lo, stages)
-    plgpu.barrier_wait(q_bar)  # Q and the sink row
-    m = _mgpu.load_rows(row_smem, interpret=interp)  # sink * log2e, or NEG_BIG
-    acc = _mgpu.zeros((bq, q_smem.shape[-1]), interpret=interp)
-    l = _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp)
+    acc, m, l = _start(q_smem, row_smem, q_bar, has_sinks=has_sinks, interpret=interp)
 
     def wait_k(kv):
         pl.when(kv < hi)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(kv)]))
