@@ -94,6 +94,17 @@ def test_interpret_half_width_edge_blocks_and_snake_schedule():
     _check((1, 300, 300, 5, 1, 64), jnp.bfloat16, causal=True, window=128, with_sinks=True, config=cfg)
 
 
+def test_interpret_two_q_slots(monkeypatch):
+    """CPU interpreter, the Q / output double buffer that head dim 128 gets on the GPU (2 slots,
+    not 3): the next item's Q is loaded into the slot of the item before, once that item's
+    output has left it, while the first P V is in flight. One CTA runs all 6 items of both
+    heads, the upper warpgroup of the first sees no key (causal, front padding)."""
+    from tessera.lower.kernels import flash_attention as fa
+    monkeypatch.setattr(fa, "_q_slots", lambda *_: 2)
+    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
+    _check((1, 300, 300, 2, 2, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
+
+
 @pytest.mark.parametrize("n_tiles,bsz,hq,grid", [(32, 4, 64, 132), (3, 1, 5, 4), (5, 2, 3, 7), (2, 1, 1, 2)])
 def test_snake_schedule_runs_each_item_once_and_balances_causal_work(n_tiles, bsz, hq, grid):
     """Every (tile, batch, head) item goes to exactly one CTA; with causal weights (tile t holds
