@@ -56,11 +56,22 @@ def time_jax(fn, *args, iters: int = 20, reps: int = 5) -> float:
     ms = statistics.median(times) * 1e3
     if TIMING == "dispatch" or ms > 20.0:
         return ms
-    # enough extra calls for ~40 ms of GPU time (host jitter of ~0.1 ms a program then moves the
-    # slope by < 1%), as long as their outputs, all kept, fit in 16 GiB
-    out_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(fn, *args)))
-    extra = min(max(4, math.ceil(40.0 / ms)), 48, max(4, int(16 * 2**30 // max(out_bytes, 1))))
-    return time_in_program(fn, *args, calls=(2, 2 + extra))
+    return time_in_program(fn, *args, calls=(2, 2 + _extra_calls(fn, args, ms)))
+
+
+_EXTRA_CALLS: dict = {}  # (fn, its arguments' structure and shapes) -> extra calls of its long program
+
+
+def _extra_calls(fn, args, ms: float) -> int:
+    """Calls the long timing program adds for ~40 ms of GPU time (host jitter of ~0.1 ms a program
+    then moves the slope by < 1%), as long as their outputs, all kept, fit in 16 GiB. Fixed by the
+    first timing of fn on these arguments: a count that followed each round's jitter of `ms`
+    would be a new program, compiled again."""
+    key = (fn, jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+    if key not in _EXTRA_CALLS:
+        out_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(fn, *args)))
+        _EXTRA_CALLS[key] = min(max(4, math.ceil(40.0 / ms)), 48, max(4, int(16 * 2**30 // max(out_bytes, 1))))
+    return _EXTRA_CALLS[key]
 
 
 def time_in_program(fn, *args, calls: tuple[int, int] = (2, 6), reps: int = 7) -> float:

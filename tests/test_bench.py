@@ -83,6 +83,21 @@ def test_timing_a_function_again_compiles_nothing():
     assert len(traces) == 2
 
 
+def test_the_long_program_keeps_its_length_across_rounds():
+    """The call count of time_jax's long program follows the first timing of a function on given
+    arguments, not each round's jitter (1.26 ms wants 32 extra calls, 1.30 ms 31: another program
+    to compile); other arguments or another function get their own."""
+    import jax.numpy as jnp
+    from bench.kernels import _extra_calls
+
+    fn = lambda x: x + 1.0  # noqa: E731
+    x = jnp.zeros(8)
+    assert _extra_calls(fn, (x,), 1.26) == 32
+    assert _extra_calls(fn, (x,), 1.30) == 32
+    assert _extra_calls(fn, (jnp.zeros(16),), 1.30) == 31
+    assert _extra_calls(lambda x: x * 2.0, (x,), 0.1) == 48
+
+
 def test_ncu_durations_are_read_per_kernel_in_launch_order():
     """bench.ncu reads ncu's details page: kernel header lines (C++ signatures included), then
     each kernel's Duration in its unit."""
