@@ -4,13 +4,13 @@
 
 Runs the flash attention forward under `tessera.lower.kernels._mgpu.profiling`: every warpgroup
 records the clock at the entry and exit of each `jax.named_scope` of the kernel (for the forward:
-`qk`, `softmax`, `wait_v`, `wait_turn`, `pv` per KV step; `wait_q`, `wait_k`, `prefetch`,
-`epilogue` per item). Prints, per phase, the cycles a compute warpgroup spends in it, how often
-it runs and the spread of one run; then the cycles between consecutive top-level phases (code
-outside any scope) and the span of a warpgroup. The clock reads cost ~12 cycles each and keep
-the compiler from moving code across a scope's edges, so compare phases with each other, not
-the profiled kernel's time with the unprofiled one's. A compiled program writes the trace of
-its first call only. Keep the problem small (B1, a few thousand rows): each warpgroup has
+`qk`, `softmax` (`softmax_half` on a half-width edge block), `wait_v`, `wait_turn`, `pv` per KV
+step; `wait_q`, `wait_k`, `release_q`, `epilogue` per item). Prints, per phase, the cycles a
+compute warpgroup spends in it, how often it runs and the spread of one run; then the cycles
+between consecutive top-level phases (code outside any scope) and the span of a warpgroup. The
+clock reads cost ~12 cycles each and keep the compiler from moving code across a scope's edges,
+so compare phases with each other, not the profiled kernel's time with the unprofiled one's. A
+compiled program writes the trace of its first call only. Keep the problem small (B1, a few thousand rows): each warpgroup has
 `--space` entries of SMEM for its scopes.
 """
 

@@ -96,9 +96,11 @@ def test_interpret_half_width_edge_blocks_and_snake_schedule():
 
 def test_interpret_two_q_slots(monkeypatch):
     """CPU interpreter, the Q / output double buffer that head dim 128 gets on the GPU (2 slots,
-    not 3): the next item's Q is loaded into the slot of the item before, once that item's
-    output has left it, while the first P V is in flight. One CTA runs all 6 items of both
-    heads, the upper warpgroup of the first sees no key (causal, front padding)."""
+    not 3): the producer loads the next item's Q into the slot of the item before once each
+    compute warpgroup has released its half, in its first step, after that item's output left.
+    One CTA runs all 6 items of both heads; the last two have one KV block each, where a release
+    after the step's turn wait would deadlock (the turn waits for the other warpgroup's next
+    Q K^T, whose K the producer loads only after that Q)."""
     from tessera.lower.kernels import flash_attention as fa
     monkeypatch.setattr(fa, "_q_slots", lambda *_: 2)
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
