@@ -141,7 +141,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     its Q, and a compute warpgroup hands the slot back (`q_free`) once that output has been read
     out. The ring and its barriers run on across items, so the producer fills the next item's
     pipeline during an epilogue. Loading Q in the producer, not in the compute warpgroups, took
-    the D128 causal forward from 987-1036 to 894-897 us and D64 from 1254-1288 to 1222-1240 (H200).
+    the causal forward from 1011-1041 to 891-912 us at D128 and from 1265-1277 to 1243-1248 us at
+    D64 (H200, both builds timed in turns; bench/RESULTS.md).
     """
     *lse_refs, smem, bars = rest  # [lse_ref], or [] without a gradient
     q_smem, k_smem, v_smem, row_smem = smem  # [n_buf, 2, bq, d], [stages, bkv, d] x2, [n_buf, 2, bq]
