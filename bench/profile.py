@@ -10,8 +10,8 @@ compute warpgroup spends in it, how often it runs and the spread of one run; the
 between consecutive top-level phases (code outside any scope) and the span of a warpgroup. The
 clock reads cost ~12 cycles each and keep the compiler from moving code across a scope's edges,
 so compare phases with each other, not the profiled kernel's time with the unprofiled one's. A
-compiled program writes the trace of its first call only. Keep the problem small (B1, a few thousand rows): each warpgroup has
-`--space` entries of SMEM for its scopes.
+compiled program writes the trace of its first call only. Keep the problem small (B1, a few
+thousand rows): each warpgroup has `--space` entries of SMEM for its scopes.
 """
 
 from __future__ import annotations

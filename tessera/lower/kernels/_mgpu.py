@@ -196,7 +196,7 @@ def stream(lo, hi, stages: int, sources):
     lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)
 
 
-def stream_items(n_items, item, stages: int, sources, start=None):
+def stream_items(n_items, item, stages: int, sources):
     """Producer of a persistent CTA: one `stages` TMA ring running on across its items.
 
     `item(i)` gives (lo, hi, index(kv)) of the CTA's i-th item: it needs KV blocks [lo, hi), each
@@ -204,14 +204,12 @@ def stream_items(n_items, item, stages: int, sources, start=None):
     barriers) of `sources`. The ring's step count runs on across items, so the next item's tiles
     load while the consumers finish the current one; a slot is refilled once its free barrier
     completes. At the end the last release of every slot is awaited (every barrier phase observed).
-    `start(i)`, if given, runs before item i's first load.
+    `item(i)` runs once an item, before its first load: it may issue the item's other loads there.
     """
     zero = n_items - n_items
 
     def item_loads(i, g):
         lo, hi, index = item(i)
-        if start is not None:
-            start(i)
 
         def one(kv, g):
             slot = lax.rem(g, stages)

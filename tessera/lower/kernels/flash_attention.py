@@ -204,21 +204,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def item(i):
-            b, h, _, lo, hi = work.item(cta, i)
-            kv_head = lax.div(h, jnp.int32(group))
-            return lo, hi, lambda kv: (b, pl.ds(kv * bkv, bkv), kv_head)
-
-        def load_q(i):  # item i's Q and sink rows, each half once its warpgroup released the slot
-            b, h, row, _, _ = work.item(cta, i)
+        def item(i):  # loads item i's Q and sink rows (each half once its warpgroup released the slot)
+            b, h, row, lo, hi = work.item(cta, i)
             buf = lax.rem(i, n_buf)
             for w in range(n):
                 pl.when(i >= n_buf)(functools.partial(plgpu.barrier_wait, q_free.at[buf * n + w]))
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row + w * bq, bq), h], q_smem.at[buf, w],
                                         q_bar.at[buf * n + w])
                 plgpu.copy_gmem_to_smem(sink_ref.at[h], row_smem.at[buf, w], q_bar.at[buf * n + w])
-        _mgpu.stream_items(n_items, item, stages, [(k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)],
-                           start=load_q)
+            kv_head = lax.div(h, jnp.int32(group))
+            return lo, hi, lambda kv: (b, pl.ds(kv * bkv, bkv), kv_head)
+        _mgpu.stream_items(n_items, item, stages, [(k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)])
 
 
 def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
