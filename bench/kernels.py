@@ -402,7 +402,7 @@ def _scaled_copy(x):
 
 def copy_case():
     """(fn, consts, varying) of the memory ceiling: a copy of one of four 512 MiB buffers a call
-    (L2 serves none of it), as `fn(*consts, v)` for time_rotating and bench.trace."""
+    (L2 serves none of it), as `fn(*consts, v)` for bench.trace.profile_us."""
     return _scaled_copy, (), [jnp.full((2**28,), 1.5 + i, jnp.bfloat16) for i in range(4)]
 
 
