@@ -468,13 +468,15 @@ def run_decode(check: bool = False) -> None:
 
 
 def tune_decode(check: bool = False) -> None:
-    """Decode variants (persistent or one CTA per item, KV tile, ring depth, key chunks per head), 4k and 16k caches."""
+    """Decode variants (persistent or one CTA per item, compute warpgroups, KV tile, key chunks per
+    head), 4k and 16k caches. The default takes one wave of items: 2 chunks a head here."""
     from tessera.lower.kernels.decode_attention import DecodeConfig, decode_attention
     b, hq, hkv, d = DECODE_SHAPE
-    variants = [("persistent kv128 s4 c4 (default)", dict()), ("persistent c2", dict(splits=2)),
-                ("persistent c8", dict(splits=8)), ("persistent kv64 s4 c4", dict(block_kv=64)),
-                ("persistent kv128 s2 c4", dict(stages=2)),
-                ("grid kv128 s4 c8 (one CTA per item)", dict(persistent=False, splits=8))]
+    variants = [("persistent kv128 2 warpgroups c2 (default)", dict()), ("persistent c4", dict(splits=4)),
+                ("persistent 1 warpgroup", dict(compute_warpgroups=1)),
+                ("persistent 1 warpgroup c4", dict(compute_warpgroups=1, splits=4)),
+                ("persistent kv64", dict(block_kv=64)), ("persistent kv256 s2", dict(block_kv=256, stages=2)),
+                ("grid kv128 s4 c2 (one CTA per item)", dict(persistent=False))]
     for t in (4096, 16384):
         q, caches, sinks = decode_inputs(t)
         nbytes = 2.0 * b * t * hkv * d * 2 + 2 * q.nbytes

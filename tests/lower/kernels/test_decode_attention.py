@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tessera.lower.kernels.decode_attention import (DecodeConfig, _Work, decode_attention,
-                                                    decode_attention_reference, supported)
+from tessera.lower.kernels.decode_attention import (DecodeConfig, _persistent_plan, _resolved, _Work,
+                                                    decode_attention, decode_attention_reference,
+                                                    supported)
 from tests.lower.kernels._check import assert_close
 
 
@@ -39,6 +40,38 @@ def test_persistent_is_default_and_schedule_covers_every_item_once():
     assert sorted(seen) == [(b, h, c) for b in range(3) for h in range(2) for c in range(3)]
     assert [int(work.count(jnp.int32(c))) for c in range(4)] == [5, 5, 4, 4]
     assert seen[:2] == [(0, 0, 0), (0, 0, 2)]  # CTA 0: items 0 and 4 = (b 0, chunk 2, head 0)
+
+
+def test_default_splits_fill_one_wave_of_ctas():
+    """splits=None: B * Hkv * splits items fit the CTAs (at least one chunk, at most one a block)."""
+    cfg = DecodeConfig(num_ctas=132)
+    assert _resolved(cfg, 8, 8, 4096, 1, None).splits == 2  # 128 items
+    assert _resolved(cfg, 1, 8, 4096, 1, None).splits == 16
+    assert _resolved(cfg, 32, 8, 4096, 1, None).splits == 1  # more heads than CTAs
+    assert _resolved(cfg, 1, 8, 300, 1, None).splits == 3  # a 3-block cache
+    assert _resolved(cfg, 1, 8, 65536, 1, 128).splits == 2  # a 128-key window spans <= 2 blocks
+    assert _resolved(cfg, 1, 8, 65536, 4, 128).splits == 3  # 4 tokens: 131 keys, <= 3 blocks
+    assert _resolved(DecodeConfig(splits=5), 8, 8, 4096, 1, None).splits == 5
+
+
+@pytest.mark.parametrize("d,bkv,lanes,stages,n_out", [(64, 128, 2, 2, 2), (64, 256, 2, 2, 1),
+                                                      (64, 64, 2, 4, 2), (128, 128, 1, 2, 1)])
+def test_persistent_plan_fits_smem_and_gives_each_slot_one_warpgroup(d, bkv, lanes, stages, n_out):
+    """Two compute warpgroups where their Q and output slots fit beside a 2-deep ring, and a ring
+    depth that is a multiple of them: ring slot s always serves warpgroup s % 2 (each warpgroup
+    tracks the phases of the barriers it waits on; a slot shared by both deadlocks or races)."""
+    cfg, got_n_out = _persistent_plan(DecodeConfig(block_kv=bkv), d, jnp.bfloat16)
+    assert (cfg.compute_warpgroups, cfg.stages, got_n_out) == (lanes, stages, n_out)
+    q_slot, o_slot = 64 * (d * 2 + 4), 64 * (d + 1) * 4
+    smem = lanes * (2 * q_slot + n_out * o_slot) + 2 * stages * bkv * d * 2
+    assert smem <= 200 * 1024
+
+
+def test_interpret_one_compute_warpgroup_window_inside_chunks():
+    """compute_warpgroups=1, one chunk. kv_len 500, window 150: keys 350-499 in 64-key blocks 5-7,
+    i.e. a masked head (window start), an unmasked middle and a masked tail (kv_len)."""
+    _check(2, 1, 8, 2, 64, 640, [640, 500], 150, True,
+           config=_interp(splits=1, compute_warpgroups=1))
 
 
 def test_interpret_persistent_many_items_empty_chunks_sinks():
@@ -82,7 +115,8 @@ def test_gpu_matches_reference(b, sq, hq, hkv, d, t, kv_len, window, sinks, pers
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [DecodeConfig(splits=16), DecodeConfig(block_kv=64, splits=3),
-                                 DecodeConfig(block_kv=256, stages=2, num_ctas=7)])
+                                 DecodeConfig(block_kv=256, stages=2, num_ctas=7),
+                                 DecodeConfig(compute_warpgroups=1, splits=4)])
 def test_gpu_persistent_configs(cfg):
     """On a Hopper GPU: the persistent kernel with other splits, tiles and grids (sweep candidates)."""
     _check(8, 1, 64, 8, 64, 4096, [4096, 3000, 129, 4096, 1, 2048, 4095, 64], None, True,
