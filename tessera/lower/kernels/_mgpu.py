@@ -142,6 +142,23 @@ def mma_acc_pair(first, second, *, interpret: bool):
     return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2)))
 
 
+def online_softmax(s, acc, m, l, *, qk_scale: float, dtype):
+    """Online-softmax update of block scores s [rows, keys] (masked scores -inf): (acc rescaled,
+    m_new, l, P in `dtype`), with the running max m in log2 units (qk_scale includes log2 e).
+
+    For qk_scale > 0, max(s) * qk_scale is the scaled max, so exp2(s * qk_scale - m_new) is one
+    FMA a score; another scale is applied to s first.
+    """
+    if qk_scale <= 0:
+        s, qk_scale = s * qk_scale, 1.0
+    m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l = l * alpha + p.sum(axis=1)
+    return lax.optimization_barrier((acc, m_new, l, p.astype(dtype)))
+
+
 def zeros(shape, *, interpret: bool):
     """fp32 zeros in the wgmma accumulator layout (the interpreter has no layouts)."""
     x = jnp.full(shape, 0.0, jnp.float32)

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import operator
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -18,11 +19,15 @@ from tessera.lower.kernels import _mgpu
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
-    """Static masking of one attention call: causal, window (None = unbounded), offsets and lengths."""
+    """Masking of one attention call: causal, window (None = unbounded), offsets and lengths.
+
+    q_offset and kv_len are Python ints in the prefill kernels; decode reads them per batch at run
+    time (traced int32 scalars), which `key_range`, `full_range` and `visible` accept.
+    """
     causal: bool
     window: int | None
-    q_offset: int
-    kv_len: int  # valid keys; keys at or past it are padding
+    q_offset: int | jax.Array
+    kv_len: int | jax.Array  # valid keys; keys at or past it are padding
     # whether the kernel's key tiles reach past kv_len; if not, tiles skip the length test
     keys_padded: bool = True
     # causal window tiles as one tile of q - k (the iota difference plus a scalar): a score then

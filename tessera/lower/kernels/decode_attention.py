@@ -6,8 +6,9 @@ the KV head's query heads x query tokens packed as rows (Sq * group <= 64, padde
 rows) against one of `splits` chunks of the visible key blocks (causal end, window start and
 kv_len read per batch at run time, so a window-128 layer reads ~128 keys, not the whole cache).
 A memory warpgroup streams K/V tiles through a TMA ring; a compute warpgroup keeps fp32 running
-max / sum. Only the blocks at the edges of the visible range are masked; the running max is kept
-in raw logits so the scaled exponent is one FMA. Each item writes (normalised output,
+max / sum (`_mgpu.online_softmax`, as the flash forward: the scaled exponent is one FMA). Only the
+blocks at the edges of the visible range are masked (`MaskSpec.full_range`, with the batch's
+kv_len and query position read at run time). Each item writes (normalised output,
 log2-sum-exp2) per compute warpgroup; these partial results are merged outside the kernel, where
 the sink joins the denominator (an empty part has lse -inf).
 
@@ -38,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera.lower.kernels import _mgpu
+from tessera.lower.kernels.attention_mask import MaskSpec, masked_stretches
 from tessera.lower.reference.attention import attention as attention_reference
 
 ROWS = 64  # wgmma rows: query heads of one KV head x query tokens, zero-padded in SMEM
@@ -97,90 +99,57 @@ def _resolved(cfg: DecodeConfig, bsz: int, hkv: int, t: int, sq: int, window) ->
     return dataclasses.replace(cfg, splits=max(1, min(ctas // (bsz * hkv), blocks)))
 
 
-def _chunk_range(kv_len, p_first, c, *, cfg: DecodeConfig, causal: bool, window, sq: int):
+def _batch_mask(b, kvlen_ref, qoff_ref, *, causal: bool, window) -> tuple[MaskSpec, jax.Array]:
+    """(the mask of batch b, with its kv_len and first query position read at run time; that position)."""
+    p_first = qoff_ref[b]
+    return MaskSpec(causal=causal, window=window, q_offset=p_first, kv_len=kvlen_ref[b]), p_first
+
+
+def _chunk_range(spec: MaskSpec, p_first, c, *, cfg: DecodeConfig, sq: int):
     """KV blocks [lo, hi) of chunk c: the visible blocks of the batch split into `splits` runs."""
-    bkv = cfg.block_kv
-    end = kv_len if not causal else jnp.minimum(kv_len, p_first + sq)
-    start = p_first - p_first if window is None else jnp.maximum(p_first - window + 1, 0)
-    lo_all = lax.div(start, jnp.int32(bkv))
-    hi_all = jnp.maximum(lax.div(end + (bkv - 1), jnp.int32(bkv)), lo_all)
+    lo_all, hi_all = spec.key_range(p_first, p_first + sq - 1, cfg.block_kv)
     per = lax.div(hi_all - lo_all + (cfg.splits - 1), jnp.int32(cfg.splits))
     lo = jnp.minimum(lo_all + c * per, hi_all)
     return lo, jnp.minimum(lo + per, hi_all)
 
 
-def _unmasked_blocks(kv_len, p_first, *, bkv: int, causal: bool, window, sq: int):
-    """[a, b): the KV blocks every query row sees whole, which need no mask (may be empty)."""
-    end = kv_len if not causal else jnp.minimum(kv_len, p_first + 1)  # row 0 sees the fewest keys
-    b = lax.div(jnp.maximum(end, 0), jnp.int32(bkv))
-    if window is None:
-        return b - b, b
-    start = jnp.maximum(p_first + sq - window, 0)  # the last row's first key
-    return lax.div(start + (bkv - 1), jnp.int32(bkv)), b
-
-
-def _attend(q_smem, pos, kv_len, p_first, lo, hi, g, rings, bars, *, cfg: DecodeConfig,
-            causal: bool, window, sq: int, qk_scale: float, lane=0, lanes: int = 1):
+def _attend(q_smem, pos, spec: MaskSpec, p_first, lo, hi, g, rings, bars, *, cfg: DecodeConfig,
+            sq: int, qk_scale: float, lane=0, lanes: int = 1):
     """Online softmax of the 64 packed rows over KV blocks [lo, hi): (acc [64, D], m, l), log2 units.
 
     Block kv sits in ring slot (g + kv - lo) % stages, g counting the steps consumed before; this
     warpgroup takes the blocks whose step (g + kv - lo) is `lane` mod `lanes`. Only blocks at the
-    edges of the visible range (kv_len, causal end, window start) are masked. The running max m is
-    kept in raw logit units (qk_scale > 0), so exp2(s * qk_scale - m * qk_scale) is one FMA.
+    edges of the visible range (kv_len, causal end, window start) are masked.
     """
     k_ring, v_ring = rings
     k_full, v_full, k_free, v_free = bars
     bkv, stages, interp = cfg.block_kv, cfg.stages, cfg.interpret
-    fold = qk_scale > 0  # max(s) * qk_scale == max(s * qk_scale)
 
-    def step(masked: bool, t, carry):
+    def step(t, carry, masked: bool):
         acc, m, l = carry
         kv = kv0 + t * lanes
         slot = lax.rem(g + kv - lo, stages)
         plgpu.barrier_wait(k_full.at[slot])
         s = _mgpu.mma(q_smem, k_ring.at[slot], (ROWS, bkv), transpose_b=True, interpret=interp)
         plgpu.barrier_arrive(k_free.at[slot])
-        if not fold:
-            s = s * qk_scale
-        if masked:
+        if masked:  # positions as fp32 tiles: the rows' come from an fp32 SMEM vector
             kpos = (_mgpu.iota2d((ROWS, bkv), 1, interpret=interp) + kv * bkv).astype(jnp.float32)
-            prow = lax.broadcast_in_dim(pos, s.shape, [0])
-            ok = kpos < kv_len.astype(jnp.float32)
-            if causal:
-                ok &= kpos <= prow
-            if window is not None:
-                ok &= prow - kpos < window
-            s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        if fold:
-            alpha = jnp.exp2((m - m_new) * qk_scale)
-            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new * qk_scale, s.shape, [0]))
-        else:
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            s = jnp.where(spec.visible(lax.broadcast_in_dim(pos, s.shape, [0]), kpos), s, -jnp.inf)
+        acc, m, l, p16 = _mgpu.online_softmax(s, acc, m, l, qk_scale=qk_scale, dtype=q_smem.dtype)
         plgpu.barrier_wait(v_full.at[slot])
-        acc = _mgpu.mma(p.astype(q_smem.dtype), v_ring.at[slot], acc.shape, acc=acc,
-                        interpret=interp)
+        acc = _mgpu.mma(p16, v_ring.at[slot], acc.shape, acc=acc, interpret=interp)
         plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        return acc, m, l
 
-    # this warpgroup's blocks: kv0 + t * lanes for t in [0, n)
+    # this warpgroup's blocks: kv0 + t * lanes for t in [0, n); t_of(kv): the first t at or past kv
     kv0 = lo + (lax.rem(lane - lax.rem(g, lanes) + lanes, lanes) if lanes > 1 else 0)
     n = jnp.maximum(lax.div(hi - kv0 + (lanes - 1), jnp.int32(lanes)), 0)
-    a, b = _unmasked_blocks(kv_len, p_first, bkv=bkv, causal=causal, window=window, sq=sq)
-    first = lambda kv: lax.div(jnp.maximum(kv - kv0, 0) + (lanes - 1), jnp.int32(lanes))  # t of kv
-    t_a = jnp.minimum(first(a), n)
-    t_b = jnp.clip(first(b), t_a, n)
+    t_of = lambda kv: jnp.minimum(lax.div(jnp.maximum(kv - kv0, 0) + (lanes - 1), jnp.int32(lanes)), n)
+    full_lo, full_hi = spec.full_range(p_first, p_first + sq - 1, bkv, lo, hi)
     carry = (_mgpu.zeros((ROWS, q_smem.shape[-1]), interpret=interp),
              _mgpu.row_vector(_mgpu.NEG_BIG, ROWS, interpret=interp),
              _mgpu.row_vector(0.0, ROWS, interpret=interp))
-    zero = n - n
-    carry = lax.fori_loop(zero, t_a, functools.partial(step, True), carry)
-    carry = lax.fori_loop(t_a, t_b, functools.partial(step, False), carry)
-    acc, m, l = lax.fori_loop(t_b, n, functools.partial(step, True), carry)
-    return acc, (m * qk_scale if fold else m), l
+    return masked_stretches(step, carry, n - n, t_of(full_lo), t_of(full_hi), n)
 
 
 def _normalised(acc, m, l):
@@ -196,8 +165,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
     q_bar, row_bar, k_full, v_full, k_free, v_free = bars
     bkv, stages, interp = cfg.block_kv, cfg.stages, cfg.interpret
     h, c, b, wg = lax.axis_index("h"), lax.axis_index("c"), lax.axis_index("b"), lax.axis_index("wg")
-    kv_len = kvlen_ref[b]
-    lo, hi = _chunk_range(kv_len, qoff_ref[b], c, cfg=cfg, causal=causal, window=window, sq=sq)
+    spec, p_first = _batch_mask(b, kvlen_ref, qoff_ref, causal=causal, window=window)
+    lo, hi = _chunk_range(spec, p_first, c, cfg=cfg, sq=sq)
 
     @pl.when(wg == 0)
     def _compute():
@@ -210,9 +179,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
         plgpu.barrier_wait(q_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
         pos = _mgpu.load_rows(row_smem, interpret=interp)  # [ROWS] query positions (-1: padding)
-        acc, m, l = _attend(q_smem, pos, kv_len, qoff_ref[b], lo, hi, lo - lo, (k_ring, v_ring),
-                            (k_full, v_full, k_free, v_free), cfg=cfg, causal=causal,
-                            window=window, sq=sq, qk_scale=qk_scale)
+        acc, m, l = _attend(q_smem, pos, spec, p_first, lo, hi, lo - lo, (k_ring, v_ring),
+                            (k_full, v_full, k_free, v_free), cfg=cfg, sq=sq, qk_scale=qk_scale)
         o_smem[...], row_smem[...] = _normalised(acc, m, l)
         plgpu.commit_smem()
         # only the rows that hold queries leave (8 of 64 for one token of 8 grouped heads)
@@ -264,7 +232,8 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
     cta, wg = lax.axis_index("c"), lax.axis_index("wg")
     n_items = work.count(cta)
     zero = n_items - n_items
-    chunk = functools.partial(_chunk_range, cfg=cfg, causal=causal, window=window, sq=sq)
+    batch_mask = functools.partial(_batch_mask, kvlen_ref=kvlen_ref, qoff_ref=qoff_ref, causal=causal,
+                                   window=window)
 
     @pl.when(wg < lanes)
     def _compute():
@@ -290,14 +259,14 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
             # slot 1 - buf held item i-1's Q, whose products have completed: prefetch item i+1
             pl.when(i + 1 < n_items)(lambda: load_q(i + 1, 1 - buf))
             b, h, c = work.item(cta, i)
-            kv_len, p_first = kvlen_ref[b], qoff_ref[b]
-            lo, hi = chunk(kv_len, p_first, c)
+            spec, p_first = batch_mask(b)
+            lo, hi = _chunk_range(spec, p_first, c, cfg=cfg, sq=sq)
             plgpu.barrier_wait(q_bar.at[2 * lane + buf])
             plgpu.barrier_wait(pos_bar.at[2 * lane + buf])
             pos = _mgpu.load_rows(pos_own.at[buf], interpret=interp)  # query positions (-1: padding)
-            acc, m, l = _attend(q_own.at[buf], pos, kv_len, p_first, lo, hi, g, (k_ring, v_ring),
-                                (k_full, v_full, k_free, v_free), cfg=cfg, causal=causal,
-                                window=window, sq=sq, qk_scale=qk_scale, lane=lane, lanes=lanes)
+            acc, m, l = _attend(q_own.at[buf], pos, spec, p_first, lo, hi, g, (k_ring, v_ring),
+                                (k_full, v_full, k_free, v_free), cfg=cfg, sq=sq,
+                                qk_scale=qk_scale, lane=lane, lanes=lanes)
             out = lax.rem(i, n_out)
             # the output slot's last store (item i - n_out) must have been read out (2 copies an item)
             plgpu.wait_smem_to_gmem(2 * (n_out - 1), wait_read_only=True)
@@ -315,7 +284,7 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
     def _memory():
         def item(i):
             b, h, c = work.item(cta, i)
-            lo, hi = chunk(kvlen_ref[b], qoff_ref[b], c)
+            lo, hi = _chunk_range(*batch_mask(b), c, cfg=cfg, sq=sq)
             return lo, hi, lambda kv: (b, pl.ds(kv * bkv, bkv), h)
         _mgpu.stream_items(n_items, item, stages, [(k_ref, k_ring, k_full, k_free), (v_ref, v_ring, v_full, v_free)])
 

@@ -252,7 +252,7 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
         with jax.named_scope("softmax" if part is None else "softmax_half"):
             if masked:
                 s = jnp.where(mask.tile(p0, kv * bkv + first_key, (bq, n), interpret=interp), s, -jnp.inf)
-            acc, m_new, l, p16 = _softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
+            acc, m_new, l, p16 = _mgpu.online_softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
         plgpu.barrier_arrive(sched)  # softmax done
         with jax.named_scope("wait_v"):
             plgpu.barrier_wait(v_bar.at[slot])
@@ -318,16 +318,6 @@ def _mma_during(a, b, shape, during, *, interpret: bool):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def _softmax(s, acc, m, l, *, qk_scale: float, dtype):
-    """Online-softmax update of block scores s [bq, bkv]: (acc rescaled, m_new, l, P in `dtype`)."""
-    m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)  # log2 units; the scale folds into an FMA
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    l = l * alpha + p.sum(axis=1)
-    return lax.optimization_barrier((acc, m_new, l, p.astype(dtype)))
-
-
 def _attend_overlap(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
                     cfg: FlashConfig, mask: MaskSpec, has_sinks: bool, qk_scale: float, first_step):
     """`_attend` software-pipelined (FA3 intra-warpgroup overlap): S_{j+1} = Q K_{j+1}^T is in
@@ -365,7 +355,7 @@ def _attend_overlap(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars
             sj = s
             if masked:
                 sj = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), sj, -jnp.inf)
-            out = _softmax(sj, acc, m, l, qk_scale=qk_scale, dtype=dtype)
+            out = _mgpu.online_softmax(sj, acc, m, l, qk_scale=qk_scale, dtype=dtype)
             plgpu.barrier_arrive(sched)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
             if first_step is not None:  # before the turn wait, as in `_attend`
