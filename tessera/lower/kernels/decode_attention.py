@@ -152,10 +152,32 @@ def _attend(q_smem, pos, spec: MaskSpec, p_first, lo, hi, g, rings, bars, *, cfg
     return masked_stretches(step, carry, n - n, t_of(full_lo), t_of(full_hi), n)
 
 
-def _normalised(acc, m, l):
-    """(acc / l [64, D], log2-sum-exp2 [64]); an empty chunk gives (0, -inf)."""
+def _zero_padding_rows(q_slots, rows: int, *, interpret: bool):
+    """Zero the 64-row Q slots once when only `rows` (< 64) of them are loaded: the wgmma reads all
+    64, and the rows past the queries stay zero. The zeros reach the tensor cores before any TMA."""
+    if rows < ROWS:
+        zero_tile = _mgpu.zeros(q_slots[0].shape, interpret=interpret).astype(q_slots[0].dtype)
+        for slot in q_slots:
+            slot[...] = zero_tile
+        plgpu.commit_smem()
+
+
+def _load_q(q_ref, pos_ref, b, h, q_slot, pos_slot, q_bar, pos_bar, rows: int):
+    """TMA of batch b, KV head h's packed query rows and their positions into their slots."""
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_slot.at[pl.ds(0, rows)], q_bar)
+    plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_slot, pos_bar)
+
+
+def _store_part(acc, m, l, o_slot, lse_slot, o_dst, lse_dst, rows: int):
+    """Write one partial result, (acc / l [64, D], log2-sum-exp2 [64]; an empty chunk gives
+    (0, -inf)), through its SMEM slots to o_dst / lse_dst: only the rows that hold queries leave
+    (8 of 64 for one token of 8 grouped heads)."""
     inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)
-    return acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), m + jnp.log2(l)
+    o_slot[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    lse_slot[...] = m + jnp.log2(l)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_slot.at[pl.ds(0, rows)], o_dst)
+    plgpu.copy_smem_to_gmem(lse_slot.at[pl.ds(0, rows)], lse_dst)
 
 
 def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, smem, bars, *,
@@ -170,22 +192,15 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref, lse_ref, s
 
     @pl.when(wg == 0)
     def _compute():
-        rows = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of the 64-row tile is zero
-        if rows < ROWS:
-            q_smem[...] = _mgpu.zeros(q_smem.shape, interpret=interp).astype(q_smem.dtype)
-            plgpu.commit_smem()  # the zeros are visible to the tensor cores before the TMA lands
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
-        plgpu.copy_gmem_to_smem(pos_ref.at[b], row_smem, row_bar.at[0])
+        rows = q_ref.shape[2]  # Sq * group rounded up to 8
+        _zero_padding_rows([q_smem], rows, interpret=interp)
+        _load_q(q_ref, pos_ref, b, h, q_smem, row_smem, q_bar.at[0], row_bar.at[0], rows)
         plgpu.barrier_wait(q_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
         pos = _mgpu.load_rows(row_smem, interpret=interp)  # [ROWS] query positions (-1: padding)
         acc, m, l = _attend(q_smem, pos, spec, p_first, lo, hi, lo - lo, (k_ring, v_ring),
                             (k_full, v_full, k_free, v_free), cfg=cfg, sq=sq, qk_scale=qk_scale)
-        o_smem[...], row_smem[...] = _normalised(acc, m, l)
-        plgpu.commit_smem()
-        # only the rows that hold queries leave (8 of 64 for one token of 8 grouped heads)
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, h, c])
-        plgpu.copy_smem_to_gmem(row_smem.at[pl.ds(0, rows)], lse_ref.at[b, h, c])
+        _store_part(acc, m, l, o_smem, row_smem, o_ref.at[b, h, c], lse_ref.at[b, h, c], rows)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -239,18 +254,13 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
     def _compute():
         lane = wg
         q_own, pos_own, o_own, lse_own = (x.at[lane] for x in (q_smem, pos_smem, o_smem, lse_smem))
-        rows = q_ref.shape[2]  # Sq * group rounded up to 8; the rest of each 64-row slot stays zero
-        if rows < ROWS:
-            zero_tile = _mgpu.zeros((ROWS, q_smem.shape[-1]), interpret=interp).astype(q_smem.dtype)
-            for buf in range(2):
-                q_own.at[buf][...] = zero_tile
-            plgpu.commit_smem()  # the zeros are visible to the tensor cores before the TMAs land
+        rows = q_ref.shape[2]  # Sq * group rounded up to 8
+        _zero_padding_rows([q_own.at[buf] for buf in range(2)], rows, interpret=interp)
 
         def load_q(i, buf):
             b, h, _ = work.item(cta, i)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_own.at[buf, pl.ds(0, rows)],
-                                    q_bar.at[2 * lane + buf])
-            plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_own.at[buf], pos_bar.at[2 * lane + buf])
+            _load_q(q_ref, pos_ref, b, h, q_own.at[buf], pos_own.at[buf], q_bar.at[2 * lane + buf],
+                    pos_bar.at[2 * lane + buf], rows)
 
         pl.when(n_items > 0)(lambda: load_q(zero, 0))
 
@@ -270,11 +280,9 @@ def _persistent_kernel(q_ref, k_ref, v_ref, pos_ref, qoff_ref, kvlen_ref, o_ref,
             out = lax.rem(i, n_out)
             # the output slot's last store (item i - n_out) must have been read out (2 copies an item)
             plgpu.wait_smem_to_gmem(2 * (n_out - 1), wait_read_only=True)
-            o_own.at[out][...], lse_own.at[out][...] = _normalised(acc, m, l)
-            plgpu.commit_smem()
             part = c * lanes + lane
-            plgpu.copy_smem_to_gmem(o_own.at[out, pl.ds(0, rows)], o_ref.at[b, h, part])
-            plgpu.copy_smem_to_gmem(lse_own.at[out, pl.ds(0, rows)], lse_ref.at[b, h, part])
+            _store_part(acc, m, l, o_own.at[out], lse_own.at[out], o_ref.at[b, h, part],
+                        lse_ref.at[b, h, part], rows)
             return g + (hi - lo)
 
         lax.fori_loop(zero, n_items, item_body, zero)
