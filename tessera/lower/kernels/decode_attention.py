@@ -359,10 +359,10 @@ def _persistent_plan(cfg: DecodeConfig, d: int, dtype) -> tuple[DecodeConfig, in
     return dataclasses.replace(cfg, stages=cfg.stages - cfg.stages % lanes), n_out
 
 
-def _call_persistent(cfg: DecodeConfig, out_type, dtype, kw):
-    """min(items, SMs) CTAs walking the (batch, chunk, head) items; see `_persistent_kernel`."""
+def _call_persistent(cfg: DecodeConfig, out_type, dtype, kw, *, n_out: int):
+    """min(items, SMs) CTAs walking the (batch, chunk, head) items; see `_persistent_kernel`.
+    cfg and n_out (output slots per compute warpgroup) as `_persistent_plan` gave them."""
     bsz, hkv, _, _, d = out_type[0].shape
-    cfg, n_out = _persistent_plan(cfg, d, dtype)
     lanes = cfg.compute_warpgroups
     n_items = bsz * hkv * cfg.splits
     grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
@@ -405,11 +405,14 @@ def decode_attention(q, k, v, *, kv_len=None, q_offset=None, sinks=None, causal:
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows_in - sq * group), (0, 0)))
     r = jnp.arange(ROWS)
     pos = jnp.where(r < sq * group, q_off[:, None] + r // group, -1).astype(jnp.float32)  # [B, ROWS]
-    lanes = _persistent_plan(cfg, d, q.dtype)[0].compute_warpgroups if cfg.persistent else 1
+    if cfg.persistent:
+        cfg, n_out = _persistent_plan(cfg, d, q.dtype)
+        lanes, call = cfg.compute_warpgroups, functools.partial(_call_persistent, n_out=n_out)
+    else:
+        lanes, call = 1, _call_grid
     parts = cfg.splits * lanes  # partial results per head
     out_type = (jax.ShapeDtypeStruct((bsz, hkv, parts, rows_in, d), jnp.float32),
                 jax.ShapeDtypeStruct((bsz, hkv, parts, rows_in), jnp.float32))
-    call = _call_persistent if cfg.persistent else _call_grid
     kw = dict(causal=causal, window=window, sq=sq, qk_scale=scale * _mgpu.LOG2E)
     o, lse = call(cfg, out_type, q.dtype, kw)(qp, k, v, pos, q_off, kv_len)
     return _merge(o, lse, sinks, group, sq).astype(q.dtype)
