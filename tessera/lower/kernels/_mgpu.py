@@ -142,6 +142,85 @@ def mma_acc_pair(first, second, *, interpret: bool):
     return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2)))
 
 
+def mma_group(products, shape, *, interpret: bool, then=None):
+    """[a @ b.T for (a, b) in products], fp32 [M, N] = `shape` each, all issued before any is read.
+
+    a and b are SMEM refs; `then()` runs while the products are in flight (e.g. a barrier).
+    """
+    if interpret:
+        out = [mma(a, b, shape, transpose_b=True, interpret=True) for a, b in products]
+        if then is not None:
+            then()
+        return out
+
+    def body(*refs):
+        for ref, (a, b) in zip(refs, products):
+            plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+        if then is not None:
+            then()
+        return [ref[...] for ref in refs]
+    return pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for _ in products))
+
+
+def mma_chain(products, shape, *, interpret: bool):
+    """sum(a @ b for (a, b) in products), fp32 [M, N] = `shape`: one fresh accumulator, the
+    products issued back to back (a register arrays, b SMEM refs), read once all have landed."""
+    if interpret:
+        return sum(mma(a, b, shape, interpret=True) for a, b in products)
+
+    def body(acc_ref):
+        for a, b in products:
+            plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def mma_chain_then_group(chain, shape, group, group_shape, finish, *, before_group, interpret: bool):
+    """(finish(sum of the chain's products), [the group's products]): the chain (a @ b, register a,
+    one fresh fp32 accumulator of `shape`) runs to completion, then `before_group()`, then the
+    group (a @ b.T, SMEM refs, fresh accumulators of `group_shape`) is issued and `finish` gets the
+    chain's sum while the group is in flight. Issuing the group before the chain landed would keep
+    the chain's register operands (P) live beside the group's accumulators: ptxas spilled that."""
+    if interpret:
+        acc = mma_chain(chain, shape, interpret=True)
+        before_group()
+        out = mma_group(group, group_shape, interpret=True)
+        return finish(acc), out
+
+    def body(acc_ref, *refs):
+        for a, b in chain:
+            plgpu.wgmma(acc_ref, a, b)
+        acc = acc_ref[...]
+        before_group()
+        for ref, (a, b) in zip(refs, group):
+            plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+        return finish(acc), [ref[...] for ref in refs]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32),
+                         *(plgpu.ACC(group_shape, jnp.float32) for _ in group))
+
+
+def band_softmax(s_full, s_old, s_new, old, m, l, *, qk_scale: float, dtype):
+    """The softmax step of a 128-key band (flash_attention._band_items): scores s_full [rows, 64]
+    all visible, s_old where `old`, s_new elsewhere; starting from (m, l) with a zero accumulator.
+
+    Returns (m_new, l, P_full, P_old, P_new), the Ps in `dtype` with zeros where a chunk is unseen.
+    """
+    if qk_scale <= 0:
+        s_full, s_old, s_new, qk_scale = s_full * qk_scale, s_old * qk_scale, s_new * qk_scale, 1.0
+    s_mix = jnp.where(old, s_old, s_new)
+    m_new = jnp.maximum(m, jnp.maximum(s_full, s_mix).max(axis=1) * qk_scale)
+    m_b = lax.broadcast_in_dim(m_new, s_full.shape, [0])
+    p_full = jnp.exp2(s_full * qk_scale - m_b)
+    p_mix = jnp.exp2(s_mix * qk_scale - m_b)
+    l = l * jnp.exp2(m - m_new) + (p_full + p_mix).sum(axis=1)
+    zero = jnp.zeros_like(p_mix)
+    # split in fp32, the barrier before the casts: LLVM otherwise moves the selects after them, onto
+    # 16-bit halves (a byte permute, a select and a fresh compare each; H200 SASS)
+    p_old, p_new = lax.optimization_barrier((jnp.where(old, p_mix, zero), jnp.where(old, zero, p_mix)))
+    return lax.optimization_barrier((m_new, l, p_full.astype(dtype), p_old.astype(dtype),
+                                     p_new.astype(dtype)))
+
+
 def online_softmax(s, acc, m, l, *, qk_scale: float, dtype):
     """Online-softmax update of block scores s [rows, keys] (masked scores -inf): (acc rescaled,
     m_new, l, P in `dtype`), with the running max m in log2 units (qk_scale includes log2 e).
@@ -165,9 +244,9 @@ def zeros(shape, *, interpret: bool):
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
-def row_vector(value, n, *, interpret: bool):
-    """A per-row fp32 vector [n] in the layout of a wgmma accumulator's row reductions."""
-    x = jnp.full((n,), value, jnp.float32)
+def row_vector(value, n, *, interpret: bool, dtype=jnp.float32):
+    """A per-row vector [n] (fp32 by default) in the layout of a wgmma accumulator's row reductions."""
+    x = jnp.full((n,), value, dtype)
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
 
 

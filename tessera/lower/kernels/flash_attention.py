@@ -13,7 +13,8 @@ backward needs is stored only when a gradient is taken. The phases of a step and
 scopes, which `_mgpu.profiling` (and `python -m bench.profile`) turns into an on-device trace of
 each warpgroup.
 `FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's Q K^T in flight during
-block j's softmax). Backward: `flash_attention_bwd.py`.
+block j's softmax); `FlashConfig(band=True)` runs the interior items of a 128-key window as one
+unmasked 128-column softmax step each (`_band_items`). Backward: `flash_attention_bwd.py`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class FlashConfig:
     # Off by default: on an H100 (causal, B4 S4096) it measured slower on top of the ping-pong,
     # D64 398-404 vs 411-427 TFLOP/s, D128 430-438 vs 539-580 (bench/RESULTS.md).
     overlap: bool = False
+    # forward, causal window of 2 x block_q keys (GPT-OSS's 128): interior items as one unmasked
+    # 128-column softmax step each (`_band_items`). Off by default: on an H200 (window 128 + sinks,
+    # D64, B4 S4096) it measured level with the block loops, 186 vs 182 us (bench/RESULTS.md).
+    band: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -116,8 +121,25 @@ class _Work:
 
     def count(self, cta):
         """Items CTA `cta` runs: one a round, and one of the last, partial round if it reaches it."""
-        rounds, rest = divmod(self.n_tiles * self.bsz * self.hq, self.grid)
+        return self._count_below(cta, self.n_tiles * self.bsz * self.hq)
+
+    def _count_below(self, cta, end: int):
+        """How many of CTA `cta`'s items are among items 0 .. end-1 of the deal (a prefix of its list:
+        the CTA's item i is item i * grid + place, which grows with i)."""
+        rounds, rest = divmod(max(end, 0), self.grid)
         return jnp.int32(rounds) + (self._place(cta, jnp.int32(rounds)) < rest).astype(jnp.int32)
+
+    def band_stretch(self, cta):
+        """[i0, i1): CTA `cta`'s items whose row tile is interior for a band (`_band_items`): the KV
+        block before the tile's first position exists, and the tile's own block holds no padding.
+        Tiles only fall along a CTA's list, so these items are one stretch of it."""
+        per_tile, q0 = self.bsz * self.hq, self.mask.q_offset
+        t_lo = max(-(-(self.block_kv - q0) // self.rows), 0)  # first position >= block_kv
+        t_hi = min((self.mask.kv_len - self.block_kv - q0) // self.rows, self.n_tiles - 1)
+        if t_hi < t_lo:
+            return self.count(cta), self.count(cta)
+        i0 = self._count_below(cta, per_tile * (self.n_tiles - 1 - t_hi))
+        return i0, jnp.maximum(self._count_below(cta, per_tile * (self.n_tiles - t_lo)), i0)
 
     def item(self, cta, i):
         """(batch, head, first row, first/last KV block) of the CTA's i-th item."""
@@ -137,7 +159,7 @@ class _Work:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashConfig, work: _Work,
-                    has_sinks: bool, group: int, qk_scale: float):
+                    has_sinks: bool, group: int, qk_scale: float, band: bool):
     """Persistent CTA: warpgroups 0 and 1 compute 64-row halves of each item, warpgroup 2 loads.
 
     The memory warpgroup loads each item's Q (and sink row) into a slot of a 2- or 3-slot buffer
@@ -151,7 +173,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     *lse_refs, smem, bars = rest  # [lse_ref], or [] without a gradient
     q_smem, k_smem, v_smem, row_smem = smem  # [n_buf, 2, bq, d], [stages, bkv, d] x2, [n_buf, 2, bq]
     # q_bar: an item's Q and sink row both; q_free: a warpgroup's half of a slot is free again
-    q_bar, k_bar, v_bar, k_free, v_free, sched, q_free = bars
+    q_bar, k_bar, v_bar, k_free, v_free, sched, q_free, *turn = bars  # turn: band items only
     n, bq, bkv, stages = _WGS, cfg.block_q, cfg.block_kv, cfg.stages
     n_buf = q_smem.shape[0]
     mask = work.mask
@@ -163,53 +185,73 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     def sched_sync():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
+    # the ping-pong on `sched`; with band items (`_band_items`) the warpgroups run free instead
+    turns = not band
 
     @pl.when(wg < n)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        pl.when(wg == 1)(sched_sync)  # warpgroup 1 starts one schedule phase late: the ping-pong
+        if turns:
+            pl.when(wg == 1)(sched_sync)  # warpgroup 1 starts one schedule phase late: the ping-pong
 
         # g: K/V steps this CTA consumed before item i; `item`: where item i is (`_Work.locate`),
         # worked out during item i-1's epilogue, where its chain of integer divisions overlaps the
         # output's scaling instead of delaying the item's first Q K^T (H200, window 128 + sinks, ten
         # rounds in turns: D128 172 against 184 us, D64 191 against 191 us)
+        def release(i):  # slot (i+1) % n_buf, for item i+1's Q, once item i+1-n_buf's output left it
+            @pl.when((i + 1 < n_items) & (i + 1 >= n_buf))
+            def _():
+                plgpu.wait_smem_to_gmem(copies * (n_buf - 2), wait_read_only=True)
+                plgpu.barrier_arrive(q_free.at[lax.rem(i + 1, n_buf) * n + wg])
+
+        def epilogue(i, item, acc, m, l):  # item i's output (and statistics) out through its Q slot
+            b, h, tile, _, _ = item
+            row, buf = tile * work.rows, lax.rem(i, n_buf)
+            inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
+            q_smem.at[buf, wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+            if lse_refs:  # log2-sum-exp2 (sink included); -inf if empty
+                row_smem.at[buf, wg][...] = m + jnp.log2(l)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[buf, wg], out_ref.at[b, pl.ds(row + wg * bq, bq), h])
+            for ref in lse_refs:
+                plgpu.copy_smem_to_gmem(row_smem.at[buf, wg], ref.at[b, h, pl.ds(row + wg * bq, bq)])
+
         def item_body(i, carry):
             g, item = carry
             buf = lax.rem(i, n_buf)
-
-            def release():  # slot (i+1) % n_buf, for item i+1's Q, once item i+1-n_buf's output left it
-                @pl.when((i + 1 < n_items) & (i + 1 >= n_buf))
-                def _():
-                    plgpu.wait_smem_to_gmem(copies * (n_buf - 2), wait_read_only=True)
-                    plgpu.barrier_arrive(q_free.at[lax.rem(i + 1, n_buf) * n + wg])
             b, h, tile, lo, hi = item  # (a carried row, not tile, trips jax 0.11's layout inference)
             row = tile * work.rows
             if n_buf == 3:  # item i-2's output left long ago: no wait
                 with jax.named_scope("release_q"):
-                    release()
+                    release(i)
             else:  # item i-1's output has just been issued: release in the first step
-                pl.when(hi == lo)(release)
+                pl.when(hi == lo)(functools.partial(release, i))
+            args = (q_smem.at[buf, wg], row_smem.at[buf, wg], q_bar.at[buf * n + wg],
+                    row + wg * bq + mask.q_offset, lo, hi, g,
+                    k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched if turns else None))
             attend = _attend_overlap if cfg.overlap else _attend
-            acc, m, l = attend(q_smem.at[buf, wg], row_smem.at[buf, wg], q_bar.at[buf * n + wg],
-                                row + wg * bq + mask.q_offset, lo, hi, g,
-                                k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched), cfg=cfg,
-                                mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
-                                first_step=release if n_buf == 2 else None)
+            acc, m, l = attend(*args, cfg=cfg, mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
+                               first_step=functools.partial(release, i) if n_buf == 2 else None)
             with jax.named_scope("epilogue"):
                 nxt = work.locate(cta, jnp.minimum(i + 1, n_items - 1))
-                inv_l = 1.0 / jnp.where(l == 0.0, 1.0, l)  # fully masked rows: acc == 0, out == 0
-                q_smem.at[buf, wg][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-                if lse_refs:  # log2-sum-exp2 (sink included); -inf if empty
-                    row_smem.at[buf, wg][...] = m + jnp.log2(l)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem.at[buf, wg], out_ref.at[b, pl.ds(row + wg * bq, bq), h])
-                for ref in lse_refs:
-                    plgpu.copy_smem_to_gmem(row_smem.at[buf, wg], ref.at[b, h, pl.ds(row + wg * bq, bq)])
+                epilogue(i, item, acc, m, l)
             return g + (hi - lo), nxt
 
         zero = n_items - n_items
-        lax.fori_loop(zero, n_items, item_body, (zero, work.locate(cta, zero)))
-        pl.when(wg == 0)(sched_sync)  # balance the offset so every schedule phase completes
+        carry = (zero, work.locate(cta, zero))
+        if band:  # the CTA's items run heaviest (latest) tile first: the interior ones are a stretch
+            i0, i1 = work.band_stretch(cta)
+            carry = lax.fori_loop(zero, i0, item_body, carry)
+            carry = _band_items(i0, i1, carry, q_smem=q_smem, row_smem=row_smem, k_smem=k_smem,
+                                v_smem=v_smem, bars=(q_bar, k_bar, v_bar, k_free, v_free, *turn), wg=wg,
+                                cfg=cfg, qk_scale=qk_scale, has_sinks=has_sinks, n_buf=n_buf,
+                                release=release, epilogue=epilogue,
+                                locate=lambda i: work.locate(cta, jnp.minimum(i, n_items - 1)))
+            lax.fori_loop(i1, n_items, item_body, carry)
+        else:
+            lax.fori_loop(zero, n_items, item_body, carry)
+        if turns:
+            pl.when(wg == 0)(sched_sync)  # balance the offset so every schedule phase completes
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == n)
@@ -236,17 +278,20 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
     `first_step()`, if given, runs in the first step before it waits for its turn on the tensor
     cores. That turn may wait for the other warpgroup's next Q K^T, whose K the producer may load
     only after the next item's Q: a slot release the producer waits for must come before it.
+    `bars[-1]` (the ping-pong's schedule barrier) is None where the warpgroups run free.
     """
     k_bar, v_bar, k_free, v_free, sched = bars
     bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
     dtype = q_smem.dtype
     carry = _start(q_smem, row_smem, q_bar, has_sinks=has_sinks, interpret=interp)
-    with jax.named_scope("wait_k"):
-        pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g, stages)]))
 
     def sync_after_issue():
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
+        if sched is not None:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+    with jax.named_scope("wait_k"):
+        pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g, stages)]))
 
     def step(kv, carry, masked, part=None):
         """Block kv; `part` 0 / 1: only its first / second half of keys (the other holds none visible)."""
@@ -265,13 +310,18 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
             if masked:
                 s = jnp.where(mask.tile(p0, kv * bkv + first_key, (bq, n), interpret=interp), s, -jnp.inf)
             acc, m_new, l, p16 = _mgpu.online_softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
-        plgpu.barrier_arrive(sched)  # softmax done
+        if sched is not None:
+            # ptxas hoists this arrive to just after the Q K^T wait, so the other warpgroup's
+            # softmax may start alongside this one; pinned after the V wait instead, the causal
+            # forward took 1377 against 1205 us (H200, D64; bench/RESULTS.md)
+            plgpu.barrier_arrive(sched)  # softmax done
         with jax.named_scope("wait_v"):
             plgpu.barrier_wait(v_bar.at[slot])
         if first_step is not None:
             pl.when(kv == lo)(first_step)
-        with jax.named_scope("wait_turn"):
-            plgpu.barrier_wait(sched)  # tensor cores free again
+        if sched is not None:
+            with jax.named_scope("wait_turn"):
+                plgpu.barrier_wait(sched)  # tensor cores free again
 
         def wait_next_k():
             nxt = kv + 1
@@ -302,6 +352,122 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
     if down is not None:
         carry = lax.fori_loop(rest_hi, hi, functools.partial(step, masked=True, part=0), carry)
     return carry
+
+
+def _band_applies(mask: MaskSpec, cfg: FlashConfig) -> bool:
+    """Whether interior items can run as `_band_items`: a causal window of exactly 2 x `block_q`
+    keys (GPT-OSS's 128) over `block_kv` = 2 x `block_q` tiles, with items starting on a tile, and a
+    ring of at least 3 tiles (an item's step waits for both its K tiles at once; the next item's
+    two then load behind the V tile of the item before)."""
+    bq = cfg.block_q
+    return (cfg.band and mask.causal and mask.window == 2 * bq == cfg.block_kv and not cfg.overlap
+            and cfg.stages >= 3
+            and isinstance(mask.q_offset, int) and mask.q_offset % cfg.block_kv == 0
+            and isinstance(mask.kv_len, int))
+
+
+def _band_chunk(ring, g, c: int, wg, cfg: FlashConfig):
+    """64-key chunk c (0 old, 1 full, 2 new) of warpgroup `wg` in a band item whose blocks sit in
+    ring steps g, g + 1: half (wg + c) % 2 of block (wg + c) // 2 (see `_band_items`)."""
+    bq, stages = cfg.block_q, cfg.stages
+    block, half = ((g, wg), (g + wg, 1 - wg), (g + 1, wg))[c]
+    return ring.at[lax.rem(block, stages), pl.ds(pl.multiple_of(half * bq, bq), bq)]
+
+
+def _band_items(i0, i1, carry, *, q_smem, row_smem, k_smem, v_smem, bars, wg, cfg: FlashConfig,
+                qk_scale: float, has_sinks: bool, n_buf: int, release, epilogue, locate):
+    """Items [i0, i1) of a 128-key window, all interior, each as one online-softmax step of a
+    warpgroup, software-pipelined across items. `carry` = (g, item i0's place), returned for i1.
+
+    Warpgroup `wg`'s 64 rows start at position p0 (a multiple of 64); row j sees keys
+    p0 + j - 127 .. p0 + j. In 64-key chunks: `old` = [p0 - 128, p0 - 64) is visible where the
+    key's column c in the chunk exceeds j, `full` = [p0 - 64, p0) everywhere, and `new` =
+    [p0, p0 + 64) where c <= j. Old and new are visible on complementary triangles, so the tile
+    where(c > j, old, new) holds each row's other 64 keys: every row sees exactly the 128 keys of
+    [full | mixed], none masked. The softmax runs once over those 128 columns, without a mask,
+    where the block loops run a masked 128-key block and a masked 64-key half (96 exponentials a
+    thread instead of 64, and twice the fixed cost of a step). P V splits the mixed P back into old
+    and new. The item's blocks lo, lo + 1 are ring steps g, g + 1 (`_band_chunk`).
+
+    Pipelining: item i+1's Q K^T is issued right after item i's P V, and runs during item i's
+    epilogue. Only the warpgroups' softmaxes take turns (`turn`: 0, 1, 0, ...), so their
+    exponentials do not share the MUFU; the block loops' ping-pong, which also orders the products,
+    would with one step an item chain each warpgroup's item boundary (P V, epilogue, next Q K^T)
+    to the other's (measured: `wait_turn` 982 cycles an item; bench/RESULTS.md).
+    """
+    q_bar, k_bar, v_bar, k_free, v_free, turn = bars
+    bq, stages, interp, n = cfg.block_q, cfg.stages, cfg.interpret, _WGS
+    d = q_smem.shape[-1]
+
+    def wait_loads(i, g):  # item i's Q and sink row, and its K tiles
+        with jax.named_scope("wait_q"):
+            plgpu.barrier_wait(q_bar.at[lax.rem(i, n_buf) * n + wg])
+        with jax.named_scope("wait_k"):
+            for step in (g, g + 1):
+                plgpu.barrier_wait(k_bar.at[lax.rem(step, stages)])
+
+    def products(i, g):  # item i's three Q K^T
+        q = q_smem.at[lax.rem(i, n_buf), wg]
+        return [(q, _band_chunk(k_smem, g, c, wg, cfg)) for c in range(3)]
+
+    def free(bar, g):
+        for step in (g, g + 1):
+            plgpu.barrier_arrive(bar.at[lax.rem(step, stages)])
+
+    def item(i, g, place, s, has_next):
+        buf = lax.rem(i, n_buf)
+        with jax.named_scope("release_q"):
+            release(i)
+        with jax.named_scope("wait_turn"):  # the softmaxes alternate: 1, 0, 1, ... after 0's first
+            pl.when((wg == 1) | (i > i0))(lambda: plgpu.barrier_wait(turn.at[wg]))
+        with jax.named_scope("softmax"):
+            s_old, s_full, s_new = s
+            # old where c - j > 0. The zero it is compared with passes a barrier with the scores:
+            # without it LLVM would work out the 32 tests once, before the loop, and keep them
+            zero = _mgpu.row_vector(0, bq, interpret=interp, dtype=jnp.int32)
+            s_old, s_new, zero = lax.optimization_barrier((s_old, s_new, zero))
+            diff = (_mgpu.iota2d((bq, bq), 1, interpret=interp)
+                    - _mgpu.iota2d((bq, bq), 0, interpret=interp))
+            old = diff > lax.broadcast_in_dim(zero, (bq, bq), [0])
+            m0 = _mgpu.load_rows(row_smem.at[buf, wg], interpret=interp)  # the sink's logit
+            l0 = _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp)
+            m, l, p_full, p_old, p_new = _mgpu.band_softmax(s_full, s_old, s_new, old, m0, l0,
+                                                            qk_scale=qk_scale, dtype=q_smem.dtype)
+        with jax.named_scope("wait_v"):
+            for step in (g, g + 1):
+                plgpu.barrier_wait(v_bar.at[lax.rem(step, stages)])
+        # the other warpgroup's turn, after the waits: ptxas hoists an arrive it may move (no data
+        # depends on it) up into the softmax, whose exponentials then overlap the other's
+        plgpu.barrier_arrive(turn.at[1 - wg])
+        nxt = locate(i + 1)
+        pv = [(p, _band_chunk(v_smem, g, c, wg, cfg)) for c, p in enumerate((p_old, p_full, p_new))]
+
+        def finish(acc):  # once P V landed
+            free(v_free, g)
+            with jax.named_scope("epilogue"):
+                epilogue(i, place, acc, m, l)
+        if not has_next:
+            with jax.named_scope("pv"):
+                finish(_mgpu.mma_chain(pv, (bq, d), interpret=interp))
+            return g + 2, nxt, s
+        with jax.named_scope("pv"):
+            _, s_next = _mgpu.mma_chain_then_group(
+                pv, (bq, d), products(i + 1, g + 2), (bq, bq), finish,
+                before_group=lambda: wait_loads(i + 1, g + 2), interpret=interp)
+        free(k_free, g + 2)
+        return g + 2, nxt, tuple(s_next)
+
+    def stretch(_, carry):
+        g, place = carry
+        wait_loads(i0, g)
+        with jax.named_scope("qk"):
+            s = tuple(_mgpu.mma_group(products(i0, g), (bq, bq), interpret=interp))
+        free(k_free, g)
+        g, place, s = lax.fori_loop(i0, i1 - 1, lambda i, c: item(i, *c, has_next=True), (g, place, s))
+        g, place, _ = item(i1 - 1, g, place, s, has_next=False)
+        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))  # 1's last turn, observed
+        return g, place
+    return lax.fori_loop(i0 - i0, (i1 > i0).astype(jnp.int32), stretch, carry)
 
 
 def _start(q_smem, row_smem, q_bar, *, has_sinks: bool, interpret: bool):
@@ -446,11 +612,15 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
             plgpu.Barrier(num_barriers=n_buf * n))  # a warpgroup's half of a Q slot released
     mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t,
                     keys_padded=t_pad > t, diff_tile=d <= 64)  # see MaskSpec.diff_tile
+    band = _band_applies(mask, cfg) and n_buf == 3
+    if band:  # the masked block loops run only at the edges: keep their hoisted tile out of the
+        mask = dataclasses.replace(mask, diff_tile=False)  # registers of the band's loop
+        bars += (plgpu.Barrier(num_barriers=n),)  # `turn`: warpgroup w may start its softmax
     n_items = (s_pad // rows) * bsz * hq
     grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
     work = _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask)
     body = functools.partial(_forward_kernel, cfg=cfg, work=work, has_sinks=has_sinks,
-                             group=hq // hkv, qk_scale=scale * _mgpu.LOG2E)
+                             group=hq // hkv, qk_scale=scale * _mgpu.LOG2E, band=band)
     out_type = (jax.ShapeDtypeStruct((bsz, s_pad, hq, d), q.dtype),)
     if want_lse:
         out_type += (jax.ShapeDtypeStruct((bsz, hq, s_pad), jnp.float32),)
