@@ -216,6 +216,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
             for ref in lse_refs:
                 plgpu.copy_smem_to_gmem(row_smem.at[buf, wg], ref.at[b, h, pl.ds(row + wg * bq, bq)])
 
+        def place_of(i):  # `_Work.locate` of item i, the last item's past the end
+            return work.locate(cta, jnp.minimum(i, n_items - 1))
+
         def item_body(i, carry):
             g, item = carry
             buf = lax.rem(i, n_buf)
@@ -233,7 +236,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
             acc, m, l = attend(*args, cfg=cfg, mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
                                first_step=functools.partial(release, i) if n_buf == 2 else None)
             with jax.named_scope("epilogue"):
-                nxt = work.locate(cta, jnp.minimum(i + 1, n_items - 1))
+                nxt = place_of(i + 1)
                 epilogue(i, item, acc, m, l)
             return g + (hi - lo), nxt
 
@@ -246,7 +249,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
                                 v_smem=v_smem, bars=(q_bar, k_bar, v_bar, k_free, v_free, *turn), wg=wg,
                                 cfg=cfg, qk_scale=qk_scale, has_sinks=has_sinks, n_buf=n_buf,
                                 release=release, epilogue=epilogue,
-                                locate=lambda i: work.locate(cta, jnp.minimum(i, n_items - 1)))
+                                locate=place_of)
             lax.fori_loop(i1, n_items, item_body, carry)
         else:
             lax.fori_loop(zero, n_items, item_body, carry)
@@ -429,8 +432,7 @@ def _band_items(i0, i1, carry, *, q_smem, row_smem, k_smem, v_smem, bars, wg, cf
             diff = (_mgpu.iota2d((bq, bq), 1, interpret=interp)
                     - _mgpu.iota2d((bq, bq), 0, interpret=interp))
             old = diff > lax.broadcast_in_dim(zero, (bq, bq), [0])
-            m0 = _mgpu.load_rows(row_smem.at[buf, wg], interpret=interp)  # the sink's logit
-            l0 = _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interp)
+            m0, l0 = _seed(row_smem.at[buf, wg], has_sinks=has_sinks, interpret=interp)
             m, l, p_full, p_old, p_new = _mgpu.band_softmax(s_full, s_old, s_new, old, m0, l0,
                                                             qk_scale=qk_scale, dtype=q_smem.dtype)
         with jax.named_scope("wait_v"):
@@ -471,13 +473,19 @@ def _band_items(i0, i1, carry, *, q_smem, row_smem, k_smem, v_smem, bars, wg, cf
 
 
 def _start(q_smem, row_smem, q_bar, *, has_sinks: bool, interpret: bool):
-    """Wait for the item's Q and sink row; the running (acc, m, l) before its first block: zeros,
-    the sink's logit in log2 units (NEG_BIG without sinks), and the sink's weight 1 (or 0)."""
+    """Wait for the item's Q and sink row; the running (acc, m, l) before its first block: zeros
+    and the sink's seed (`_seed`)."""
     with jax.named_scope("wait_q"):
         plgpu.barrier_wait(q_bar)
-    bq, d = q_smem.shape
-    return (_mgpu.zeros((bq, d), interpret=interpret), _mgpu.load_rows(row_smem, interpret=interpret),
-            _mgpu.row_vector(1.0 if has_sinks else 0.0, bq, interpret=interpret))
+    return (_mgpu.zeros(q_smem.shape, interpret=interpret),
+            *_seed(row_smem, has_sinks=has_sinks, interpret=interpret))
+
+
+def _seed(row_smem, *, has_sinks: bool, interpret: bool):
+    """The running (m, l) before an item's first key: the sink's logit in log2 units (NEG_BIG
+    without sinks), read from the item's loaded sink row, and the sink's weight 1 (or 0)."""
+    return (_mgpu.load_rows(row_smem, interpret=interpret),
+            _mgpu.row_vector(1.0 if has_sinks else 0.0, row_smem.shape[0], interpret=interpret))
 
 
 def _mma_during(a, b, shape, during, *, interpret: bool):
