@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +90,7 @@ def mma(a, b, shape, *, acc=None, transpose_b: bool = False, interpret: bool, th
         if then is not None:
             then()
         return out if acc is None else acc + out
-    b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    b = transposed(b) if transpose_b else b
 
     def issue(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
@@ -118,7 +119,7 @@ def mma_pair(first, second, shape, *, interpret: bool, between=lambda x: x):
 
     def body(r1, r2):
         for ref, (a, b) in ((r1, first), (r2, second)):
-            plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+            plgpu.wgmma(ref, a, transposed(b))
         x = between(plgpu.wgmma_accumulator_load(r1, wait_n=1))  # one group left: the second
         return x, r2[...]
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
@@ -155,7 +156,7 @@ def mma_group(products, shape, *, interpret: bool, then=None):
 
     def body(*refs):
         for ref, (a, b) in zip(refs, products):
-            plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+            plgpu.wgmma(ref, a, transposed(b))
         if then is not None:
             then()
         return [ref[...] for ref in refs]
@@ -193,7 +194,7 @@ def mma_chain_then_group(chain, shape, group, group_shape, finish, *, before_gro
         acc = acc_ref[...]
         before_group()
         for ref, (a, b) in zip(refs, group):
-            plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+            plgpu.wgmma(ref, a, transposed(b))
         return finish(acc), [ref[...] for ref in refs]
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32),
                          *(plgpu.ACC(group_shape, jnp.float32) for _ in group))
@@ -257,11 +258,26 @@ def iota2d(shape, dim, *, interpret: bool):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+# jax 0.11 deprecates `plgpu.load`'s separate index (index the ref instead); jax 0.10 requires one
+_LOAD_WANTS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def load(ref, *, layout, optimized: bool = True):
+    """`plgpu.load` of the whole of `ref` (index it with `ref.at[...]` first), on jax 0.10 and 0.11."""
+    return plgpu.load(ref, *([()] if _LOAD_WANTS_INDEX else []), layout=layout, optimized=optimized)
+
+
+def transposed(ref):
+    """`ref` [N, K] read as its transpose [K, N], e.g. as a wgmma operand (`plgpu.transpose_ref`,
+    deprecated in jax 0.11)."""
+    return ref.transpose((1, 0))
+
+
 def load_rows(ref, *, interpret: bool, dim: int = 1):
     """Read an fp32 [n] SMEM vector in the layout of an accumulator's reductions over `dim`."""
     if interpret:  # the interpreter has no layouts (nor `plgpu.load`)
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(dim))
+    return load(ref, layout=plgpu.Layout.WGMMA.reduce(dim))
 
 
 def stream(lo, hi, stages: int, sources):

@@ -498,7 +498,7 @@ def _mma_during(a, b, shape, during, *, interpret: bool):
         return _mgpu.mma(a, b, shape, transpose_b=True, interpret=True), during()
 
     def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
+        plgpu.wgmma(acc_ref, a, _mgpu.transposed(b))
         res = during()
         return acc_ref[...], res
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))

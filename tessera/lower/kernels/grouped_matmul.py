@@ -106,8 +106,8 @@ def mma(acc_ref, a, b, *, transpose_a=False, transpose_b=False, scratch=None):
         scratch[...] = src[...].T
         a, b = (scratch, b) if transpose_a else (a, scratch)
         transpose_a = transpose_b = False
-    a = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
-    b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    a = _mgpu.transposed(a) if transpose_a else a
+    b = _mgpu.transposed(b) if transpose_b else b
     plgpu.wgmma(acc_ref, a, b)
 
 

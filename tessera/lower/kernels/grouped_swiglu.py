@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from tessera.lower.kernels import _mgpu
 from tessera.lower.kernels import grouped_matmul as gm
 from tessera.lower.reference.activations import clamped_swiglu
 
@@ -60,7 +61,7 @@ def _column(ref, idx, interpret: bool):
     """A [bn] fp32 vector from HBM in the layout of an accumulator's columns (the interpreter: plain)."""
     if interpret:
         return ref[idx]
-    return plgpu.load(ref, idx, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    return _mgpu.load(ref.at[idx], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
 
 def default_config(f: int) -> gm.GroupedMatmulConfig:
