@@ -68,7 +68,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tessera.run.plan import plan_command
 
     return plan_command(args.spec, overrides=args.overrides, as_json=args.json, device=args.device,
-                        compile_check=not args.no_compile)
+                        compile_check=not args.no_compile, devices=args.devices)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default=None, help="h100, h200, a100, cpu, ... (default: this machine)")
     p.add_argument("--no-compile", action="store_true", help="skip the ahead-of-time compile")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="devices `mesh: auto` chooses among (default: this machine's)")
     p.set_defaults(handler=cmd_plan)
 
     p = sub.add_parser("run", help="run the spec's task")

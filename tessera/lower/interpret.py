@@ -107,11 +107,24 @@ def _stacked_paths(op: Op, params: dict) -> list[str]:
             if not isinstance(params[path], list) and params[path].ndim and params[path].shape[0] == n]
 
 
+def stacked_layers(region: Region, shapes: dict) -> dict[str, int]:
+    """{path: n} of the parameters a `repeat` of `region` holds stacked ([n, ...]); `shapes` maps each path to
+    anything with a `.shape` (arrays, ShapeDtypeStructs, packed MXFP4)."""
+    out = {}
+    for op in region.ops:
+        if op.name == "repeat":
+            n = op.attrs["n"]
+            out.update({path: n for path in region_param_paths(op.region)
+                        if tuple(shapes[path].shape)[:1] == (n,)})
+    return out
+
+
 def split_layers(region: Region, params: dict) -> dict:
     """`params` with every parameter a `repeat` of `region` stacks turned into the list of its n layers.
 
-    The slices are taken once (in a jitted program, before its token loop): `LowerCtx.unroll` then
-    hands each layer its own buffers.
+    Parameters already held split (lists: `Program.init(split_layers=True)`, `load_weights(...)`) pass as
+    they are. Inside a jitted program the slices of a stacked parameter are copies, taken once before the
+    token loop: generation from stacked parameters holds them twice, from split ones once.
     """
     out = dict(params)
     for op in region.ops:

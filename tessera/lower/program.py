@@ -19,7 +19,7 @@ import optax
 
 from tessera.ir.types import Graph
 from tessera.lower.context import LowerCtx
-from tessera.lower.interpret import eval_region, init_state, split_layers
+from tessera.lower.interpret import eval_region, init_state, split_layers, stacked_layers
 from tessera.lower.reference import mxfp4
 from tessera.lower.reference.losses import cross_entropy
 from tessera.lower import storage
@@ -85,12 +85,18 @@ class Program:
         return self._cache["det"]
 
     # ---- parameters ----------------------------------------------------------------------------
-    def param_shapes(self) -> dict[str, Any]:
+    def param_shapes(self, split_layers: bool = False) -> dict[str, Any]:
         """What each parameter is held as, by path: a ShapeDtypeStruct, or MXFP4 of two for packed types.
 
-        Shapes are the held ones: a moe's d_ff padded for packed experts on this mesh (storage.padding)."""
-        return {path: storage.abstract(tuple(d.size for d in t.dims), t.dtype)
-                for path, t in self.held_types().items()}
+        Shapes are the held ones: a moe's d_ff padded for packed experts on this mesh (storage.padding).
+        split_layers: a parameter a `repeat` stacks as the list of its n layers' ShapeDtypeStructs."""
+        shapes = {path: storage.abstract(tuple(d.size for d in t.dims), t.dtype)
+                  for path, t in self.held_types().items()}
+        if not split_layers:
+            return shapes
+        layer = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+        return {path: [jax.tree.map(layer, v)] * self.stacked()[path] if path in self.stacked() else v
+                for path, v in shapes.items()}
 
     def held_types(self) -> dict[str, Any]:
         """Each parameter's TensorType as held (the IR's, with storage.padding applied)."""
@@ -98,45 +104,126 @@ class Program:
             self._cache["held"] = storage.held_types(self.exp, self.graph)
         return self._cache["held"]
 
+    def stacked(self) -> dict[str, int]:
+        """{path: n} of the parameters a `repeat` holds stacked on a leading layer axis of n."""
+        if "stacked" not in self._cache:
+            self._cache["stacked"] = stacked_layers(self.graph.body, self.param_shapes())
+        return self._cache["stacked"]
+
     def padding(self) -> dict[str, dict[str, int]]:
         """{path: {dim: held size}} of the params held larger than the IR says (checkpoints record it)."""
         if "padding" not in self._cache:
             self._cache["padding"] = storage.padding(self.exp, self.graph)
         return self._cache["padding"]
 
-    def init(self, seed: int = 0) -> Params:
-        """Fresh parameters from each one's initializer; a parameter's values depend only on (seed, path)."""
-        out = None if self.plan is None else self.plan.param_shardings()
-        return self._jit("init", lambda: jax.jit(self._init, out_shardings=out))(jnp.asarray(seed, jnp.uint32))
+    def param_specs(self, params: Params | None = None) -> dict:
+        """Each parameter's PartitionSpec on the mesh, matching `params`' layout: a split parameter (a list of
+        its layers) gets one spec per layer, the stacked spec without its layer axis. None on one device."""
+        if self.plan is None:
+            return None
+        from jax.sharding import PartitionSpec as P
+
+        specs = dict(self.plan.param_specs)
+        for path, value in (params or {}).items():
+            if isinstance(value, list):
+                specs[path] = [P(*tuple(specs[path])[1:])] * len(value)
+        return specs
+
+    def _shardings(self, params: Params | None = None) -> dict | None:
+        from jax.sharding import NamedSharding
+
+        specs = self.param_specs(params)
+        return None if specs is None else jax.tree.map(lambda s: NamedSharding(self.plan.mesh, s), specs,
+                                                       is_leaf=lambda s: not isinstance(s, (dict, list)))
+
+    def init(self, seed: int = 0, *, split_layers: bool = False, on_layer: Callable[[int], None] | None = None
+             ) -> Params:
+        """Fresh parameters from each one's initializer; a parameter's values depend only on (seed, path), and
+        a stacked parameter's layer i only on (seed, path, i).
+
+        split_layers: each stacked parameter as the list of its layers, made one layer at a time (one small
+        program called per layer), so the peak is the parameters plus one layer's draw: what generation
+        wants (it holds one copy of the weights only when they come split). `on_layer(i)` is called after
+        layer i is made. Values are bitwise those of the stacked form."""
+        if split_layers:
+            return self._init_split(jnp.asarray(seed, jnp.uint32), on_layer)
+        return self._jit("init", lambda: jax.jit(self._init, out_shardings=self._shardings()))(
+            jnp.asarray(seed, jnp.uint32))
 
     def _init(self, seed):
-        key = jax.random.key(seed)
+        key, stacked = jax.random.key(seed), self.stacked()
         params = {}
-        for path, held in self.param_shapes().items():
-            p = self.graph.params[path]
-            init, k = p.init, jax.random.fold_in(key, zlib.crc32(path.encode()))
-            true = tuple(d.size for d in p.type.dims)  # drawn at the IR's shape, then zero-padded to the held one
-            if isinstance(held, mxfp4.MXFP4):
-                params[path] = storage.resize(_init_packed(init, k, true), held.shape)
+        for path in self.param_shapes():
+            if path in stacked:  # one layer at a time: a whole stacked draw in fp32 would sit in memory
+                layers = jnp.arange(stacked[path], dtype=jnp.uint32)
+                params[path] = jax.lax.map(lambda i, path=path: self._init_param(key, path, i), layers)
             else:
-                params[path] = storage.resize(_init_array(init, k, true, held.dtype), held.shape)
+                params[path] = self._init_param(key, path)
         return params
 
-    def load_weights(self, directory) -> Params:
-        """Parameters from a Hugging Face checkpoint directory (config.json + safetensors)."""
+    def _init_param(self, key, path: str, layer=None):
+        """One parameter's initial value at its held shape, or (layer) layer `layer` of a stacked one."""
+        p, held = self.graph.params[path], self.param_shapes()[path]
+        key = jax.random.fold_in(key, zlib.crc32(path.encode()))
+        true, shape = tuple(d.size for d in p.type.dims), tuple(held.shape)  # drawn at the IR's shape, then padded
+        if layer is not None:
+            key, true, shape = jax.random.fold_in(key, layer), true[1:], shape[1:]
+        if isinstance(held, mxfp4.MXFP4):
+            return storage.resize(_init_packed(p.init, key, true), shape)
+        return storage.resize(_init_array(p.init, key, true, held.dtype), shape)
+
+    def _init_split(self, seed, on_layer) -> Params:
+        stacked, shapes = self.stacked(), self.param_shapes()
+        specs = self._shardings(self.param_shapes(split_layers=True))
+        pick = lambda paths: None if specs is None else {p: specs[p] for p in paths}  # noqa: E731
+        shared = [p for p in shapes if p not in stacked]
+        make = jax.jit(lambda s: {p: self._init_param(jax.random.key(s), p) for p in shared},
+                       out_shardings=pick(shared))
+        params = dict(make(seed))
+        for n in sorted(set(stacked.values())):
+            paths = [p for p, m in stacked.items() if m == n]
+            layer_specs = None if specs is None else {p: specs[p][0] for p in paths}
+            one = jax.jit(lambda s, i, paths=paths: {p: self._init_param(jax.random.key(s), p, i) for p in paths},
+                          out_shardings=layer_specs)
+            for p in paths:
+                params[p] = []
+            for i in range(n):
+                made = one(seed, jnp.asarray(i, jnp.uint32))
+                for p in paths:
+                    params[p].append(made[p])
+                del made
+                if on_layer is not None:
+                    on_layer(i)
+        return {p: params[p] for p in shapes}
+
+    def load_weights(self, directory, *, split_layers: bool = False) -> Params:
+        """Parameters from a Hugging Face checkpoint directory (config.json + safetensors).
+
+        Read one tensor at a time and placed on the device as read, so the host holds one tensor; with
+        split_layers each stacked parameter comes as the list of its layers (see `init`)."""
         from tessera.lower.weights import load_hf_weights
 
         shapes = self.param_shapes()
         packed = {path for path, held in shapes.items() if isinstance(held, mxfp4.MXFP4)}
         params = load_hf_weights(directory, family=self.exp.model.file.stem, args=dict(self.exp.model.args),
-                                 model=self.exp.model.file, packed=packed,
+                                 model=self.exp.model.file, packed=packed, split_layers=split_layers,
                                  dtypes=lambda path: None if path in packed else shapes[path].dtype)
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks parameters {missing}")
         cast = lambda a, want: jnp.asarray(a, want.dtype)  # noqa: E731  (tree.map: same leaves, any shapes)
-        return {path: storage.resize(jax.tree.map(cast, params[path], shapes[path]), shapes[path].shape)
-                for path in shapes}  # padded after loading, so packed bytes stay as stored
+
+        def held(value, want):  # padded after loading, so packed bytes stay as stored
+            return storage.resize(jax.tree.map(cast, value, want), tuple(want.shape))
+
+        target = self.param_shapes(split_layers=split_layers)
+        out = {}
+        for path in shapes:
+            value = params.pop(path)  # each loaded array freed as soon as its held form exists
+            out[path] = [held(v, w) for v, w in zip(value, target[path])] if isinstance(value, list) \
+                else held(value, target[path])
+        specs = self._shardings(out)
+        return out if specs is None else jax.device_put(out, specs)
 
     # ---- forward and loss ----------------------------------------------------------------------
     def _ctx(self, **kw) -> LowerCtx:
@@ -251,19 +338,20 @@ class Program:
         if max_new_tokens <= 0:
             return prompts
         rule = sampling.SamplingRule(temperature=float(temperature), top_k=top_k, top_p=top_p)
-        key = ("generate", max_new_tokens, rule, tuple(int(t) for t in stop_tokens))
+        split = any(isinstance(v, list) for v in params.values())
+        key = ("generate", max_new_tokens, rule, tuple(int(t) for t in stop_tokens), prompts.shape[0], split)
         run = lambda p, x, s, shard=None: self._generate(p, x, s, max_new_tokens, rule, tuple(stop_tokens), shard)
         if self.plan is not None:
             from tessera.lower.shard.step import sharded_generate
-            run = sharded_generate(self.plan, run, prompts.shape[0])
-        fn = self._jit(key + (prompts.shape[0],), lambda: jax.jit(run))
+            run = sharded_generate(self.plan, run, prompts.shape[0], self.param_specs(params))
+        fn = self._jit(key, lambda: jax.jit(run))
         return fn(params, prompts, jnp.asarray(seed, jnp.uint32))
 
     def _generate(self, params, prompts, seed, max_new: int, rule, stop_tokens, shard=None):
         b, p = prompts.shape
         body = self.graph.body
         # layers unrolled over their own weights and caches (interpret.py: a scan would copy them per token);
-        # the split copies the stacked weights once per call, so generation holds them twice meanwhile
+        # stacked weights are split here, copied once per call (held twice meanwhile); split ones pass as they are
         params = split_layers(body, params)
         ctx = functools.partial(self._ctx, shard=shard, unroll=True)
         state = init_state(body, ctx(mode="prefill"), b, p + max_new)
@@ -344,11 +432,12 @@ def _init_array(init, key, shape, dtype):
 
 
 def _init_packed(init, key, shape):
-    """A packed (MXFP4) parameter's initial value, drawn in fp32 and quantised one slice of its leading dim at
-    a time: quantising reduces over groups, so a whole stacked draw would sit in memory (20b: 66 GiB peak)."""
+    """A packed (MXFP4) parameter's initial value, drawn in fp32 and quantised one [K, N] matrix at a time
+    (each leading index i folded into the key): quantising reduces over groups, so a whole draw would sit
+    in memory in fp32 (one 120b layer's 128 experts: 8.5 GB)."""
     if len(shape) < 3:
         return mxfp4.quantize(_init_array(init, key, shape, jnp.float32))
-    one = lambda i: mxfp4.quantize(_init_array(init, jax.random.fold_in(key, i), shape[1:], jnp.float32))  # noqa: E731
+    one = lambda i: _init_packed(init, jax.random.fold_in(key, i), shape[1:])  # noqa: E731
     return jax.lax.map(one, jnp.arange(shape[0], dtype=jnp.uint32))
 
 

@@ -58,11 +58,14 @@ def model_args(family: str, args: dict, model: str | Path | None) -> dict:
 
 
 def load_hf_weights(directory: str | Path, *, family: str, args: dict, model: str | Path | None = None,
-                    dtypes: DtypeFn | None = None, packed: Collection[str] = ()) -> dict[str, Any]:
+                    dtypes: DtypeFn | None = None, packed: Collection[str] = (),
+                    split_layers: bool = False) -> dict[str, Any]:
     """Read config.json + *.safetensors of an HF checkpoint into Tessera parameters {path: array}.
 
     Paths in `packed` become MXFP4 pytrees: an MXFP4 tensor's bytes are kept as stored (no decode), a
-    dense one is quantised."""
+    dense one is quantised. Each tensor goes to the device as it is read, so the host holds one tensor at
+    a time; per-layer parameters are then stacked on the device, or with `split_layers` kept as the list
+    of their layers (no stacked copy is ever made)."""
     directory = Path(directory)
     fam = hf_config.family(family)
     args = model_args(family, args, model)
@@ -76,13 +79,19 @@ def load_hf_weights(directory: str | Path, *, family: str, args: dict, model: st
     for rule in rules:
         names = mapping.expand(rule, dims["L"])
         consumed.update(names)
-        layers = [_read(source, name, rule, dims, directory, problems, dtypes, packed) for name in names]
+        layers = []
+        for name in names:
+            read = _read(source, name, rule, dims, directory, problems, dtypes, packed)
+            layers.append(None if read is None or problems else jax.tree.map(jnp.asarray, read))
         if any(a is None for a in layers):
             continue
         for j, path in enumerate(rule.paths):
             parts = [a[j] for a in layers]
-            whole = jax.tree.map(lambda *xs: np.stack(xs), *parts) if rule.per_layer else parts[0]
-            params[path] = jax.tree.map(jnp.asarray, whole)
+            if not rule.per_layer:
+                params[path] = parts[0]
+            else:
+                params[path] = parts if split_layers else jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
+        del layers
     known = [n for rule in rules for n in mapping.expand(rule, dims["L"])]
     for name in sorted(source.names() - consumed):
         if _tolerated(name, dims):

@@ -31,11 +31,12 @@ class RunContext:
         """Print a line for the person running this."""
         print(text, file=self.stream, flush=True)
 
-    def initial_params(self) -> dict:
-        """Parameters to start from: the --weights checkpoint if given, else a seeded init."""
+    def initial_params(self, split_layers: bool = False) -> dict:
+        """Parameters to start from: the --weights checkpoint if given, else a seeded init; split_layers:
+        each stacked parameter as its list of layers, made or read one layer at a time (generation)."""
         if self.weights is not None:
-            return self.prog.load_weights(self.weights)
-        return self.prog.init(int(self.exp.task.seed))
+            return self.prog.load_weights(self.weights, split_layers=split_layers)
+        return self.prog.init(int(self.exp.task.seed), split_layers=split_layers)
 
     def resolve(self, path: str | Path, base: Path | None = None) -> Path:
         """A path from the spec: absolute as is, relative against `base` (default: the run directory)."""

@@ -65,6 +65,53 @@ def request_deterministic_kernels(exp) -> None:
         os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
 
 
+ALLOCATOR_FRACTION = "0.95"  # of each GPU's memory for JAX's pool: a plan that fits 95 % of the card runs
+_ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def configure_allocator() -> dict:
+    """Let JAX's GPU allocator take 95 % of each card (its default, 75 %, cannot hold a plan that fits the card:
+    the 120b's weights alone are 81 % of an 80 GB H100), unless the person set any of its variables.
+
+    Like `request_deterministic_kernels`, this acts when called before JAX starts its backend; the record
+    says who set what, and `describe_allocator` adds what the backend then took."""
+    env = os.environ
+    if any(v in env for v in _ALLOCATOR_VARS):
+        return {"set_by": "user", **{v: env[v] for v in _ALLOCATOR_VARS if v in env}}
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ALLOCATOR_FRACTION
+    return {"set_by": "tessera", "XLA_PYTHON_CLIENT_MEM_FRACTION": ALLOCATOR_FRACTION}
+
+
+def describe_allocator(record: dict) -> tuple[dict, str | None]:
+    """(the record with each accelerator's usable bytes added, a line to print on an accelerator, else None)."""
+    import jax
+
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if not stats or not stats.get("bytes_limit"):
+        return record, None
+    limit = float(stats["bytes_limit"])
+    record = {**record, "bytes_limit": limit}
+    who = "tessera set" if record["set_by"] == "tessera" else "you set"
+    what = ", ".join(f"{k}={v}" for k, v in record.items() if k.startswith("XLA_"))
+    return record, (f"memory: JAX may use {limit / 2 ** 30:,.1f} GiB of each {dev.device_kind} ({who} {what}"
+                    + ("; set XLA_PYTHON_CLIENT_MEM_FRACTION to choose otherwise)" if who == "tessera set" else ")"))
+
+
+def resolve_mesh(exp, say) -> tuple[Any, dict | None]:
+    """(exp on a concrete mesh, the manifest's `mesh_choice` record or None): `mesh: auto` picks one from the
+    devices present and the plan (tessera/run/automesh.py) and says which and why; an explicit mesh stays."""
+    if not exp.mesh.auto or exp.mesh.size > 1:  # explicit, or chosen already (a manifest's spec)
+        return exp, None
+    from tessera.run.automesh import choose_mesh, usable_memory
+
+    memory, devices, kind = usable_memory()
+    choice = choose_mesh(exp, devices, memory)
+    mesh = " ".join(f"{a}={n}" for a, n in choice.exp.mesh.axes.items() if n > 1) or "one device"
+    say(f"mesh: auto -> {mesh} on {devices} x {kind}: {choice.reason}")
+    return choice.exp, choice.record()
+
+
 def default_compile(exp):
     """The program for `exp` (Graph IR → JAX); a train task's carries the optimizer `tessera.run.optim` builds."""
     from tessera.lower.program import compile_experiment
@@ -142,7 +189,13 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
     """Run `exp`'s task into a run directory (default runs/<name>-<time>-<hash>/) and return what it left."""
     from tessera.run.tasks import TASKS
 
+    allocator = configure_allocator()
     request_deterministic_kernels(exp)
+    say = lambda text: print(text, file=stream or sys.stdout, flush=True)  # noqa: E731
+    allocator, line = describe_allocator(allocator)
+    if line:
+        say(line)
+    exp, mesh_choice = resolve_mesh(exp, say)
     run_dir, resuming = _choose_dir(exp, out, resume)
     if resuming and (run_dir / MANIFEST).exists():  # refuse before touching another spec's run directory
         saved = load_manifest(run_dir)
@@ -151,6 +204,7 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
     (run_dir / SPEC_FILE).write_text(yaml.safe_dump(exp.resolved(), sort_keys=False))
     spec_file = Path(spec_file).resolve() if spec_file else None
     manifest = _start_manifest(run_dir, exp, overrides, spec_file, weights, resuming)
+    manifest.update(allocator=allocator, mesh_choice=mesh_choice)
     metrics = MetricsLog(run_dir, tensorboard=tensorboard)
     try:
         with _recorded(manifest):

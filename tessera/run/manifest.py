@@ -66,11 +66,17 @@ def to_host(x: Any) -> np.ndarray:
 
 
 def params_checksum(params: dict[str, Any]) -> str:
-    """sha256 hex digest of the parameters' bytes (C order, as stored), concatenated in sorted path order."""
+    """sha256 hex digest of the parameters' bytes (C order, as stored), concatenated in sorted path order.
+
+    A parameter held split into its layers (a list) hashes as its stacked form would: the stacked array's
+    bytes are its layers' bytes one after another (a packed one's codes of every layer, then its scales)."""
     h = hashlib.sha256()
     for path in sorted(params):
-        for leaf in jax.tree.leaves(params[path]):  # a packed (MXFP4) parameter: its codes, then its scales
-            h.update(np.ascontiguousarray(to_host(leaf)).tobytes())
+        value = params[path]
+        layers = [jax.tree.leaves(v) for v in value] if isinstance(value, list) else [jax.tree.leaves(value)]
+        for j in range(len(layers[0])):  # a packed (MXFP4) parameter: its codes, then its scales
+            for leaves in layers:
+                h.update(np.ascontiguousarray(to_host(leaves[j])).tobytes())
     return h.hexdigest()
 
 

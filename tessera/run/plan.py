@@ -134,22 +134,12 @@ def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool
         loss = cost.concrete(logits, mb).with_dtype("f32")  # log-softmax of the logits in fp32
         per_mb = stage_layers * acts["per_layer"] + acts["total"] - acts["layers"] * acts["per_layer"]
         total = in_flight * per_mb + cost.nbytes(loss, layout.activations(loss))
-        return {"activations": total, "kv_cache": 0.0, "layer_copies": 0.0}
-    if exp.task.kind == "generate":
+        return {"activations": total, "kv_cache": 0.0}
+    if exp.task.kind == "generate":  # the weights come split into layers (Program.init): held once
         prompt = {**sizes, "seq": sizes["seq"] - exp.task.max_new_tokens}
         kv = cost.kv_cache_bytes(graph, sizes["batch"], sizes["seq"], layout.activations)
-        return {"activations": cost.working_set_bytes(graph, prompt, layout.activations), "kv_cache": kv,
-                "layer_copies": _layer_copies(graph, layout)}
-    return {"activations": cost.working_set_bytes(graph, sizes, layout.activations), "kv_cache": 0.0,
-            "layer_copies": 0.0}
-
-
-def _layer_copies(graph, layout: cost.Layout) -> float:
-    """Per-device bytes of the parameters a `repeat` stacks: generation splits them into one buffer per layer
-    once per call (tessera/lower/interpret.py), so while it runs it holds them twice."""
-    inside = {path for op, axes, _ in cost.walk_counted(graph.body) if axes for path, _ in cost.param_uses(op)}
-    return sum(layout.per_device(c.type) * cost.bits_per_element(c.type.dtype) / 8
-               for c in cost.param_counts(graph) if c.path in inside)
+        return {"activations": cost.working_set_bytes(graph, prompt, layout.activations), "kv_cache": kv}
+    return {"activations": cost.working_set_bytes(graph, sizes, layout.activations), "kv_cache": 0.0}
 
 
 def _decode_bytes(graph, layout: cost.Layout, batch: int) -> float:
@@ -302,7 +292,8 @@ def _lowered(exp, train: bool):
         stop = tuple(int(x) for x in t.stop_tokens)
         fn = jax.jit(lambda p, x, s: prog._generate(p, x, s, new, rule, stop))
         prompts = sds((sizes["batch"], sizes["seq"] - new), jnp.int32)
-        return fn.lower(params, prompts, sds((), jnp.uint32))
+        split = _abstract(prog.param_shapes(split_layers=True), {})  # as the generate task holds them
+        return fn.lower(split, prompts, sds((), jnp.uint32))
     forward = getattr(prog, "_forward_fn", None)  # the sharded forward where the program has one
     fn = forward("forward") if forward else (lambda p, x: prog._forward(p, x, "forward"))
     return jax.jit(fn).lower(params, tokens)
@@ -426,6 +417,8 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     p, f, m, d = plan["params"], plan["flops"], plan["memory_per_device"], plan["device"]
     mesh = " × ".join(f"{a}={n}" for a, n in plan["mesh"].items() if n > 1) or "no axis > 1"
     shapes = plan["shapes"]
+    if plan.get("mesh_choice"):
+        mesh = f"auto: {mesh}; {plan['mesh_choice']['reason']}"
     head = [("model", f"{plan['model']} ({plan['spec']}), task {plan['task']}"),
             ("mesh", f"{mesh} ({plan['devices']} device{'s' if plan['devices'] != 1 else ''})"),
             ("shapes", f"batch {shapes['batch']}, seq {shapes['seq']}, microbatches {shapes['microbatches']}, "
@@ -481,14 +474,36 @@ def render(plan: dict, stream) -> None:
 
 # ---- command -------------------------------------------------------------------------------------------
 
+def auto_mesh(exp, device: str | None = None, devices: int | None = None):
+    """(exp on the mesh `mesh: auto` picks, the choice's record or None when the mesh is explicit): among
+    `devices` (default this machine's) of the named device's memory at the allocator's 95 %, or this
+    machine's usable memory when none is named."""
+    if not exp.mesh.auto or exp.mesh.size > 1:
+        return exp, None
+    import jax
+
+    from tessera.run.automesh import choose_mesh, usable_memory
+    from tessera.run.main import ALLOCATOR_FRACTION
+
+    if device is None:
+        memory, present, _ = usable_memory()
+    else:
+        memory, present = float(ALLOCATOR_FRACTION) * pick_device(device)[1].memory, len(jax.devices())
+    choice = choose_mesh(exp, devices or present, memory)
+    return choice.exp, choice.record()
+
+
 def plan_command(spec, overrides=(), as_json: bool = False, device: str | None = None,
-                 compile_check: bool = True) -> int:
+                 compile_check: bool = True, devices: int | None = None) -> int:
     """Print the plan of SPEC (a table, or JSON); exit 0, or 1 when the ahead-of-time compile fails."""
     from tessera.spec import load_experiment
 
     exp = load_experiment(spec, overrides=list(overrides or ()))
     started = time.perf_counter()
+    exp, choice = auto_mesh(exp, device, devices)
     plan = build_plan(exp, device)
+    if choice is not None:
+        plan["mesh_choice"] = choice
     if compile_check:
         plan["compile"] = aot_compile(exp, plan)
     plan["seconds"] = time.perf_counter() - started

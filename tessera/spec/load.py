@@ -12,7 +12,7 @@ from tessera.diagnostics import Diagnostic, Span, TesseraError, relpath
 from tessera.spec import checks, errors
 from tessera.spec.compose import apply_overrides, load_tree, parse_overrides
 from tessera.spec.files import FILE_KEYS
-from tessera.spec.schema import DEFAULT_RULES, Experiment
+from tessera.spec.schema import DEFAULT_RULES, MESH_AXES, Experiment
 from tessera.spec.source import Node
 
 
@@ -24,7 +24,9 @@ def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, An
     soft: list[Diagnostic] = []  # problems that still leave a tree to validate (duplicate keys)
     root = load_tree(path, path.resolve().parent, soft=soft)
     try:
-        apply_overrides(root, parse_overrides(overrides))
+        parsed = parse_overrides(overrides)
+        _auto_mesh(root, parsed)
+        apply_overrides(root, parsed)
     except TesseraError as exc:
         raise TesseraError(_sorted(soft + exc.diagnostics)) from None
     spans = {p: n.span for p, n in root.walk() if p}  # what was written somewhere; derived values are not
@@ -42,6 +44,18 @@ def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, An
         raise TesseraError(_sorted(problems))
     exp._spans = spans
     return exp
+
+
+def _auto_mesh(root: Node, overrides: list) -> None:
+    """`mesh: auto` as the mapping {auto: true}, so that `--set mesh.tp=1` applies to it: an axis set from the
+    command line makes the mesh explicit (auto off), as an explicit mesh always wins."""
+    mesh = root.value.get("mesh") if isinstance(root.value, dict) else None
+    if mesh is None or mesh.value != "auto":
+        return
+    if any(len(key) == 2 and key[0][0] == "mesh" and key[1][0] in MESH_AXES for key, _ in overrides):
+        root.value["mesh"] = Node({}, mesh.span, mesh.key_span)
+    else:
+        root.value["mesh"] = Node({"auto": Node(True, mesh.span)}, mesh.span, mesh.key_span)
 
 
 def _fill_derived(root: Node, path: Path) -> None:
@@ -103,11 +117,14 @@ def summary(exp: Experiment) -> str:
     args = textwrap.fill(" ".join(f"{k}={v}" for k, v in exp.model.args.items()), width=100,
                          initial_indent="  args      ", subsequent_indent=" " * 12)
     mesh = " ".join(f"{k}={v}" for k, v in exp.mesh.axes.items() if v > 1) or "single device"
+    if exp.mesh.auto:
+        mesh = "auto (chosen by `tessera run` from the devices present and the plan"
     num = exp.numerics
     lines = [
         f"{exp.name}: ok (spec {exp.spec_hash[:12]})",
         f"  model     {relpath(exp.model.file)}",
         *([args] if exp.model.args else []),
+        f"  mesh      {mesh})" if exp.mesh.auto else
         f"  mesh      {mesh} -> {exp.mesh.size} device{'s' if exp.mesh.size > 1 else ''}",
         f"  numerics  {num.default}; params {num.params}" + (f"; {len(num.rules)} rule(s)" if num.rules else "")
         + (f"; loss scale {num.loss_scale}" if num.loss_scale != "none" else ""),

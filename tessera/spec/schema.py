@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PlainValidator, PrivateAttr, field_validator
+from pydantic import Field, PlainValidator, PrivateAttr, field_validator, model_validator
 
 from tessera.diagnostics import Span, did_you_mean
 from tessera.grammar.numerics import NumericType, parse
@@ -53,6 +53,20 @@ class Mesh(Section):
     ep: int = Field(1, ge=1, description="expert-parallel groups")
     sp: int = Field(1, ge=1, description="sequence (context) parallel shards")
     tp: int = Field(1, ge=1, description="tensor-parallel shards")
+    auto: bool = Field(False, description="`mesh: auto`: `tessera run` picks the axes from the devices present and "
+                       "the plan's memory model (fewest model-parallel devices that fit, the rest data parallel) and "
+                       "records them beside `auto: true`, which lets the mesh use fewer devices than are present; "
+                       "`--set mesh.<axis>=N` makes the mesh explicit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value != "auto":
+                raise fail("mesh", f"`mesh: {value}` is neither `auto` nor a mapping of axis sizes",
+                           hint="write `mesh: auto`, or e.g. `mesh: {tp: 8}`")
+            return {"auto": True}
+        return value
 
     @property
     def axes(self) -> dict[str, int]:

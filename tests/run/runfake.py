@@ -94,7 +94,7 @@ class FakeProgram:
         self.loss = jax.jit(self._loss)
         self.eval_loss = self.loss
 
-    def init(self, seed: int) -> dict:
+    def init(self, seed: int, *, split_layers: bool = False) -> dict:  # no stacked layers: nothing to split
         shapes = {"embed/table": (self.vocab, self.d), "pos/table": (self.MAX_LEN, self.d),
                   "attention/q": (self.d, self.d), "attention/k": (self.d, self.d), "attention/v": (self.d, self.d),
                   "attention/o": (self.d, self.d), "mlp/up": (self.d, 4 * self.d), "mlp/down": (4 * self.d, self.d),
@@ -107,7 +107,7 @@ class FakeProgram:
     def __hash__(self):
         return id(self)
 
-    def load_weights(self, directory) -> dict:
+    def load_weights(self, directory, *, split_layers: bool = False) -> dict:
         data = np.load(Path(directory) / "params.npz")
         return {k: jnp.asarray(data[k]) for k in data.files}
 

@@ -47,7 +47,7 @@ def tiny_forward(tmp_path) -> Path:
 
 def test_gpt_oss_120b_on_eight_devices_in_seconds(capsys):
     started = time.perf_counter()
-    plan = run_json(capsys, SPECS / "gpt_oss_120b.yaml", "--no-compile", "--device", "h100")
+    plan = run_json(capsys, SPECS / "gpt_oss_120b.yaml", "--no-compile", "--device", "h100", "--set", "mesh.tp=8")
     assert time.perf_counter() - started < 20
     p = plan["params"]
     # bytes as held: tp=8 pads the MXFP4 experts' d_ff 2880 → 3072 (60.77 GiB unpadded, docs/contracts.md)
@@ -56,8 +56,8 @@ def test_gpt_oss_120b_on_eight_devices_in_seconds(capsys):
     mem = plan["memory_per_device"]
     assert p["bytes"] / 8 < mem["params"] < p["bytes"] / 8 * 1.01  # tp=8 splits all but norms, some biases
     assert mem["gradients"] == mem["optimizer"] == 0 and mem["kv_cache"] > 0
-    # generation copies the 36 layers' weights into per-layer buffers: all params but embed, unembed, norm
-    assert 0.85 * mem["params"] < mem["layer_copies"] < mem["params"]  # 7.9 of 8.7 GB
+    # generation holds the weights once (split into layers as made): params, KV cache and the working set
+    assert mem["total"] == mem["params"] + mem["kv_cache"] + mem["activations"]
     assert plan["device"]["fits"] and plan["device"]["margin_bytes"] == 80e9 - mem["total"]
     assert {c["axis"] for c in plan["collectives"]} == {"tp"}
     assert plan["flops"]["forward_per_token"] == pytest.approx(2 * p["active"], rel=0.01)

@@ -57,6 +57,8 @@ def check_params_divide(exp, rules: AxisRules, params) -> list[Diagnostic]:
 def build_mesh(exp, params, devices=None) -> Mesh:
     """A Mesh over `devices` (default: all) with exp.mesh's axes in order pp, dp, fsdp, ep, sp, tp."""
     devices = list(jax.devices() if devices is None else devices)
+    if exp.mesh.auto:  # `mesh: auto` chose these axes and may leave devices idle (a batch that splits no further)
+        devices = devices[:exp.mesh.size]
     rules = AxisRules.from_experiment(exp)
     problems = check_devices(exp, len(devices)) + check_params_divide(exp, rules, params)
     if problems:

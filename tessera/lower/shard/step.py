@@ -154,9 +154,11 @@ def sharded_forward(prog, plan: ShardPlan, mode: str):
     return forward
 
 
-def sharded_generate(plan: ShardPlan, run, batch: int):
+def sharded_generate(plan: ShardPlan, run, batch: int, specs: dict | None = None):
     """run(params, prompts, seed, shard) under shard_map: prompts split over the batch axes when they divide
-    the batch, KV caches holding this device's kv_heads, logits gathered over vocab before sampling."""
+    the batch, KV caches holding this device's kv_heads, logits gathered over vocab before sampling.
+    specs: the parameters' PartitionSpecs in their layout (`Program.param_specs`), default the stacked ones."""
+    specs = specs or plan.param_specs
     env = plan.env.whole_seq()  # sp replicates the decode: every sp device runs the whole prompt
     axes = plan.rules.axes("batch")
     spec = P(axes or None, None) if axes and batch % plan.rules.size(axes) == 0 else P()
@@ -164,12 +166,13 @@ def sharded_generate(plan: ShardPlan, run, batch: int):
     def whole_layers(p):  # generation runs every layer on every stage: gather the pp split (exact)
         if dict(plan.rules.sizes).get("pp", 1) == 1:
             return p
-        return {k: (jax.lax.all_gather(v, "pp", axis=0, tiled=True) if plan.param_specs[k][:1] == P("pp") else v)
-                for k, v in p.items()}
+        return {k: (jax.lax.all_gather(v, "pp", axis=0, tiled=True)
+                    if not isinstance(v, list) and plan.param_specs[k][:1] == P("pp") else v)
+                for k, v in p.items()}  # a split parameter's layers are each whole over pp already
 
     def generate(params, prompts, seed):
         fn = jax.shard_map(lambda p, x, s: run(whole_layers(p), x, s, env), mesh=plan.mesh,
-                           in_specs=(plan.param_specs, spec, P()), out_specs=spec, check_vma=False)
+                           in_specs=(specs, spec, P()), out_specs=spec, check_vma=False)
         return fn(params, prompts, seed)
 
     return generate

@@ -36,8 +36,12 @@ def _train_jobs(spec: str, meshes, det: bool) -> list[dict]:
 
 
 def _gen_jobs(spec: str) -> list[dict]:
+    # the reference splits stacked weights inside the program; the meshes get them split as made (the generate
+    # task's way); `mesh: auto`'s choice of tp=2 on 2 of the 8 devices (a batch it does not split) runs there
+    meshes = {"1 device": {}, "tp=4,dp=2": {**MESHES["tp=4,dp=2"], "split_layers": True},
+              "auto: tp=2 of 8": {"mesh.auto": True, "mesh.tp": 2, "split_layers": True}}
     return [{"kind": "generate", "spec": spec, "steps": 6, "name": n,
-             "overrides": {"parallel.deterministic": False, **MESHES.get(n, {})}} for n in ("1 device", "tp=4,dp=2")]
+             "overrides": {"parallel.deterministic": False, **o}} for n, o in meshes.items()]
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +87,12 @@ def test_training_moves_the_parameters(results):
     assert a["losses"][1] != a["losses"][0]
 
 
-def test_generation_under_tp_matches_one_device(results):
-    ref, got = results[("gpt_oss", "generate", None, "1 device")], results[("gpt_oss", "generate", None, "tp=4,dp=2")]
+@pytest.mark.parametrize("mesh,devices", [("tp=4,dp=2", list(range(8))), ("auto: tp=2 of 8", [0, 1])])
+def test_generation_under_tp_matches_one_device(results, mesh, devices):
+    ref, got = results[("gpt_oss", "generate", None, "1 device")], results[("gpt_oss", "generate", None, mesh)]
     assert np.asarray(got["tokens"]).shape == (4, 11)
     assert got["tokens"] == ref["tokens"]
+    assert got["devices"] == devices
 
 
 def test_fast_mode_names_its_collectives(results):

@@ -75,16 +75,21 @@ def train(spec: str, extra: dict, steps: int) -> dict:
 
 
 def generate(spec: str, extra: dict, steps: int) -> dict:
-    """Greedy tokens for 4 fixed prompts."""
+    """Greedy tokens for 4 fixed prompts, and the devices the parameters are on."""
+    import jax
     import numpy as np
 
     from tessera.lower.program import compile_experiment
     from tessera.spec import load_experiment
 
+    extra = dict(extra)
+    split = extra.pop("split_layers", False)  # the weights as the generate task holds them: split into layers
     exp = load_experiment(spec, overrides=overrides(spec, extra))
     prog = compile_experiment(exp)
     prompts = np.random.default_rng(1).integers(0, 256, (4, 5)).astype(np.int32)
-    return {"tokens": np.asarray(prog.generate(prog.init(0), prompts, max_new_tokens=steps)).tolist()}
+    params = prog.init(0, split_layers=split)
+    devices = sorted({d.id for v in jax.tree.leaves(params) for d in v.devices()})
+    return {"tokens": np.asarray(prog.generate(params, prompts, max_new_tokens=steps)).tolist(), "devices": devices}
 
 
 def error(spec: str, extra: dict, steps: int) -> dict:
