@@ -101,7 +101,8 @@ def describe_allocator(record: dict) -> tuple[dict, str | None]:
 def resolve_mesh(exp, say) -> tuple[Any, dict | None]:
     """(exp on a concrete mesh, the manifest's `mesh_choice` record or None): `mesh: auto` picks one from the
     devices present and the plan (tessera/run/automesh.py) and says which and why; an explicit mesh stays."""
-    if not exp.mesh.auto or exp.mesh.size > 1:  # explicit, or chosen already (a manifest's spec)
+    mesh = getattr(exp, "mesh", None)
+    if mesh is None or not mesh.auto or mesh.size > 1:  # explicit, or chosen already (a manifest's spec)
         return exp, None
     from tessera.run.automesh import choose_mesh, usable_memory
 

@@ -80,6 +80,16 @@ def params_checksum(params: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def device_memory() -> dict[str, float] | None:
+    """This process's first device's allocator figures (peak and current bytes in use, the limit), None on a
+    backend that keeps none (the CPU)."""
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if not stats:
+        return None
+    return {k: float(stats[k]) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit") if k in stats}
+
+
 def versions() -> dict[str, str]:
     """Versions of Python and the packages that decide the numbers."""
     out = {"python": platform.python_version()}

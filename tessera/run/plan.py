@@ -158,18 +158,19 @@ def _timing(exp, graph, sizes, flops: dict, layout, device: Device, memory: dict
         tokens = sizes["batch"] * sizes["seq"]
         work = flops["train_step_hardware_per_token"] * tokens / n
         t = work / device.peak_flops if device.peak_flops else None
-        return {"step": "train step", "step_time_s": t,
+        return {"step": "train step", "step_time_s": t, "bytes_per_step": None,
                 "mfu_ceiling": flops["train_step_per_token"] / flops["train_step_hardware_per_token"]}
     if exp.task.kind == "generate":
         work = flops["forward_per_token"] * sizes["batch"] / n
         read = _decode_bytes(graph, layout, sizes["batch"]) + memory["kv_cache"]
         if not (device.peak_flops and device.bandwidth):
-            return {"step": "decode step", "step_time_s": None, "mfu_ceiling": None}
+            return {"step": "decode step", "step_time_s": None, "bytes_per_step": read, "mfu_ceiling": None}
         t = max(work / device.peak_flops, read / device.bandwidth)
-        return {"step": "decode step", "step_time_s": t, "mfu_ceiling": work / device.peak_flops / t}
+        return {"step": "decode step", "step_time_s": t, "bytes_per_step": read,
+                "mfu_ceiling": work / device.peak_flops / t}
     work = flops["forward_per_token"] * sizes["batch"] * sizes["seq"] / n
     return {"step": "forward", "step_time_s": work / device.peak_flops if device.peak_flops else None,
-            "mfu_ceiling": 1.0}
+            "bytes_per_step": None, "mfu_ceiling": 1.0}
 
 
 def _flops(graph, exp, sizes: dict) -> dict:

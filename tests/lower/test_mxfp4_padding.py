@@ -54,7 +54,7 @@ def tiny_spec(tmp_path: Path, mesh: str) -> Path:
 # ---- which meshes pad, and to what (no devices needed: padding reads the spec's mesh) ------------------------
 
 @pytest.mark.parametrize("overrides,held", [
-    ({}, 3072),                                    # tp=8: 90 groups → 96 (12 a device)
+    ({"mesh.tp": 8}, 3072),                        # tp=8: 90 groups → 96 (12 a device)
     ({"mesh.tp": 4, "mesh.dp": 2}, 2944),          # tp=4: 90 groups → 92 (23 a device)
     ({"mesh.tp": 2, "mesh.dp": 4}, None),          # tp=2: 45 groups a device already
     ({"mesh.tp": 1, "mesh.ep": 8}, None),          # ep=8: d_ff is not split
@@ -178,7 +178,7 @@ print("RESULT " + json.dumps(out))
 def device_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("padded")
     cfg = {"tiny": {name: str(tiny_spec(tmp, mesh)) for name, mesh in MESHES.items()},
-           "big": {"tp8": {}, "tp4_dp2": {"mesh.tp": 4, "mesh.dp": 2}, "ep8": {"mesh.tp": 1, "mesh.ep": 8}},
+           "big": {"tp8": {"mesh.tp": 8}, "tp4_dp2": {"mesh.tp": 4, "mesh.dp": 2}, "ep8": {"mesh.tp": 1, "mesh.ep": 8}},
            "spec_120b": str(SPEC_120B), "hf": str(HF_MXFP4), "tiny_yaml": str(ROOT / "specs" / "gpt_oss_tiny.yaml")}
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg)], cwd=ROOT, env=env,

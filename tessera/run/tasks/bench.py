@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from tessera.run.context import RunContext
-from tessera.run.manifest import params_checksum
+from tessera.run.manifest import device_memory, params_checksum
 
 PHASES = ("compile", "forward", "train_step", "decode")
 
@@ -108,5 +108,6 @@ def run(ctx: RunContext) -> int:
     if "compile" in what:
         results["compile"] = {p: r["compile_s"] for p, r in results.items()}
     ctx.manifest.update(bench=results, flops_per_token=bench.flops, peak_flops=bench.peak, metrics=[],
+                        device_memory=device_memory(),
                         params_checksum=params_checksum(bench.params))
     return 0

@@ -10,7 +10,7 @@ import numpy as np
 
 from tessera.diagnostics import RunError
 from tessera.run.context import RunContext
-from tessera.run.manifest import params_checksum
+from tessera.run.manifest import device_memory, params_checksum
 
 
 def encode_prompts(prompts, tokenizer: str | None, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +97,7 @@ def run(ctx: RunContext) -> int:
     prompt_tokens = int(lengths.sum())
     speed = {"prefill_tokens_per_s": prompt_tokens / max(prefill_s, 1e-9),
              "decode_tokens_per_s": len(rows) * max(n - 1, 0) / max(full_s - prefill_s, 1e-9),
-             "first_call_s": first_s}
+             "first_call_s": first_s, "compile_s": max(first_s - full_s, 0.0), "first_token_s": prefill_s}
     outputs = []
     for i, row in enumerate(rows):
         new = completions(row[None], lengths[i:i + 1], int(lengths[i]), kw["stop_tokens"])[0]
@@ -107,5 +107,5 @@ def run(ctx: RunContext) -> int:
             f"decode {speed['decode_tokens_per_s']:,.1f} tokens/s")
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(r).tobytes() for r in rows)).hexdigest()
     ctx.manifest.update(outputs=outputs, speed=speed, metrics=[{"step": 0, "tokens_sha256": digest}],
-                        params_checksum=params_checksum(params))
+                        params_checksum=params_checksum(params), device_memory=device_memory())
     return 0

@@ -1,0 +1,145 @@
+"""Whole programs on one GPU, as a user runs them (`tessera run`), against the plan and published peers.
+
+    python -m bench.e2e [--only decode,prefill,train] [--rows NAME,...]
+
+Each row runs a shipped spec through `run_experiment` (mesh: auto, Tessera's allocator setting), then
+prints tokens/s, model FLOP utilisation or the share of the decode roofline, the first token's latency
+and compile time apart, and the peak device memory measured (`peak_bytes_in_use`) against `tessera
+plan`'s total. The decode roofline is the plan's bytes a step must read over the copy bandwidth
+measured in the same process (bench.kernels.copy_bandwidth). Published figures are fixed reference
+columns (issue 32's table); in-process PyTorch peers are not in this script yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tessera.run.main import configure_allocator
+
+ALLOCATOR = configure_allocator()  # before JAX starts its backend, as `tessera run` does
+
+import numpy as np  # noqa: E402
+
+PROMPT = [200006, 17360, 200008, 3575, 553, 261, 10297, 29186, 13, 200007]
+LONG = [int(t) for t in np.random.default_rng(0).integers(0, 200000, 2048)]
+# name: (kind, spec, overrides, published peer)
+ROWS = {
+    "120b decode b1": ("decode", "specs/gpt_oss_120b.yaml", {},
+                       "SGLang 1 GPU b1: 211 tok/s; vLLM H100 1-4 req: 511 tok/s"),
+    "120b decode b8": ("decode", "specs/gpt_oss_120b.yaml", {"task.prompts": [PROMPT] * 8}, "-"),
+    "20b decode b1": ("decode", "specs/gpt_oss_20b.yaml", {}, "SGLang 1 GPU b1: 305 tok/s"),
+    "20b decode b8": ("decode", "specs/gpt_oss_20b.yaml", {"task.prompts": [PROMPT] * 8},
+                      "SGLang 1 GPU b8: 1,351 tok/s"),
+    "20b prefill 2048": ("prefill", "specs/gpt_oss_20b.yaml", {"task.prompts": [LONG], "task.max_new_tokens": 4},
+                         "-"),
+    "llama-1b train": ("train", "specs/bench/llama_1b_train.yaml", {},
+                       "torch.compile same run: 40.6 % MFU; MaxText ~50 %; torchtitan 33-39 %"),
+    "20b-layers train": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml", {},
+                         "NeMo AutoModel 20B: 28 %; torchtitan 20B: 16.5-19.5 %"),
+}
+
+
+def _plan(manifest: dict, device: str) -> dict:
+    """The plan of the spec the run resolved (its chosen mesh), on the device table's entry for this GPU."""
+    from tessera.run.plan import build_plan
+    from tessera.spec.schema import Experiment
+
+    exp = Experiment.model_validate(manifest["spec"])
+    return build_plan(exp, device)
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2 ** 30:.1f}"
+
+
+def run_row(name: str, bandwidth: float, device: str, out: Path) -> dict:
+    from tessera.run.main import run_experiment
+    from tessera.spec import load_experiment
+
+    kind, spec, overrides, peer = ROWS[name]
+    exp = load_experiment(spec, overrides=overrides)
+    log = io.StringIO()
+    started = time.perf_counter()
+    result = run_experiment(exp, out=out / name.replace(" ", "_"), stream=log, tensorboard=False)
+    wall = time.perf_counter() - started
+    m = result.manifest
+    plan = _plan(m, device)
+    planned = plan["memory_per_device"]["total"]
+    peak = (m.get("device_memory") or {}).get("peak_bytes_in_use")
+    row = {"row": name, "wall_s": wall, "planned_bytes": planned, "peak_bytes": peak, "peer": peer,
+           "mesh": (m.get("mesh_choice") or {}).get("mesh"), "log": log.getvalue().splitlines()[:3]}
+    if kind in ("decode", "prefill"):
+        s = m["speed"]
+        batch = plan["shapes"]["batch"]
+        step_bytes = plan["device"]["bytes_per_step"]
+        roofline = batch * bandwidth / step_bytes if step_bytes else None
+        row.update(decode_tok_s=s["decode_tokens_per_s"], prefill_tok_s=s["prefill_tokens_per_s"],
+                   first_token_s=s.get("first_token_s"), compile_s=s.get("compile_s"),
+                   roofline_tok_s=roofline,
+                   roofline_share=s["decode_tokens_per_s"] / roofline if roofline else None)
+    else:
+        b = m["bench"]
+        row.update({f"{p}_mfu": b[p].get("mfu") for p in ("forward", "train_step") if p in b})
+        row.update({f"{p}_ms": b[p]["median_s"] * 1e3 for p in ("forward", "train_step") if p in b})
+        row.update({f"{p}_compile_s": b[p]["compile_s"] for p in ("forward", "train_step") if p in b})
+    return row
+
+
+def show(row: dict) -> str:
+    mem = f"peak {_gib(row['peak_bytes'])} GiB vs plan {_gib(row['planned_bytes'])} GiB"
+    if row["peak_bytes"]:
+        mem += f" ({row['peak_bytes'] / row['planned_bytes'] - 1:+.0%})"
+    if "decode_tok_s" in row:
+        share = f"{row['roofline_share']:.0%} of {row['roofline_tok_s']:,.0f}" if row.get("roofline_share") else "-"
+        what = (f"decode {row['decode_tok_s']:,.1f} tok/s ({share} roofline), prefill {row['prefill_tok_s']:,.0f} "
+                f"tok/s, first token {row['first_token_s'] * 1e3:.1f} ms, compile {row['compile_s']:.1f} s")
+    else:
+        what = ", ".join(f"{p} {row[p + '_ms']:.1f} ms MFU {row[p + '_mfu']:.1%} (compile {row[p + '_compile_s']:.0f} s)"
+                         for p in ("forward", "train_step") if p + "_ms" in row)
+    return f"{row['row']:<18} {what}; {mem}; mesh {row['mesh']}; wall {row['wall_s']:.0f} s | peer: {row['peer']}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="kinds: decode, prefill, train")
+    parser.add_argument("--rows", default=None, help="row names, comma-separated")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    import jax
+
+    from bench.kernels import copy_bandwidth
+    from tessera.run.plan import pick_device
+
+    names = list(ROWS)
+    if args.rows:
+        names = [n.strip() for n in args.rows.split(",")]
+    if args.only:
+        kinds = set(args.only.split(","))
+        names = [n for n in names if ROWS[n][0] in kinds]
+    dev = jax.devices()[0]
+    bandwidth = copy_bandwidth() * 1e9 if dev.platform == "gpu" else float("nan")  # bytes moved per s, as decode's
+    device = pick_device(None)[0]
+    print(f"# {dev.device_kind}, jax {jax.__version__}, allocator {ALLOCATOR}, copy bandwidth "
+          f"{bandwidth / 1e9:,.0f} GB/s", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            try:
+                rows.append(run_row(name, bandwidth, device, Path(tmp)))
+                print(show(rows[-1]), flush=True)
+            except Exception as exc:  # one row's failure (out of memory) is a result, not the end of the table
+                rows.append({"row": name, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+                print(f"{name:<18} FAILED {rows[-1]['error']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
