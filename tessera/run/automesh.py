@@ -113,10 +113,8 @@ def usable_memory() -> tuple[float, int, str]:
     take on an accelerator (its `bytes_limit`), the physical memory on a CPU."""
     import jax
 
+    from tessera.run.manifest import device_memory
     from tessera.run.plan import cpu_device
 
-    devs = jax.local_devices()
-    stats = devs[0].memory_stats() if devs[0].platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return float(stats["bytes_limit"]), len(jax.devices()), devs[0].device_kind
-    return cpu_device().memory, len(jax.devices()), devs[0].device_kind
+    limit = (device_memory() or {}).get("bytes_limit")
+    return limit or cpu_device().memory, len(jax.devices()), jax.local_devices()[0].device_kind

@@ -86,11 +86,12 @@ def describe_allocator(record: dict) -> tuple[dict, str | None]:
     """(the record with each accelerator's usable bytes added, a line to print on an accelerator, else None)."""
     import jax
 
-    dev = jax.local_devices()[0]
-    stats = dev.memory_stats() if dev.platform != "cpu" else None
-    if not stats or not stats.get("bytes_limit"):
+    from tessera.run.manifest import device_memory
+
+    limit = (device_memory() or {}).get("bytes_limit")
+    if not limit:
         return record, None
-    limit = float(stats["bytes_limit"])
+    dev = jax.local_devices()[0]
     record = {**record, "bytes_limit": limit}
     who = "tessera set" if record["set_by"] == "tessera" else "you set"
     what = ", ".join(f"{k}={v}" for k, v in record.items() if k.startswith("XLA_"))
