@@ -23,7 +23,7 @@ run: $(STAMP)
 	$(BIN)/tessera run specs/gpt_oss_tiny.yaml $(RUN_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

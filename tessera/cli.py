@@ -1,4 +1,4 @@
-"""The `tessera` command: check, ir, plan, run, replay, diff.
+"""The `tessera` command: check, ir, plan, run, profile, replay, diff.
 
 Exit codes: 0 success, 2 bad input (diagnostics on stderr, no traceback), 1 failure while running.
 Each handler is a thin shell over the library: it parses flags, calls one function, prints.
@@ -79,6 +79,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                        resume=args.resume)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Run a few steps of the spec's task under the profiler; print time per IR op, kernel, collective."""
+    from tessera.run.profile import profile_command
+
+    return profile_command(args.spec, overrides=args.overrides, steps=args.steps, out=args.out, top=args.top)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Re-run a manifest's spec and say whether every number is bit-identical."""
     from tessera.run.replay import replay_command
@@ -91,6 +98,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from tessera.run.replay import diff_command
 
     return diff_command(args.a, args.b)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default=None, help="Hugging Face checkpoint directory to load")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.set_defaults(handler=cmd_run)
+
+    p = sub.add_parser("profile", help="time per Graph IR op, kernel and collective of the spec's task")
+    p.add_argument("spec")
+    _add_set(p)
+    p.add_argument("--steps", type=_positive, default=3, metavar="N", help="steps traced (after two untimed)")
+    p.add_argument("--out", default=None, help="run directory (default runs/<name>-profile-<time>-<hash>)")
+    p.add_argument("--top", type=_positive, default=15, metavar="K", help="kernels listed (ops: twice as many)")
+    p.set_defaults(handler=cmd_profile)
 
     p = sub.add_parser("replay", help="re-run a manifest and compare bit for bit")
     p.add_argument("manifest")

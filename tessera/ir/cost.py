@@ -90,6 +90,17 @@ def walk_counted(region: Region, axes=(), times: int = 1):
             yield op, tuple(axes), times
 
 
+def walk_labeled(region: Region, axes=(), times: int = 1, scope: str = ""):
+    """(label, op, repeat axes around it, how many times it runs) for every non-repeat op; the label is the
+    name scope the lowering traces the op under (`Op.label`), so profiles and the plan meet on it."""
+    for index, op in enumerate(region.ops):
+        if op.region is not None:
+            axis, n = op.attrs["axis"].name, op.attrs["n"]
+            yield from walk_labeled(op.region, tuple(axes) + ((axis, n),), times * n, axis)
+        else:
+            yield op.label(index, scope), op, tuple(axes), times
+
+
 def param_uses(op: Op) -> list[tuple[str, str | None]]:
     """(path, local name the op declares for it or None) of each param the op reads."""
     opdef = get_op(op.name)
@@ -296,17 +307,20 @@ def kv_cache_bytes(graph: Graph, batch: int, max_len: int, per_device=lambda t: 
     Each cache holds k and v [batch, C, kv_heads, head_dim] in the op's compute type and int32 positions
     [batch, C]; C = cache_len(max_len, window).
     """
-    total = 0.0
-    for op, axes, times in walk_counted(graph.body):
-        if op.name != "attention":
-            continue
-        a, dtype = op.attrs, op.result.type.dtype
-        windows = _windows(a["window"])  # one per layer when they differ
-        for w in windows:
-            c = cache_len(max_len, w)
-            kv = _t(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
-            pos = _t("i32", batch=batch, seq=c)
-            total += (2 * nbytes(kv, per_device(kv)) + nbytes(pos, per_device(pos))) * times / len(windows)
+    return sum(op_kv_cache_bytes(op, times, batch, max_len, per_device) for op, _, times in walk_counted(graph.body))
+
+
+def op_kv_cache_bytes(op: Op, times: int, batch: int, max_len: int, per_device=lambda t: t.numel()) -> float:
+    """Bytes of one attention op's KV caches over the `times` layers it runs in (0 for other ops)."""
+    if op.name != "attention":
+        return 0.0
+    a, dtype, total = op.attrs, op.result.type.dtype, 0.0
+    windows = _windows(a["window"])  # one per layer when they differ
+    for w in windows:
+        c = cache_len(max_len, w)
+        kv = _t(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
+        pos = _t("i32", batch=batch, seq=c)
+        total += (2 * nbytes(kv, per_device(kv)) + nbytes(pos, per_device(pos))) * times / len(windows)
     return total
 
 

@@ -181,6 +181,20 @@ class Op:
     def result(self) -> Value:
         return self.results[0]
 
+    def label(self, index: int, scope: str = "") -> str:
+        """This op's name in HLO name scopes and profiles: the directory its parameters share
+        (`layers/attention`), with the op's name added where the directory is not named after it
+        (`layers/attn_norm/rmsnorm`); an op without parameters is `<scope>/<op>.<index in its region>`
+        (`layers/add.2`), scope being the repeat axis around it."""
+        dirs = [o.path.split("/")[:-1] for o in self.operands if isinstance(o, ParamRef)]
+        common = dirs[0] if dirs else []
+        for d in dirs[1:]:
+            n = next((i for i, (a, b) in enumerate(zip(common, d)) if a != b), min(len(common), len(d)))
+            common = common[:n]
+        if not common:
+            return "/".join([*([scope] if scope else []), f"{self.name}.{index}"])
+        return "/".join(common if common[-1] == self.name else [*common, self.name])
+
 
 @dataclasses.dataclass(eq=False)
 class Region:

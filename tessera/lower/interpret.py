@@ -61,8 +61,12 @@ def period(region: Region, n: int) -> int:
 
 
 def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: State | None = None,
-                layer: int | None = None, remat: str = "none") -> tuple[list, State | None]:
-    """Run `region` on `args`; returns its outputs and, when `state` is given, the new state."""
+                layer: int | None = None, remat: str = "none", scope: str = "") -> tuple[list, State | None]:
+    """Run `region` on `args`; returns its outputs and, when `state` is given, the new state.
+
+    Each op is traced inside `jax.named_scope(op.label(index, scope))`, so every HLO instruction it becomes
+    carries the IR op's name (`tessera profile` groups the time by it); `scope` is the enclosing repeat's axis.
+    """
     env = dict(zip(region.args, args))
     new_state: State | None = {} if state is not None else None
     for index, op in enumerate(region.ops):
@@ -71,7 +75,8 @@ def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: 
         if op.name == "repeat":
             outs, st = eval_repeat(op, ins, params, ctx, None if state is None else state[key], remat)
         else:
-            outs, st = _eval_op(op, ins, params, ctx, None if state is None else state.get(key), layer)
+            with jax.named_scope(op.label(index, scope)):
+                outs, st = _eval_op(op, ins, params, ctx, None if state is None else state.get(key), layer)
         if st is not None and new_state is not None:
             new_state[key] = st
         env.update(zip(op.results, outs))
@@ -139,7 +144,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     or with `ctx.unroll` its n layers one after another over per-layer parameters and states."""
     if ctx.unroll:
         return _eval_unrolled(op, ins, params, ctx, state)
-    n, region = op.attrs["n"], op.region
+    n, region, axis = op.attrs["n"], op.region, op.attrs["axis"].name
     p = period(region, n)
     stacked = _stacked_paths(op, params)
     xs_params = {path: jax.tree.map(lambda a: a.reshape((n // p, p) + a.shape[1:]), params[path])
@@ -155,7 +160,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
             here.update({path: jax.tree.map(lambda a: a[j], v) for path, v in layer_params.items()})
             index = (it * p + j).astype(jnp.int32)
             st = None if layer_state is None else layer_state[j]
-            carry, st = eval_region(region, [index, *carry], here, inner, st, layer=j)
+            carry, st = eval_region(region, [index, *carry], here, inner, st, layer=j, scope=axis)
             carry = tuple(carry)
             new_states.append(st)
         return carry, ((None if layer_state is None else new_states), inner.aux)
@@ -180,7 +185,7 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
     for i in range(n):
         here = {path: (v[i] if isinstance(v, list) else v) for path, v in params.items()}
         carry, st = eval_region(region, [jnp.int32(i), *carry], here, ctx, None if state is None else state[i],
-                                layer=i)
+                                layer=i, scope=op.attrs["axis"].name)
         new_states.append(st)
     return carry, (None if state is None else new_states)
 

@@ -51,6 +51,7 @@ class Program:
     plan: Any = None  # tessera.lower.shard.step.ShardPlan when the mesh spans more than one device
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
     _report: dict | None = dataclasses.field(default=None, repr=False)  # kernel choices, while kernel_report traces
+    last_key: Any = dataclasses.field(default=None, repr=False)  # the jitted function called last (lower)
 
     @property
     def deterministic(self) -> bool:
@@ -308,9 +309,10 @@ class Program:
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
         (loss, grads), counts = jax.lax.scan(accumulate, zero, micro)
         grads = jax.tree.map(lambda g: g / m, grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
         metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads), **self._counters(counts)}
         if self.lr_fn is not None:
             metrics["lr"] = self.lr_fn(opt_state)
@@ -357,12 +359,14 @@ class Program:
         state = init_state(body, ctx(mode="prefill"), b, p + max_new)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
-        (logits,), state = eval_region(body, [prompts], params, ctx(mode="prefill", positions=positions), state)
+        with jax.named_scope("prefill"):
+            (logits,), state = eval_region(body, [prompts], params, ctx(mode="prefill", positions=positions), state)
         logits = whole(logits)
         key = jax.random.key(seed)
         first = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, 0))
         done = sampling.is_stop(first, stop_tokens)
 
+        @jax.named_scope("decode")
         def step(carry, i):
             token, done, state = carry
             pos = jnp.full((b, 1), p + i, jnp.int32)
@@ -416,7 +420,15 @@ class Program:
     def _jit(self, key, make):
         if key not in self._cache:
             self._cache[key] = _with_precision(make(), self.matmul_precision)
+        self.last_key = key
         return self._cache[key]
+
+    def lower(self, key, *args) -> jax.stages.Lowered:
+        """The cached jitted function `key` (`last_key`: the one called last) lowered for these arguments; its
+        `.compile()` after a call with the same arguments is JAX's cached executable (no compile)."""
+        fn = self._cache[key].__wrapped__
+        with jax.default_matmul_precision(self.matmul_precision):
+            return fn.lower(*args)
 
     @property
     def matmul_precision(self) -> str:

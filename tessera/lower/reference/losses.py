@@ -15,10 +15,11 @@ from tessera.lower.reference._dtypes import wide
 
 def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-token -log softmax(logits)[label]: logits [..., V], labels [...] -> fp32 [...]."""
-    lf = logits.astype(wide(logits.dtype))
-    lse = jax.nn.logsumexp(lf, axis=-1)  # [...]
-    picked = jnp.take_along_axis(lf, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return lse - picked
+    with jax.named_scope("loss"):  # a row of its own in `tessera profile`
+        lf = logits.astype(wide(logits.dtype))
+        lse = jax.nn.logsumexp(lf, axis=-1)  # [...]
+        picked = jnp.take_along_axis(lf, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return lse - picked
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:

@@ -156,9 +156,10 @@ class Deterministic:
             # XLA contracts a*b+c into fma where a fusion allows it, so the update must be one region that
             # every mesh compiles alike: barriers on its inputs and outputs keep neighbours out of its fusions
             grads, opt, full = jax.lax.optimization_barrier((grads, opt, full))
-            updates, opt = prog.optimizer.update(grads, opt, full)
-            new = optax.apply_updates(full, updates)
-            new = {k: new[k].astype(full[k].dtype) for k in full}
+            with jax.named_scope("optimizer"):
+                updates, opt = prog.optimizer.update(grads, opt, full)
+                new = optax.apply_updates(full, updates)
+                new = {k: new[k].astype(full[k].dtype) for k in full}
             metrics = {"loss": tree_sum(sums) / count, "grad_norm": optax.tree.norm(grads)}
             if prog.lr_fn is not None:
                 metrics["lr"] = prog.lr_fn(opt)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.lower.shard.conftest import DEVICES, ROOT
+from tests.lower.shard.conftest import DEVICES, ROOT, assert_trained_close
 
 GPT_OSS, LLAMA = "specs/gpt_oss_tiny.yaml", "specs/llama_tiny.yaml"
 FAST = {"parallel.deterministic": False, "task.batch": 16}
@@ -120,7 +120,7 @@ def test_1f1b_loss_curve_matches_one_device(results, model):
     ref, got = results[(model, "train", "1 device")], results[(model, "train", "1f1b")]
     assert ref["losses"][1] != ref["losses"][0]
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
-    _close(got["params"], ref["params"])
+    assert_trained_close(got["params"], ref["params"])
 
 
 def test_1f1b_matches_gpipe(results):
