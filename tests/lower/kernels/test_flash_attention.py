@@ -128,10 +128,11 @@ def test_band_stretch_is_the_interior_items(n_tiles, bsz, hq, grid, q_offset, kv
     assert not _band_applies(MaskSpec(causal=True, window=100, q_offset=0, kv_len=512),
                              FlashConfig(block_kv=128, stages=4, band=True))
     work = _Work(n_tiles, bsz, hq, grid, 128, 128, mask)
+    locate, count, stretch = jax.jit(work.locate), jax.jit(work.count), jax.jit(work.band_stretch)  # one dispatch each
     for cta in range(grid):
-        tiles = [int(work.locate(jnp.int32(cta), jnp.int32(i))[2]) for i in range(int(work.count(jnp.int32(cta))))]
+        tiles = [int(locate(jnp.int32(cta), jnp.int32(i))[2]) for i in range(int(count(jnp.int32(cta))))]
         interior = [128 <= t * 128 + q_offset and t * 128 + q_offset + 128 <= kv_len for t in tiles]
-        i0, i1 = (int(x) for x in work.band_stretch(jnp.int32(cta)))
+        i0, i1 = (int(x) for x in stretch(jnp.int32(cta)))
         assert interior == [i0 <= i < i1 for i in range(len(tiles))], (cta, tiles, i0, i1)
 
 
@@ -154,12 +155,13 @@ def test_snake_schedule_runs_each_item_once_and_balances_causal_work(n_tiles, bs
     t + 1 key blocks) no CTA gets more than one item's weight above another."""
     mask = MaskSpec(causal=True, window=None, q_offset=0, kv_len=n_tiles * 128)
     work = _Work(n_tiles, bsz, hq, grid, 128, 128, mask)
+    count_of, item = jax.jit(work.count), jax.jit(work.item)  # one dispatch per call, not one per jnp op
     seen, loads = [], []
     for cta in range(grid):
-        count = int(work.count(jnp.int32(cta)))
+        count = int(count_of(jnp.int32(cta)))
         load = 0
         for i in range(count):
-            b, h, row, lo, hi = (int(x) for x in work.item(jnp.int32(cta), jnp.int32(i)))
+            b, h, row, lo, hi = (int(x) for x in jax.device_get(item(jnp.int32(cta), jnp.int32(i))))
             seen.append((row // 128, b, h))
             load += hi - lo
         loads.append(load)
