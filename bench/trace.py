@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import pathlib
 import tempfile
@@ -34,12 +33,11 @@ def _gpu_events(trace_dir: pathlib.Path) -> list[dict]:
     files = sorted(trace_dir.rglob("*.json.gz"))
     if not files:
         raise SystemExit(f"no trace under {trace_dir}: {sorted(p.name for p in trace_dir.rglob('*'))}")
+    from tessera.run.trace import load
+
     seen = set()
     for path in files:  # the profile plugin's trace and the perfetto one: the first with GPU rows
-        data = json.loads(gzip.open(path).read())
-        events = data["traceEvents"] if isinstance(data, dict) else data
-        names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        events, names, _ = load(path)
         seen |= set(names.values())
         gpu = {pid for pid, n in names.items() if "gpu" in n.lower() and "host" not in n.lower()}
         found = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]

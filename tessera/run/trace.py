@@ -212,15 +212,8 @@ def trace_file(trace_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-CONTROL = ("while", "conditional", "call")  # on the CPU their events span their bodies' events: not counted
-
-
-def read_events(path: Path, module: str, hlo: dict[str, HloOp] | None = None) -> list[Event]:
-    """The device events of `module` in a Chrome/Perfetto JSON trace.
-
-    On a GPU each kernel is an event on one of the device's `Stream` lines (the derived `XLA Ops` and
-    `XLA Modules` lines repeat them and are skipped); on the CPU each thunk of the program is an event on
-    a worker thread, and a loop's thunk spans its body's (skipped, given the program's `hlo`)."""
+def load(path: Path) -> tuple[list[dict], dict, dict]:
+    """(events, {pid: process name}, {(pid, tid): thread name}) of a gzipped Chrome/Perfetto JSON trace."""
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -230,6 +223,19 @@ def read_events(path: Path, module: str, hlo: dict[str, HloOp] | None = None) ->
             processes[e["pid"]] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    return events, processes, threads
+
+
+CONTROL = ("while", "conditional", "call")  # on the CPU their events span their bodies' events: not counted
+
+
+def read_events(path: Path, module: str, hlo: dict[str, HloOp] | None = None) -> list[Event]:
+    """The device events of `module` in a Chrome/Perfetto JSON trace.
+
+    On a GPU each kernel is an event on one of the device's `Stream` lines (the derived `XLA Ops` and
+    `XLA Modules` lines repeat them and are skipped); on the CPU each thunk of the program is an event on
+    a worker thread, and a loop's thunk spans its body's (skipped, given the program's `hlo`)."""
+    events, processes, threads = load(path)
     devices = {pid for pid, name in processes.items() if name.startswith("/device:") and "CPU" not in name}
     streams = {key for key, name in threads.items() if key[0] in devices and name.lower().startswith("stream")}
     # a kernel replayed in a CUDA graph names the graph (`command_buffer_3`) as its op; an XLA fusion's kernel
