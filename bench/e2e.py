@@ -7,7 +7,9 @@ prints tokens/s, model FLOP utilisation or the share of the decode roofline, the
 and compile time apart, and the peak device memory measured (`peak_bytes_in_use`) against `tessera
 plan`'s total. The decode roofline is the plan's bytes a step must read over the copy bandwidth
 measured in the same process (bench.kernels.copy_bandwidth). Published figures are fixed reference
-columns (issue 32's table); in-process PyTorch peers are not in this script yet.
+columns (issue 32's table). Rows with a PyTorch peer (bench/peers.py: the Llama train step in
+`transformers`, eager and `torch.compile`) run it first, in a process of its own, on the same GPU and
+shapes, and print it under the row with its MFU counted with Tessera's FLOPs per token (--no-peers skips).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +46,38 @@ ROWS = {
     "20b-layers train": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml", {},
                          "NeMo AutoModel 20B: 28 %; torchtitan 20B: 16.5-19.5 %"),
 }
+
+
+# row name: the in-process peers run beside it (bench/peers.py name, extra flags)
+PEERS = {"llama-1b train": [("llama_train", ["--eager"]), ("llama_train", [])]}
+
+
+def run_peers(name: str) -> list[dict]:
+    """The row's PyTorch peers, each in a subprocess (before this process starts JAX: it would hold the card)."""
+    _, spec, overrides, _ = ROWS[name]
+    out = []
+    for peer, flags in PEERS.get(name, []):
+        sets = [f"--set={k}={json.dumps(v)}" for k, v in overrides.items()]
+        cmd = [sys.executable, "-m", "bench.peers", peer, spec, *flags, *sets]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if done.returncode == 0 and "RESULT " in done.stdout:
+            out.append(json.loads(done.stdout.split("RESULT ", 1)[1]))
+        else:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            out.append({"peer": f"{peer} {' '.join(flags)}".strip(), "error": tail[0][:300]})
+    return out
+
+
+def show_peer(peer: dict, row: dict) -> str:
+    if "error" in peer:
+        return f"{'':<18} peer {peer['peer']}: FAILED {peer['error']}"
+    flops, peak = row.get("train_step_flops_per_token"), row.get("peak_flops")
+    mfu = f", MFU {peer['tokens_per_s'] * flops / peak:.1%}" if flops and peak else ""
+    mine = row.get("train_step_ms")
+    ratio = f"; Tessera {peer['step_ms'] / mine:.2f}x its speed" if mine else ""
+    mem = f", peak {_gib(peer['peak_bytes'])} GiB" if peer.get("peak_bytes") else ""
+    return (f"{'':<18} peer {peer['peer']}: {peer['tokens_per_s']:,.0f} tok/s, step {peer['step_ms']:.1f} ms"
+            f"{mfu}{mem}{ratio}")
 
 
 def _plan(manifest: dict, device: str) -> dict:
@@ -88,6 +123,8 @@ def run_row(name: str, bandwidth: float, device: str, out: Path) -> dict:
         row.update({f"{p}_mfu": b[p].get("mfu") for p in ("forward", "train_step") if p in b})
         row.update({f"{p}_ms": b[p]["median_s"] * 1e3 for p in ("forward", "train_step") if p in b})
         row.update({f"{p}_compile_s": b[p]["compile_s"] for p in ("forward", "train_step") if p in b})
+        row.update(peak_flops=m.get("peak_flops"),
+                   train_step_flops_per_token=b.get("train_step", {}).get("flops_per_token"))
     return row
 
 
@@ -110,18 +147,20 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None, help="kinds: decode, prefill, train")
     parser.add_argument("--rows", default=None, help="row names, comma-separated")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
     args = parser.parse_args(argv)
-    import jax
-
-    from bench.kernels import copy_bandwidth
-    from tessera.run.plan import pick_device
-
     names = list(ROWS)
     if args.rows:
         names = [n.strip() for n in args.rows.split(",")]
     if args.only:
         kinds = set(args.only.split(","))
         names = [n for n in names if ROWS[n][0] in kinds]
+    peers = {} if args.no_peers else {n: run_peers(n) for n in names if n in PEERS}  # before JAX takes the card
+    import jax
+
+    from bench.kernels import copy_bandwidth
+    from tessera.run.plan import pick_device
+
     dev = jax.devices()[0]
     bandwidth = copy_bandwidth() * 1e9 if dev.platform == "gpu" else float("nan")  # bytes moved per s, as decode's
     device = pick_device(None)[0]
@@ -133,6 +172,9 @@ def main(argv=None) -> int:
             try:
                 rows.append(run_row(name, bandwidth, device, Path(tmp)))
                 print(show(rows[-1]), flush=True)
+                rows[-1]["peers"] = peers.get(name, [])
+                for peer in rows[-1]["peers"]:
+                    print(show_peer(peer, rows[-1]), flush=True)
             except Exception as exc:  # one row's failure (out of memory) is a result, not the end of the table
                 rows.append({"row": name, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
                 print(f"{name:<18} FAILED {rows[-1]['error']}", flush=True)
