@@ -103,15 +103,27 @@ def _plus_bias(y, bias):
     return y.astype(jnp.float32) + bias.astype(jnp.float32)
 
 
+# rope kind (tessera.ir.registry.STRUCTS["rope"]) -> (inv_freq, scaling) from head_dim and the struct's fields
+ROPE_TABLES = {
+    "rotary": lambda d, f: (rope_ref.rope_inv_freq(head_dim=d, theta=f["theta"]), 1.0),
+    "yarn": lambda d, f: rope_ref.yarn_inv_freq(head_dim=d, theta=f["theta"], factor=f["factor"],
+                                                original=f["original"], beta_fast=f["beta_fast"],
+                                                beta_slow=f["beta_slow"], truncate=f["truncate"]),
+    "llama3": lambda d, f: (rope_ref.llama3_inv_freq(head_dim=d, theta=f["theta"], factor=f["factor"],
+                                                     original=f["original"], low_freq_factor=f["low_freq_factor"],
+                                                     high_freq_factor=f["high_freq_factor"]), 1.0),
+}
+
+
 @functools.lru_cache(maxsize=64)
 def _rope_tables(rope, head_dim: int):
-    """(inv_freq, scaling) of a rope attribute (`rotary{theta}` or `yarn{...}`)."""
-    f = dict(rope.fields)
-    if rope.kind == "rotary":
-        return rope_ref.rope_inv_freq(head_dim=head_dim, theta=f["theta"]), 1.0
-    return rope_ref.yarn_inv_freq(head_dim=head_dim, theta=f["theta"], factor=f["factor"],
-                                  original=f["original"], beta_fast=f["beta_fast"], beta_slow=f["beta_slow"],
-                                  truncate=f.get("truncate", True))
+    """(inv_freq, scaling) of a rope attribute (`rotary{theta}`, `yarn{...}`, `llama3{...}`); fields the
+    model left out take the registry's defaults."""
+    from tessera.ir.registry import STRUCTS
+
+    fields = {name: default for name, (_, default) in STRUCTS["rope"][rope.kind].items()}
+    fields.update(rope.fields)
+    return ROPE_TABLES[rope.kind](head_dim, fields)
 
 
 def _positions(ctx, batch: int, seq: int):
