@@ -426,13 +426,3 @@ def decode_attention_reference(q, k, v, *, kv_len=None, q_offset=None, sinks=Non
     q_offset = kv_len - sq if q_offset is None else q_offset
     return attention_reference(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale,
                                q_offset=q_offset, kv_len=kv_len)
-
-
-def main():
-    """Times decode against caches of 4k-64k tokens (run on a Hopper GPU)."""
-    from bench.kernels import run_decode
-    run_decode()
-
-
-if __name__ == "__main__":
-    main()

@@ -715,13 +715,3 @@ def _visible_pairs(s, t, causal, window) -> int:
         lo = 0 if window is None else max(0, i - window + 1)
         total += max(0, hi - lo)
     return total
-
-
-def main():
-    """Times the forward and backward on the GPT-OSS attention shape (run on a Hopper GPU)."""
-    from bench.kernels import run_attention
-    run_attention()
-
-
-if __name__ == "__main__":
-    main()

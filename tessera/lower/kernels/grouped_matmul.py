@@ -474,13 +474,3 @@ def grouped_matmul_reference(lhs, rhs, group_sizes):
     """The semantics: jax.lax.ragged_dot with fp32 accumulation, output in lhs's dtype."""
     out = lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
-
-
-def main():
-    """Times the GPT-OSS expert GEMM (run on a Hopper GPU)."""
-    from bench.kernels import run_moe
-    run_moe()
-
-
-if __name__ == "__main__":
-    main()

@@ -379,13 +379,3 @@ def matmul(x, w: ref.MXFP4, *, config: Mxfp4Config | None = None):
 def ragged_dot_reference(lhs, rhs: ref.MXFP4, group_sizes):
     """The semantics: dequantise, then jax.lax.ragged_dot with fp32 accumulation, lhs's dtype out."""
     return ref.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
-
-
-def main():
-    """Times the GPT-OSS expert matmuls at decode sizes (run on a GPU)."""
-    from bench.kernels import run_mxfp4
-    run_mxfp4()
-
-
-if __name__ == "__main__":
-    main()

@@ -197,13 +197,3 @@ def add_rms_norm_reference(x, residual, scale, *, eps: float):
     """The semantics in jax.numpy: h = x + residual in x's dtype, then reference/norms.rms_norm."""
     h = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
     return _rms_norm_ref(h, scale=scale, eps=eps), h
-
-
-def main():
-    """Times the fused norm against XLA's fusion (run on a GPU)."""
-    from bench.kernels import run_rms_norm
-    run_rms_norm()
-
-
-if __name__ == "__main__":
-    main()
