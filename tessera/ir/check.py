@@ -55,7 +55,22 @@ def check_numeric_rules(exp, graph: Graph) -> list[Diagnostic]:
     return out
 
 
-CHECKS = [check_mesh_divides, check_numeric_rules]
+COMPUTE_TYPES = ("fp32", "bf16", "fp16")  # what activations can be computed in (tessera/lower/context.py)
+
+
+def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
+    """The compute type (`numerics.default`) is one the lowering computes in. Narrower types are storage
+    formats here: a parameter may be held in them (`numerics.rules`), not computed in."""
+    base = exp.numerics.default.base
+    if base in COMPUTE_TYPES:
+        return []
+    return [Diagnostic(f"`{base}` is a storage format, not a type activations can be computed in",
+                       span=exp.span("numerics.default"), key="numerics.default",
+                       hint=f"compute in {', '.join(COMPUTE_TYPES)} (e.g. `bf16 @accum(fp32)`); parameters can be "
+                            f"held in `{base}` with numerics.rules")]
+
+
+CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type]
 
 
 def experiment_graph(exp) -> Graph:

@@ -67,3 +67,19 @@ def test_mesh_axis_must_divide_the_dims_it_shards():
         "s.yaml:7:12: error: parallel.rules.mlp: tp=5 does not divide `mlp` = 96 (param `layers/mlp/gate`); "
         "use a mesh size that divides 96: 1, 2, 3, 4, 6, 8 ...",
         f"{relpath(MODELS / 'llama.tsl')}:11:16: note: `layers/mlp/gate` is declared here with `mlp` = 96"]
+
+
+@pytest.mark.parametrize("numeric", ["fp8_e4m3", "int8", "mxfp4 @accum(fp32)"])
+def test_check_refuses_a_compute_type_the_lowering_cannot_compute_in(tmp_path, capsys, numeric):
+    """A storage format as numerics.default once passed `check` and failed in the lowering with a traceback."""
+    base = (ROOT / "specs" / "llama_tiny.yaml").read_text().replace("../models/llama.tsl", str(MODELS / "llama.tsl"))
+    (tmp_path / "base.yaml").write_text(base)
+    (tmp_path / "bad.yaml").write_text(f"extends: base.yaml\nname: bad\nnumerics:\n  default: {numeric}\n")
+    assert main(["check", str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err
+    name = numeric.split()[0]
+    assert f"bad.yaml:4:12: error: numerics.default: `{name}` is a storage format" in err
+    assert "compute in fp32, bf16, fp16" in err and "numerics.rules" in err
+    for ok in ("fp16", "bf16 @accum(fp32)"):
+        (tmp_path / "ok.yaml").write_text(f"extends: base.yaml\nname: ok\nnumerics:\n  default: {ok}\n")
+        assert main(["check", str(tmp_path / "ok.yaml")]) == 0
