@@ -167,8 +167,9 @@ def sharded_generate(plan: ShardPlan, run, batch: int, specs: dict | None = None
         if dict(plan.rules.sizes).get("pp", 1) == 1:
             return p
         return {k: (jax.lax.all_gather(v, "pp", axis=0, tiled=True)
-                    if not isinstance(v, list) and plan.param_specs[k][:1] == P("pp") else v)
+                    if not isinstance(v, list) and tuple(plan.param_specs[k])[:1] == ("pp",) else v)
                 for k, v in p.items()}  # a split parameter's layers are each whole over pp already
+    # (a PartitionSpec's slice is a plain tuple, which never equals a PartitionSpec: compare tuples)
 
     def generate(params, prompts, seed):
         fn = jax.shard_map(lambda p, x, s: run(whole_layers(p), x, s, env), mesh=plan.mesh,

@@ -38,8 +38,11 @@ def _train_jobs(spec: str, meshes, det: bool) -> list[dict]:
 def _gen_jobs(spec: str) -> list[dict]:
     # the reference splits stacked weights inside the program; the meshes get them split as made (the generate
     # task's way); `mesh: auto`'s choice of tp=2 on 2 of the 8 devices (a batch it does not split) runs there
+    # pp=2×tp=2×dp=2 from the stacked parameters training leaves, split over pp (its post-training sample
+    # once crashed: the layers were never gathered over pp)
     meshes = {"1 device": {}, "tp=4,dp=2": {**MESHES["tp=4,dp=2"], "split_layers": True},
-              "auto: tp=2 of 8": {"mesh.auto": True, "mesh.tp": 2, "split_layers": True}}
+              "auto: tp=2 of 8": {"mesh.auto": True, "mesh.tp": 2, "split_layers": True},
+              "pp=2,tp=2,dp=2": MESHES["pp=2,tp=2,dp=2"]}
     return [{"kind": "generate", "spec": spec, "steps": 6, "name": n,
              "overrides": {"parallel.deterministic": False, **o}} for n, o in meshes.items()]
 
@@ -85,7 +88,8 @@ def test_training_moves_the_parameters(results):
     assert a["losses"][1] != a["losses"][0]
 
 
-@pytest.mark.parametrize("mesh,devices", [("tp=4,dp=2", list(range(8))), ("auto: tp=2 of 8", [0, 1])])
+@pytest.mark.parametrize("mesh,devices", [("tp=4,dp=2", list(range(8))), ("auto: tp=2 of 8", [0, 1]),
+                                          ("pp=2,tp=2,dp=2", list(range(8)))])
 def test_generation_under_tp_matches_one_device(results, mesh, devices):
     ref, got = results[("gpt_oss", "generate", None, "1 device")], results[("gpt_oss", "generate", None, mesh)]
     assert np.asarray(got["tokens"]).shape == (4, 11)
