@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except TesseraError as exc:
         print(exc.render(), file=sys.stderr)
-        n = len(exc.diagnostics)
+        n = sum(d.severity == "error" for d in exc.diagnostics)  # notes say where, they are not more errors
         if n > 1:
             print(f"{n} errors", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -77,7 +77,8 @@ def experiment_graph(exp) -> Graph:
     """The experiment's model elaborated and verified, errors pointing into the spec where args come from."""
     from tessera.ir.elaborate import build_graph
 
-    return build_graph(exp.model.file, dict(exp.model.args), arg_span=lambda n: exp.span(f"model.args.{n}"))
+    return build_graph(exp.model.file, dict(exp.model.args), arg_span=lambda n: exp.span(f"model.args.{n}"),
+                       arg_key_span=lambda n: exp.key_span(f"model.args.{n}"))
 
 
 def check_experiment(exp) -> Graph:

@@ -67,11 +67,13 @@ class _Frame:
 class Elaborator:
     """Evaluates one model with concrete arguments into a Graph."""
 
-    def __init__(self, model: A.Model, args: dict, *, dims: dict | None = None, arg_span: ArgSpan | None = None):
+    def __init__(self, model: A.Model, args: dict, *, dims: dict | None = None, arg_span: ArgSpan | None = None,
+                 arg_key_span: ArgSpan | None = None):
         self.model = model
         self.lines = model.source.splitlines()
         self.dims = dict(dims or {})
-        self.arg_span = arg_span or (lambda name: None)
+        self.arg_span = arg_span or (lambda name: None)  # where an argument's value was written
+        self.arg_key_span = arg_key_span or self.arg_span  # ... and its name: an unknown one is wrong there
         self.params: dict[str, Param] = {}
         self.globals = self._bind_args(args)
 
@@ -97,7 +99,7 @@ class Elaborator:
         for name in args:
             if name not in declared:
                 raise self.error(f"model `{self.model.name}` has no argument `{name}`",
-                                 self.arg_span(name) or self.model.span, hint=did_you_mean(name, declared))
+                                 self.arg_key_span(name) or self.model.span, hint=did_you_mean(name, declared))
         env: dict[str, Any] = {}
         for p in self.model.params:
             if p.name in args:
@@ -263,9 +265,10 @@ class Elaborator:
         return emit_op(self, frame, name, data, attrs, span, scope, arg_exprs or {})
 
 
-def elaborate(model: A.Model, args: dict, *, dims: dict | None = None, arg_span: ArgSpan | None = None) -> Graph:
+def elaborate(model: A.Model, args: dict, *, dims: dict | None = None, arg_span: ArgSpan | None = None,
+              arg_key_span: ArgSpan | None = None) -> Graph:
     """Elaborate a parsed model with `args` into a Graph (not yet verified)."""
-    return Elaborator(model, args, dims=dims, arg_span=arg_span).run()
+    return Elaborator(model, args, dims=dims, arg_span=arg_span, arg_key_span=arg_key_span).run()
 
 
 def bound_args(model_path: str | Path, args: dict, *, arg_span: ArgSpan | None = None) -> dict:
@@ -274,11 +277,12 @@ def bound_args(model_path: str | Path, args: dict, *, arg_span: ArgSpan | None =
 
 
 def build_graph(model_path: str | Path, args: dict, *, numerics=None, dims: dict | None = None,
-                arg_span: ArgSpan | None = None) -> Graph:
+                arg_span: ArgSpan | None = None, arg_key_span: ArgSpan | None = None) -> Graph:
     """Parse + elaborate + verify a .tsl model; with `numerics`, also apply the numeric policy."""
     from tessera.ir.verify import verify
 
-    graph = verify(elaborate(parse_model_file(model_path), dict(args), dims=dims, arg_span=arg_span))
+    graph = verify(elaborate(parse_model_file(model_path), dict(args), dims=dims, arg_span=arg_span,
+                             arg_key_span=arg_key_span))
     if numerics is not None:
         from tessera.ir.passes import PassContext, run_pass
 

@@ -30,6 +30,7 @@ def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, An
     except TesseraError as exc:
         raise TesseraError(_sorted(soft + exc.diagnostics)) from None
     spans = {p: n.span for p, n in root.walk() if p}  # what was written somewhere; derived values are not
+    key_spans = {p: n.key_span for p, n in root.walk() if p and n.key_span is not None}
     _fill_derived(root, path)
     problems = soft + _resolve_files(root)
     try:
@@ -42,7 +43,7 @@ def load_experiment(path: str | Path, overrides: Iterable[str] | Mapping[str, An
         problems.append(Diagnostic(message, node.span if node else None, errors.key_path(key), hint))
     if problems:
         raise TesseraError(_sorted(problems))
-    exp._spans = spans
+    exp._spans, exp._key_spans = spans, key_spans
     return exp
 
 

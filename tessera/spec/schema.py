@@ -185,6 +185,10 @@ class Checkpoint(Section):
     keep: int = Field(3, ge=1, description="how many recent checkpoints to keep")
 
 
+def _key_path(key: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in key.replace("[", ".").replace("]", "").split("."))
+
+
 class Experiment(Section):
     """A whole experiment: what model, on what mesh, in what numbers, doing which task."""
 
@@ -201,11 +205,16 @@ class Experiment(Section):
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="checkpointing")
 
     _spans: dict[tuple, Span] = PrivateAttr(default_factory=dict)
+    _key_spans: dict[tuple, Span] = PrivateAttr(default_factory=dict)
 
     def span(self, key: str) -> Span | None:
         """Where the value at dotted `key` (e.g. "model.args.heads", "task.prompts.0") was written."""
-        path = tuple(int(p) if p.isdigit() else p for p in key.replace("[", ".").replace("]", "").split("."))
-        return self._spans.get(path)
+        return self._spans.get(_key_path(key))
+
+    def key_span(self, key: str) -> Span | None:
+        """Where the key naming dotted `key` was written (an unknown name is wrong there), else its value's span."""
+        path = _key_path(key)
+        return self._key_spans.get(path) or self._spans.get(path)
 
     def resolved(self) -> dict[str, Any]:
         """The resolved spec as plain data, every default filled (what manifests record)."""

@@ -187,7 +187,16 @@ class _Positions:
         return span if one_line else Span(span.file, span.line, span.col, None, text=span.text)
 
 
-def _syntax_diagnostic(pos: _Positions, exc: yaml.MarkedYAMLError) -> Diagnostic:
+_UNCLOSED = {"flow sequence": "`]`", "flow mapping": "`}`", "quoted scalar": "its closing quote"}
+
+
+def _syntax_diagnostic(pos: _Positions, exc: yaml.MarkedYAMLError) -> Diagnostic | list[Diagnostic]:
+    construct = next((c for c in _UNCLOSED if exc.context and c in exc.context), None)
+    if construct and exc.context_mark is not None and exc.problem_mark is not None:  # at what is left open
+        return [Diagnostic(f"YAML syntax error: this {construct} is not closed", pos.mark(exc.context_mark),
+                           hint=f"close it with {_UNCLOSED[construct]}"),
+                Diagnostic(f"the YAML parser gave up here: {exc.problem}", pos.mark(exc.problem_mark),
+                           severity="note")]
     mark = exc.problem_mark or exc.context_mark
     span = pos.mark(mark) if mark else pos.at(0, 0)
     problem = exc.problem or exc.context or "invalid YAML"

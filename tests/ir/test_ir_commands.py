@@ -83,3 +83,14 @@ def test_check_refuses_a_compute_type_the_lowering_cannot_compute_in(tmp_path, c
     for ok in ("fp16", "bf16 @accum(fp32)"):
         (tmp_path / "ok.yaml").write_text(f"extends: base.yaml\nname: ok\nnumerics:\n  default: {ok}\n")
         assert main(["check", str(tmp_path / "ok.yaml")]) == 0
+
+
+def test_a_misspelled_model_argument_is_reported_at_its_key(tmp_path, capsys):
+    base = (ROOT / "specs" / "llama_tiny.yaml").read_text().replace("../models/llama.tsl", str(MODELS / "llama.tsl"))
+    (tmp_path / "base.yaml").write_text(base)
+    (tmp_path / "bad.yaml").write_text("extends: base.yaml\nname: bad\nmodel:\n  args:\n    layerz: 16\n")
+    assert main(["check", str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml:5:5: error: model `llama` has no argument `layerz`; did you mean `layers`?" in err
+    assert main(["check", str(tmp_path / "base.yaml"), "--set", "model.args.layerz=3"]) == 2
+    assert "<--set>:1:12: error: model `llama` has no argument `layerz`" in capsys.readouterr().err

@@ -118,7 +118,7 @@ CASES = [
      [("<--set>:2:12", "task.steps", 'expected an integer, got "abc"')]),
     ("set-unknown-key", MINI, ["task.optimizer.lrr=0.1"], {},
      [("<--set>:1:16", "task.optimizer.lrr", "did you mean `lr`?")]),
-    ("set-yaml-error", MINI, ["parallel.rules.batch=[dp"], {}, [("<--set>:1:25", None, "YAML syntax error")]),
+    ("set-yaml-error", MINI, ["parallel.rules.batch=[dp"], {}, [("<--set>:1:22", None, "flow sequence is not closed")]),
     ("set-into-scalar", MINI, ["task.steps.x=1"], {}, [("<--set>:1:12", "task.steps", "is not a mapping")]),
     ("set-extends", MINI, ["extends=a.yaml"], {}, [("<--set>:1:1", "extends", "cannot be overridden")]),
     # extends
@@ -131,7 +131,9 @@ CASES = [
     # YAML itself
     ("duplicate-key", MINI + "  steps: 20\n", [], {}, [("s.yaml:8:3", None, "duplicate key `steps`; first given at line 7")]),
     ("duplicate-top", MINI + "name: u\n", [], {}, [("s.yaml:8:1", None, "duplicate key `name`")]),
-    ("syntax", MINI + "mesh: {tp: 2\n", [], {}, [("s.yaml:9:1", None, "YAML syntax error")]),
+    ("syntax", MINI + "mesh: {tp: 2\n", [], {}, [("s.yaml:8:7", None, "YAML syntax error: this flow mapping is not closed")]),
+    ("unclosed-last-line", MINI + "oops: [1, 2", [], {}, [("s.yaml:8:7", None, "this flow sequence is not closed")]),
+    ("unclosed-quote", MINI + 'name: "t\n', [], {}, [("s.yaml:8:7", None, "this quoted scalar is not closed")]),
     ("bad-indent", MINI.replace("  steps", "   steps"), [], {}, [("s.yaml:7:9", None, "YAML syntax error")]),
     ("tab", MINI.replace("  steps", "\tsteps"), [], {}, [("s.yaml:7:1", None, "tab character")]),
     ("empty", "", [], {}, [("s.yaml:1:1", None, "the spec is empty")]),
