@@ -163,6 +163,32 @@ def _start_manifest(run_dir: Path, exp, overrides, spec_file, weights, resuming:
                           spec_file=spec_file, extra=extra)
 
 
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def exclusive(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir` for this process: a second run writing the same directory at the same time is refused
+    (RunError) before it touches anything. The lock is the OS's (flock) on `run_dir/.lock`: a run that dies
+    releases it with its process, so a killed run's directory can be resumed at once."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise RunError(f"{run_dir} is being written by another tessera run ({holder}); wait for it to end, "
+                           "or give this run another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, started {_dt.datetime.now():%Y-%m-%d %H:%M:%S}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 @contextlib.contextmanager
 def _recorded(manifest: Manifest) -> Iterator[None]:
     """Record how the block ends in the manifest; a runtime out-of-memory becomes a plain RunError."""
@@ -188,9 +214,8 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
                    overrides: Any = None, spec_file: str | Path | None = None,
                    compile_fn: Callable[[Any], Any] | None = None, stream: TextIO | None = None,
                    tensorboard: bool = True) -> RunResult:
-    """Run `exp`'s task into a run directory (default runs/<name>-<time>-<hash>/) and return what it left."""
-    from tessera.run.tasks import TASKS
-
+    """Run `exp`'s task into a run directory (default runs/<name>-<time>-<hash>/) and return what it left.
+    Two runs never write one directory at once: the second is refused (`exclusive`)."""
     allocator = configure_allocator()
     request_deterministic_kernels(exp)
     say = lambda text: print(text, file=stream or sys.stdout, flush=True)  # noqa: E731
@@ -199,10 +224,19 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
         say(line)
     exp, mesh_choice = resolve_mesh(exp, say)
     run_dir, resuming = _choose_dir(exp, out, resume)
+    with exclusive(run_dir):
+        return _run_in(run_dir, resuming, exp, weights, overrides, spec_file, compile_fn, stream, tensorboard,
+                       allocator, mesh_choice)
+
+
+def _run_in(run_dir: Path, resuming: bool, exp, weights, overrides, spec_file, compile_fn, stream, tensorboard,
+            allocator: dict, mesh_choice: dict | None) -> RunResult:
+    """`run_experiment` once it holds its run directory."""
+    from tessera.run.tasks import TASKS
+
     if resuming and (run_dir / MANIFEST).exists():  # refuse before touching another spec's run directory
         saved = load_manifest(run_dir)
         check_compatible(exp, saved["spec"], exp.resolved(), run_dir / MANIFEST, saved.get("files"))
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / SPEC_FILE).write_text(yaml.safe_dump(exp.resolved(), sort_keys=False))
     spec_file = Path(spec_file).resolve() if spec_file else None
     manifest = _start_manifest(run_dir, exp, overrides, spec_file, weights, resuming)

@@ -128,3 +128,25 @@ def test_train_on_a_token_file(run_fake, small_spec, tmp_path):
     assert result.manifest["data_fingerprint"] == hashlib.sha256((tmp_path / "d.bin").read_bytes()).hexdigest()
     assert result.metrics[-1]["loss"] < 0.5 * result.metrics[0]["loss"]
     assert "samples" not in result.manifest and "chance_loss" not in result.manifest
+
+
+def test_a_second_run_into_a_directory_another_run_is_writing_is_refused(run_fake, small_spec, tmp_path):
+    """Another process holds the run directory: this run is refused before it writes anything; once that
+    process is gone (killed, even) the directory is free again."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "shared"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from tessera.run.main import exclusive\n"
+         f"with exclusive(Path({str(out)!r})):\n    print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunError, match=r"shared is being written by another tessera run \(pid \d+, started"):
+            run_fake(small_spec, out=out)
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing of this run was written
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_fake(small_spec, out=out).status == "completed"
