@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="time per Graph IR op, kernel and collective of the spec's task")
     p.add_argument("spec")
     _add_set(p)
-    p.add_argument("--steps", type=_positive, default=3, metavar="N", help="steps traced (after two untimed)")
+    p.add_argument("--steps", type=_positive, default=3, metavar="N", help="steps timed as `tessera run` runs them, then traced (default 3)")
     p.add_argument("--out", default=None, help="run directory (default runs/<name>-profile-<time>-<hash>)")
     p.add_argument("--top", type=_positive, default=15, metavar="K", help="kernels listed (ops: twice as many)")
     p.set_defaults(handler=cmd_profile)
