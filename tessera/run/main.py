@@ -114,6 +114,18 @@ def resolve_mesh(exp, say) -> tuple[Any, dict | None]:
     return choice.exp, choice.record()
 
 
+def prepare(exp, say) -> tuple[Any, dict, dict | None]:
+    """Before JAX starts its backend: the allocator and deterministic-kernel settings (said when on a GPU),
+    then the mesh `mesh: auto` picks. Returns (exp on that mesh, the `allocator` and `mesh_choice` records)."""
+    allocator = configure_allocator()
+    request_deterministic_kernels(exp)
+    allocator, line = describe_allocator(allocator)
+    if line:
+        say(line)
+    exp, mesh_choice = resolve_mesh(exp, say)
+    return exp, allocator, mesh_choice
+
+
 def default_compile(exp):
     """The program for `exp` (Graph IR → JAX); a train task's carries the optimizer `tessera.run.optim` builds."""
     from tessera.lower.program import compile_experiment
@@ -216,13 +228,8 @@ def run_experiment(exp, out: str | Path | None = None, *, weights: str | Path | 
                    tensorboard: bool = True) -> RunResult:
     """Run `exp`'s task into a run directory (default runs/<name>-<time>-<hash>/) and return what it left.
     Two runs never write one directory at once: the second is refused (`exclusive`)."""
-    allocator = configure_allocator()
-    request_deterministic_kernels(exp)
     say = lambda text: print(text, file=stream or sys.stdout, flush=True)  # noqa: E731
-    allocator, line = describe_allocator(allocator)
-    if line:
-        say(line)
-    exp, mesh_choice = resolve_mesh(exp, say)
+    exp, allocator, mesh_choice = prepare(exp, say)
     run_dir, resuming = _choose_dir(exp, out, resume)
     with exclusive(run_dir):
         return _run_in(run_dir, resuming, exp, weights, overrides, spec_file, compile_fn, stream, tensorboard,

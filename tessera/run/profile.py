@@ -164,24 +164,28 @@ def profile_experiment(exp, *, steps: int = STEPS, out: str | Path | None = None
                        overrides: Any = None, spec_file: str | Path | None = None,
                        stream: TextIO | None = None) -> dict:
     """Profile `steps` steps of `exp`'s task into a run directory; returns its manifest record."""
-    import jax
-
-    from tessera.run.main import (RUNS_DIR, _recorded, configure_allocator, default_compile, describe_allocator,
-                                  request_deterministic_kernels, resolve_mesh)
-    from tessera.run.manifest import Manifest, device_memory
-    from tessera.run.plan import _trains, pick_device
+    from tessera.run.main import RUNS_DIR, exclusive, prepare
 
     stream = stream or sys.stdout
     say = lambda text: print(text, file=stream, flush=True)  # noqa: E731
-    allocator = configure_allocator()
-    request_deterministic_kernels(exp)
-    allocator, line = describe_allocator(allocator)
-    if line:
-        say(line)
-    exp, mesh_choice = resolve_mesh(exp, say)
+    exp, allocator, mesh_choice = prepare(exp, say)
     stamp = f"{_dt.datetime.now():%Y%m%d-%H%M%S}-{exp.spec_hash[:8]}"
     run_dir = Path(out) if out else RUNS_DIR / f"{exp.name}-profile-{stamp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive(run_dir):  # as `tessera run`: one run writes a directory at a time
+        record = _profile_in(run_dir, exp, steps, top, overrides, spec_file, allocator, mesh_choice, say, stream)
+    say(f"manifest: {run_dir / 'manifest.json'}")
+    return record
+
+
+def _profile_in(run_dir: Path, exp, steps: int, top: int, overrides, spec_file, allocator: dict,
+                mesh_choice: dict | None, say, stream: TextIO) -> dict:
+    """`profile_experiment` once it holds its run directory."""
+    import jax
+
+    from tessera.run.main import _recorded, default_compile
+    from tessera.run.manifest import Manifest, device_memory
+    from tessera.run.plan import pick_device
+
     manifest = Manifest.start(run_dir, exp, ir_hash=None, seed=int(getattr(exp.task, "seed", 0)), overrides=overrides,
                               spec_file=Path(spec_file).resolve() if spec_file else None,
                               extra={"run_dir": str(run_dir), "weights": None, "allocator": allocator,
@@ -213,14 +217,14 @@ def profile_experiment(exp, *, steps: int = STEPS, out: str | Path | None = None
         path = tr.trace_file(trace_dir)
         events = tr.read_events(path, tr.module_name(hlo_text), hlo) if path else []
         labels, param_labels = _labels(prog.graph)
-        what = job.what
+        what, train = job.what, job.what.startswith("train step")
         key, device = pick_device(None)
-        plan = predicted(exp, prog.graph, _trains(exp) and "train step" in what, device)
+        plan = predicted(exp, prog.graph, train, device)
         ops = tr.by_op(events, hlo, labels, steps, param_labels)
         for row in ops:
             row["plan_seconds"] = plan.get((row["phase"], row["op"]))
         collectives = tr.by_collective(events, hlo, steps)
-        _add_planned_collectives(collectives, exp, prog.graph, what)
+        _add_planned_collectives(collectives, exp, prog.graph, train)
         record = {"what": what, "steps": steps, "step_seconds": statistics.median(wall),
                   "traced_step_seconds": statistics.median(times), "traced": note, "first_call_seconds": first,
                   "device": key, "devices_traced": len({e.device for e in events}),
@@ -231,7 +235,6 @@ def profile_experiment(exp, *, steps: int = STEPS, out: str | Path | None = None
         manifest.update(profile=record, trace=str(path) if path else str(trace_dir), device_memory=device_memory())
         render(record, stream, top)
         say(f"trace: {path or trace_dir} (open in ui.perfetto.dev, or TensorBoard's profile plugin on {trace_dir})")
-    say(f"manifest: {run_dir / 'manifest.json'}")
     return manifest.record
 
 
@@ -247,13 +250,11 @@ def _labels(graph) -> tuple[list[str], dict[str, str]]:
     return labels, owners
 
 
-def _add_planned_collectives(rows: list[dict], exp, graph, what: str) -> None:
+def _add_planned_collectives(rows: list[dict], exp, graph, train: bool) -> None:
     """Each measured collective kind gets the plan's bytes per step for it (`plan_bytes_per_step`), and the
     kinds the plan expects but the trace lacks get a row of their own."""
     from tessera.ir import cost
-    from tessera.run.plan import _trains
 
-    train = _trains(exp) and what.startswith("train")
     sizes = cost.task_dims(exp)
     if exp.task.kind == "generate":
         sizes = {"batch": sizes["batch"], "seq": 1}
