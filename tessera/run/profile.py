@@ -227,7 +227,7 @@ def _profile_in(run_dir: Path, exp, steps: int, top: int, overrides, spec_file, 
         _add_planned_collectives(collectives, exp, prog.graph, train)
         record = {"what": what, "steps": steps, "step_seconds": statistics.median(wall),
                   "traced_step_seconds": statistics.median(times), "traced": note, "first_call_seconds": first,
-                  "device": key, "devices_traced": len({e.device for e in events}),
+                  "device": key, "devices_traced": tr.device_count(events),
                   "hlo": str(trace_dir / "profiled.hlo.txt"),
                   "op_seconds": sum(r["seconds"] for r in ops), "plan_seconds": sum(plan.values()) or None,
                   "by_op": ops, "by_kernel": tr.by_kernel(events, hlo, labels, steps, param_labels)[:100],

@@ -259,13 +259,18 @@ def read_events(path: Path, module: str, hlo: dict[str, HloOp] | None = None) ->
     return out
 
 
+def device_count(events: list[Event]) -> int:
+    """Devices the events ran on: the tables average over them."""
+    return len({e.device for e in events})
+
+
 # ---- the tables ---------------------------------------------------------------------------------------------
 
 def by_op(events: list[Event], hlo: dict[str, HloOp], labels: list[str], steps: int,
           param_labels: dict[str, str] | None = None) -> list[dict]:
     """Seconds per step per (phase, IR op) on one device (the mean over devices), most first."""
     labels = sorted(labels, key=len, reverse=True)
-    devices = max(len({e.device for e in events}), 1)
+    devices = max(device_count(events), 1)
     cache: dict[str, tuple[str, str]] = {}
     rows: dict[tuple[str, str], dict] = {}
     for e in events:
@@ -283,7 +288,7 @@ def by_kernel(events: list[Event], hlo: dict[str, HloOp], labels: list[str], ste
     """Seconds and calls per step of each kernel (a CPU thunk on the CPU), on one device, most first, with
     the (phase, IR op) of the first instruction that ran it."""
     labels = sorted(labels, key=len, reverse=True)
-    devices = max(len({e.device for e in events}), 1)
+    devices = max(device_count(events), 1)
     rows: dict[str, dict] = {}
     for e in events:
         if e.kernel not in rows:
@@ -299,7 +304,7 @@ def by_kernel(events: list[Event], hlo: dict[str, HloOp], labels: list[str], ste
 def by_collective(events: list[Event], hlo: dict[str, HloOp], steps: int) -> list[dict]:
     """Per collective kind: calls, bytes each device sends (ring algorithms) and seconds per step, and the
     achieved bandwidth (bytes sent over the time the collective's kernels ran)."""
-    devices = max(len({e.device for e in events}), 1)
+    devices = max(device_count(events), 1)
     rows: dict[str, dict] = {}
     for e in events:
         op = hlo.get(e.hlo_op)
