@@ -282,12 +282,15 @@ def _moe(ctx, op, attrs, ins, params):
     p = _cast(params, x.dtype, EXPERT_MATRICES)
     zeros = functools.partial(jnp.zeros, dtype=x.dtype)
     n_exp, d_ff = p["experts/gate"].shape[0], p["experts/gate"].shape[-1]
-    y = moe_ref.moe(
-        x.reshape(b * s, e), router=p["router"], router_bias=p.get("router_bias"),
-        gate=p["experts/gate"], up=p["experts/up"], down=p["experts/down"],
-        gate_bias=p.get("experts/gate_bias", zeros((n_exp, d_ff))),
-        up_bias=p.get("experts/up_bias", zeros((n_exp, d_ff))),
-        down_bias=p.get("experts/down_bias", zeros((n_exp, e))),
-        top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]),
-        ragged_dot=select.ragged_dot(ctx, f"{op_scope(op)} experts"))
+    args = dict(router=p["router"], router_bias=p.get("router_bias"),
+                gate=p["experts/gate"], up=p["experts/up"], down=p["experts/down"],
+                gate_bias=p.get("experts/gate_bias", zeros((n_exp, d_ff))),
+                up_bias=p.get("experts/up_bias", zeros((n_exp, d_ff))),
+                down_bias=p.get("experts/down_bias", zeros((n_exp, e))),
+                top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]))
+    label = f"{op_scope(op)} experts"
+    if ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX:  # few copies: no sort, no scatter
+        y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=select.pair_dot(ctx, label))
+    else:
+        y = moe_ref.moe(x.reshape(b * s, e), **args, ragged_dot=select.ragged_dot(ctx, label))
     return [align(y.reshape(b, s, e).astype(_dtype(op)), BSE, have)]

@@ -115,3 +115,24 @@ def ragged_dot(ctx, label: str):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
     return dot
+
+
+def pair_dot(ctx, label: str):
+    """`reference.mxfp4.pair_dot` (row r of lhs times expert experts[r]) or the MXFP4 kernel with its semantics.
+
+    The kernel needs packed experts; plain ones gather their experts' matrices (the reference).
+    """
+    allowed = _allowed(ctx, "grouped_matmul")  # one gate for the MoE kernels: they are verified together
+
+    def dot(lhs, rhs, experts, preferred_element_type=None):
+        if allowed and isinstance(rhs, mxfp4.MXFP4):
+            from tessera.lower.kernels import mxfp4_matmul as mk
+
+            if mk.supported_pairs(lhs, rhs, experts):
+                _record(ctx, label, "mxfp4_ragged_dot over (token, expert) pairs (Pallas, Triton)")
+                return mk.pair_dot(lhs, rhs, experts, preferred_element_type=preferred_element_type)
+        _record(ctx, label, f"{REFERENCE}: each (token, expert) pair gathers its expert"
+                if allowed else _why_not(ctx, "mxfp4_ragged_dot"))
+        return mxfp4.pair_dot(lhs, rhs, experts, preferred_element_type=preferred_element_type)
+
+    return dot

@@ -39,7 +39,7 @@ def test_routing_is_top_k_then_softmax(gpt_oss_pieces, gpt_oss_params, layer):
     assert np.abs(np.sort(full, -1)[:, -2:].sum(-1) - 1).max() > 1e-2
 
 
-@pytest.mark.parametrize("formulation", [moe.moe, moe.moe_dense])
+@pytest.mark.parametrize("formulation", [moe.moe, moe.moe_pairs, moe.moe_dense])
 @pytest.mark.parametrize("layer", [0, 1])
 def test_moe_block_matches_transformers(gpt_oss_pieces, gpt_oss_params, formulation, layer):
     x, want = _tokens(gpt_oss_pieces, layer)
@@ -90,3 +90,31 @@ def test_sorted_moe_gradient():
         gs = jax.jit(jax.grad(lambda x, w: moe.moe(x, top_k=2, **w).sum()))(x, w)
         gd = jax.jit(jax.grad(lambda x, w: moe.moe_dense(x, top_k=2, **w).sum()))(x, w)
         np.testing.assert_allclose(gs, gd, atol=1e-10)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pairs_equals_sorted_with_shared_and_idle_experts(packed):
+    """Few tokens, several choosing one expert and most experts idle: the unsorted pairs give the sorted
+    result, for plain and for packed (MXFP4) experts."""
+    from tessera.lower.reference import mxfp4
+
+    x, w = _random_moe(np.random.default_rng(3), t=5, d=64, e=8, f=32, dtype=np.float32)
+    w["router_bias"] = jnp.array([9.0, 8.0, 0, 0, 0, 0, -9.0, -9.0])  # experts 0 and 1 shared by every token
+    if packed:
+        w.update({n: mxfp4.quantize(w[n]) for n in ("gate", "up")})
+        w["down"] = mxfp4.quantize(w["down"])
+    run = lambda f: jax.jit(lambda x, w: f(x, top_k=3, **w))(x, w)
+    pairs, sorted_ = run(moe.moe_pairs), run(moe.moe)
+    assert float(jnp.abs(sorted_).max()) > 1.0
+    np.testing.assert_allclose(pairs, sorted_, rtol=1e-5, atol=1e-5)
+
+
+def test_router_logits_of_one_token_are_its_row():
+    """One token is multiplied as two rows (XLA:GPU's faster path): the result is that token's row alone."""
+    r = np.random.default_rng(5)
+    x, w = r.standard_normal((3, 64)).astype(np.float32), r.standard_normal((64, 8)).astype(np.float32)
+    one = np.asarray(moe.router_logits(jnp.asarray(x[1:2]), jnp.asarray(w)))
+    assert one.shape == (1, 8)
+    np.testing.assert_allclose(one, x[1:2].astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(moe.router_logits(jnp.asarray(x), jnp.asarray(w))), x @ w, rtol=1e-5,
+                               atol=1e-5)

@@ -67,6 +67,37 @@ def test_auto_takes_the_kernel_where_supported_and_computes_the_same(monkeypatch
     assert report["layers/moe experts"] == "grouped_matmul (Pallas, Mosaic GPU)"
 
 
+def test_decode_multiplies_unsorted_pairs_by_packed_experts(monkeypatch):
+    """Decoding a packed-expert model takes the pairs kernel (no sort) and generates what the reference does."""
+    from tessera.lower.kernels import mxfp4_matmul as mk
+    from tessera.lower.reference import mxfp4
+
+    from tessera.spec.tasks import ForwardTask
+
+    rules = {"numerics.rules": {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "fp32"}}
+    forward = ForwardTask(kind="forward", tokens=[[1, 2]])  # packed experts are for inference tasks
+    compile_ = lambda kernels: tessera.compile(tessera.load(SPEC, overrides={**SMALL, **rules, "kernels": kernels})
+                                               .model_copy(update={"task": forward}))
+    reference = compile_("reference")
+    params = reference.init(0)
+    prompts = np.random.default_rng(1).integers(0, 64, (2, 5)).astype(np.int32)
+    expected = np.asarray(reference.generate(params, prompts, max_new_tokens=4))
+    calls = []
+
+    def fake_pairs(lhs, rhs, experts, **kw):  # stands in for the GPU kernel: same semantics, counted
+        calls.append(lhs.shape)
+        return mxfp4.pair_dot(lhs, rhs, experts, preferred_element_type=kw.get("preferred_element_type"))
+
+    monkeypatch.setattr(select, "_allowed", lambda ctx, kernel=None: ctx.kernels == "auto")
+    monkeypatch.setattr(mk, "supported", lambda *a, **k: False)  # prefill: the reference ragged_dot
+    monkeypatch.setattr(mk, "supported_pairs", lambda *a, **k: True)
+    monkeypatch.setattr(mk, "pair_dot", fake_pairs)
+    auto = compile_("auto")
+    np.testing.assert_array_equal(np.asarray(auto.generate(params, prompts, max_new_tokens=4)), expected)
+    assert calls and all(shape[0] == 2 * 2 for shape in calls)  # batch 2 x top-2: one row a (token, expert)
+    assert auto.kernel_report()["layers/moe experts (decode)"].startswith("mxfp4_ragged_dot over (token, expert)")
+
+
 def test_sharded_steps_take_only_kernels_verified_inside_shard_map(monkeypatch):
     from tessera.lower.context import LowerCtx
 

@@ -304,15 +304,20 @@ def _kernel(table_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: Mxfp4Confi
         pltriton.store(out_ref.at[out_rows[:, None], c[None, :]], acc.astype(out_ref.dtype), mask=out_mask)
 
 
-def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config, out_dtype):
-    """out [M, N] in out_dtype (fp32 partials summed when the K range is split)."""
+def _pair_table(experts):
+    """int32 [R, 3]: row r of lhs is one run of one row of group experts[r] (the unsorted pairs of decode)."""
+    r = experts.shape[0]
+    return jnp.stack([experts.astype(jnp.int32), jnp.arange(r, dtype=jnp.int32), jnp.ones((r,), jnp.int32)], 1)
+
+
+def _run(lhs, rhs: ref.MXFP4, table, cfg: Mxfp4Config, out_dtype):
+    """out [M, N] in out_dtype over the runs of `table` (fp32 partials summed when the K range is split)."""
     m, k = lhs.shape
     g, _, n = rhs.shape
     steps = -(-k // cfg.block_k)
     per = -(-steps // cfg.splits)
     splits = -(-steps // per)  # no empty splits
     cfg = dataclasses.replace(cfg, splits=splits)
-    table = _tile_table(group_sizes, m, cfg.block_m)
     part_dtype = out_dtype if splits == 1 else jnp.float32
     body = functools.partial(_kernel, cfg=cfg, m=m, k=k, n=n, num_groups=g, steps_per_split=per)
     codes, scales = rhs.codes.reshape(g * k // 2, n), rhs.scales.reshape(g * k // 32, n)
@@ -328,6 +333,10 @@ def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config, out_dtype):
     if splits == 1:
         return out
     return out.reshape(splits, m, n).sum(axis=0).astype(out_dtype)
+
+
+def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config, out_dtype):
+    return _run(lhs, rhs, _tile_table(group_sizes, lhs.shape[0], cfg.block_m), cfg, out_dtype)
 
 
 # ----------------------------------------------------------------------------- public ops
@@ -374,6 +383,46 @@ def matmul(x, w: ref.MXFP4, *, config: Mxfp4Config | None = None):
     cfg = config or default_config(x2.shape[0], k, n, 1)
     out = ragged_dot(x2, rhs, jnp.full((1,), x2.shape[0], jnp.int32), config=cfg)
     return out.reshape(x.shape[:-1] + (n,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _pairs_dot(lhs, rhs, experts, cfg, out_dtype):
+    return _run(lhs, rhs, _pair_table(experts), cfg, out_dtype)
+
+
+def _pairs_dot_fwd(lhs, rhs, experts, cfg, out_dtype):
+    return _run(lhs, rhs, _pair_table(experts), cfg, out_dtype), (lhs, rhs, experts)
+
+
+def _pairs_dot_bwd(cfg, out_dtype, res, dout):
+    """d lhs[r] = dout[r] @ W[experts[r]]^T (the reference); packed weights and indices get none."""
+    lhs, rhs, experts = res
+    _, vjp = jax.vjp(lambda x: ref.pair_dot(x, rhs, experts, preferred_element_type=jnp.float32), lhs)
+    return vjp(dout.astype(jnp.float32))[0].astype(lhs.dtype), None, None
+
+
+_pairs_dot.defvjp(_pairs_dot_fwd, _pairs_dot_bwd)
+
+
+def pair_dot(lhs, rhs: ref.MXFP4, experts, *, preferred_element_type=None, config: Mxfp4Config | None = None):
+    """`reference.mxfp4.pair_dot(lhs [R, K], rhs [G, K, N], experts [R])`: row r times expert experts[r].
+
+    No sort and no tile table to build: each row is its own run of the grouped kernel, so at decode the
+    expert product is one launch with nothing in front of it. fp32 accumulation; the result in
+    preferred_element_type (default lhs's dtype).
+    """
+    r, k = lhs.shape
+    g, _, n = rhs.shape
+    cfg = config or default_config(r, k, n, r)  # one row a group
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    return _pairs_dot(lhs, rhs, experts.astype(jnp.int32), cfg, out_dtype)
+
+
+def supported_pairs(lhs, rhs, experts, config: Mxfp4Config | None = None) -> bool:
+    """As `supported`, for `pair_dot`: experts int [R] with R the rows of lhs."""
+    if experts.ndim != 1 or not jnp.issubdtype(experts.dtype, jnp.integer) or experts.shape[0] != lhs.shape[0]:
+        return False
+    return isinstance(rhs, ref.MXFP4) and supported(lhs, rhs, jax.ShapeDtypeStruct((rhs.shape[0],), jnp.int32), config)
 
 
 def ragged_dot_reference(lhs, rhs: ref.MXFP4, group_sizes):

@@ -8,7 +8,9 @@ softmaxed among themselves (top-k THEN softmax). Expert e applies
 and the token's output is sum_k weight_k * y_{e_k}. The down bias is per expert, so it is weighted too.
 
 `moe` is the dropless sorted formulation: the T*k (token, expert) copies are sorted by expert and
-multiplied with `lax.ragged_dot` (one group per expert), O(T * k) expert work. `moe_dense` runs every
+multiplied with `lax.ragged_dot` (one group per expert), O(T * k) expert work. `moe_pairs` multiplies
+each copy by its own expert's weights, unsorted: for the few copies of decoding, where sorting, counting
+and scattering back cost more than the products (PAIRS_MAX says how few). `moe_dense` runs every
 expert on every token and weights by a [T, E] combine matrix: simple, O(T * E), for tests.
 """
 
@@ -29,9 +31,23 @@ Activation = Callable[[jax.Array, jax.Array], jax.Array]
 GPT_OSS_ACT: Activation = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
 
 
+def router_logits(x, router):
+    """x [T, D] @ router [D, E] with fp32 (or wider) accumulation.
+
+    One token is multiplied as two rows (a zero row added, its result dropped): XLA:GPU rewrites a
+    [1, D] x [D, E] product as multiply + reduce down the columns of router, which for GPT-OSS-20B's
+    [2880, 32] took 26.5 us per layer and token on an H200 inside generation, against 5.8 us for the
+    two-row product as a cuBLAS call (`tessera profile specs/gpt_oss_20b.yaml`, bench/RESULTS.md).
+    """
+    if x.shape[0] == 1:
+        two = jnp.concatenate([x, jnp.zeros_like(x)])
+        return jnp.einsum("td,de->te", two, router, preferred_element_type=wide(x.dtype))[:1]
+    return jnp.einsum("td,de->te", x, router, preferred_element_type=wide(x.dtype))
+
+
 def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int):
     """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k])."""
-    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=wide(x.dtype))
+    logits = router_logits(x, router.astype(x.dtype))
     if router_bias is not None:
         logits = logits + router_bias.astype(logits.dtype)
     top, experts = jax.lax.top_k(logits, top_k)  # [T, k], sorted descending
@@ -56,6 +72,34 @@ def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
     combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [T, E]
     y = _expert_ffn_dense(x, gate, up, down, gate_bias, up_bias, down_bias, act)  # [T, E, D]
     return jnp.einsum("te,ted->td", combine, y).astype(x.dtype)
+
+
+# The most (token, expert) copies that `moe_pairs` serves: each reads its expert's weights on its own, so
+# an expert shared by several tokens of a step is read once per token; at batch 8 of GPT-OSS's top-4 of
+# 32 experts that is 32 reads for ~21 distinct experts, still cheaper than the sort and scatter.
+PAIRS_MAX = 32
+
+
+def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
+              act: Activation = GPT_OSS_ACT, pair_dot=mxfp4.pair_dot) -> jax.Array:
+    """Unsorted MoE for few tokens: x [T, D] -> [T, D]; copy (t, j) multiplies x[t] by expert experts[t, j].
+
+    `pair_dot(lhs [R, K], rhs [G, K, N], experts [R], preferred_element_type)` is `reference.mxfp4.pair_dot`
+    or a kernel with its semantics; the same products as `moe`, summed over each token's k copies in
+    routing order.
+    """
+    t, d = x.shape
+    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k)
+    flat = experts.reshape(-1)  # [T*k], copy c belongs to token c // k
+    xs = jnp.repeat(x, top_k, axis=0)  # [T*k, D]
+    ct = wide(x.dtype)
+    pd = functools.partial(pair_dot, experts=flat, preferred_element_type=ct)
+    g = pd(xs, _operand(gate, x.dtype)) + gate_bias.astype(ct)[flat]
+    u = pd(xs, _operand(up, x.dtype)) + up_bias.astype(ct)[flat]
+    h = act(g.astype(x.dtype), u.astype(x.dtype))
+    y = pd(h, _operand(down, x.dtype)) + down_bias.astype(ct)[flat]  # [T*k, D]
+    # a weighted sum, not a product with k = 4 contracted: it fuses with the bias and split-K sums before it
+    return (y.reshape(t, top_k, d) * weights[..., None]).sum(axis=1).astype(x.dtype)
 
 
 def _operand(w, dtype):

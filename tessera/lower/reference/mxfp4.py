@@ -109,6 +109,16 @@ def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_ele
                               preferred_element_type=preferred_element_type)
 
 
+def pair_dot(lhs: jax.Array, rhs, experts: jax.Array, preferred_element_type=None) -> jax.Array:
+    """Row r of lhs [R, K] times expert experts[r] of rhs [G, K, N] (packed MXFP4 or plain) -> [R, N].
+
+    The few-copies form of an expert product (decode: one row per (token, expert) pair, in any order):
+    each row gathers only its expert's weights, and nothing is sorted or counted.
+    """
+    w = dense(jax.tree.map(lambda a: a[experts], rhs), lhs.dtype)  # [R, K, N]
+    return jnp.einsum("rk,rkn->rn", lhs, w, preferred_element_type=preferred_element_type)
+
+
 def any_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
     """`jax.lax.ragged_dot` that also takes a packed MXFP4 rhs (then `ragged_dot` above)."""
     if isinstance(rhs, MXFP4):

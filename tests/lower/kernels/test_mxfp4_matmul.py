@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tessera.lower.kernels._tables import cumsum
-from tessera.lower.kernels.mxfp4_matmul import (Mxfp4Config, _tile_table, default_config, matmul, ragged_dot,
-                                                ragged_dot_reference, supported)
+from tessera.lower.kernels.mxfp4_matmul import (Mxfp4Config, _tile_table, default_config, matmul, pair_dot,
+                                                ragged_dot, ragged_dot_reference, supported, supported_pairs)
 from tessera.lower.reference import mxfp4 as ref
 from tests.lower.kernels._check import assert_close
 
@@ -98,6 +98,28 @@ def test_interpret_grad_lhs_and_matmul():
     assert_close(out32, _want(lhs, rhs, gs), 1e-5, "fp32 out")
     out = matmul(lhs.reshape(4, 5, 64), w, config=cfg)
     assert_close(out, ref.matmul(lhs.astype(jnp.float32), w).reshape(4, 5, 32), 1e-2, "matmul")
+
+
+@pytest.mark.parametrize("experts,cfg", [
+    ([3, 0, 3, 1, 3], Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True)),  # shared, unsorted
+    ([2], Mxfp4Config(block_m=16, block_n=64, block_k=32, interpret=True)),
+])
+def test_interpret_pair_dot(experts, cfg):
+    """Row r times expert experts[r], in any order and with repeats; d lhs through the reference's VJP."""
+    r, k, n = len(experts), 96, 48
+    lhs, rhs, _ = _inputs(r + 11, r, k, n, [0] * 4)
+    ex = jnp.asarray(experts, jnp.int32)
+    assert supported_pairs(lhs, rhs, ex, cfg) and not supported_pairs(lhs, rhs, ex[:, None], cfg)
+    got = jax.jit(lambda a, b, e: pair_dot(a, b, e, preferred_element_type=jnp.float32, config=cfg))(lhs, rhs, ex)
+    want = jnp.stack([ref.matmul(lhs[i].astype(jnp.float32), ref.MXFP4(rhs.codes[e], rhs.scales[e]))
+                      for i, e in enumerate(experts)])
+    assert got.dtype == jnp.float32
+    assert_close(got, want, 1e-5, "pairs")
+    assert_close(got, ref.pair_dot(lhs, rhs, ex, preferred_element_type=jnp.float32), 1e-5, "reference pairs")
+    ct = jax.random.normal(jax.random.key(1), (r, n), jnp.float32)
+    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.vdot(f(x).astype(jnp.float32), ct)))(lhs)
+    assert_close(grad(lambda x: pair_dot(x, rhs, ex, config=cfg)),
+                 grad(lambda x: ref.pair_dot(x, rhs, ex, preferred_element_type=jnp.float32)), 1e-2, "dlhs")
 
 
 def test_supported_and_default_config():
