@@ -108,13 +108,3 @@ def test_pairs_equals_sorted_with_shared_and_idle_experts(packed):
     assert float(jnp.abs(sorted_).max()) > 1.0
     np.testing.assert_allclose(pairs, sorted_, rtol=1e-5, atol=1e-5)
 
-
-def test_router_logits_of_one_token_are_its_row():
-    """One token is multiplied as two rows (XLA:GPU's faster path): the result is that token's row alone."""
-    r = np.random.default_rng(5)
-    x, w = r.standard_normal((3, 64)).astype(np.float32), r.standard_normal((64, 8)).astype(np.float32)
-    one = np.asarray(moe.router_logits(jnp.asarray(x[1:2]), jnp.asarray(w)))
-    assert one.shape == (1, 8)
-    np.testing.assert_allclose(one, x[1:2].astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(moe.router_logits(jnp.asarray(x), jnp.asarray(w))), x @ w, rtol=1e-5,
-                               atol=1e-5)

@@ -31,23 +31,9 @@ Activation = Callable[[jax.Array, jax.Array], jax.Array]
 GPT_OSS_ACT: Activation = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
 
 
-def router_logits(x, router):
-    """x [T, D] @ router [D, E] with fp32 (or wider) accumulation.
-
-    One token is multiplied as two rows (a zero row added, its result dropped): XLA:GPU rewrites a
-    [1, D] x [D, E] product as multiply + reduce down the columns of router, which for GPT-OSS-20B's
-    [2880, 32] took 26.5 us per layer and token on an H200 inside generation, against 5.8 us for the
-    two-row product as a cuBLAS call (`tessera profile specs/gpt_oss_20b.yaml`, bench/RESULTS.md).
-    """
-    if x.shape[0] == 1:
-        two = jnp.concatenate([x, jnp.zeros_like(x)])
-        return jnp.einsum("td,de->te", two, router, preferred_element_type=wide(x.dtype))[:1]
-    return jnp.einsum("td,de->te", x, router, preferred_element_type=wide(x.dtype))
-
-
 def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int):
     """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k])."""
-    logits = router_logits(x, router.astype(x.dtype))
+    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=wide(x.dtype))
     if router_bias is not None:
         logits = logits + router_bias.astype(logits.dtype)
     top, experts = jax.lax.top_k(logits, top_k)  # [T, k], sorted descending
@@ -75,9 +61,10 @@ def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
 
 
 # The most (token, expert) copies that `moe_pairs` serves: each reads its expert's weights on its own, so
-# an expert shared by several tokens of a step is read once per token; at batch 8 of GPT-OSS's top-4 of
-# 32 experts that is 32 reads for ~21 distinct experts, still cheaper than the sort and scatter.
-PAIRS_MAX = 32
+# an expert shared by several tokens of a step is read once per token. Measured with `python -m bench.e2e`
+# on an H200 (GPT-OSS-20B, top-4 of 32, 32 new tokens): batch 1 (4 copies) decodes at 336-357 tok/s
+# against 317 sorted; batch 8 (32 copies, ~21 distinct experts) at 888 against 1,725 sorted. So: up to one GPT-OSS token.
+PAIRS_MAX = 4
 
 
 def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
