@@ -6,7 +6,10 @@ matrix-vector product into multiply + reduce, fuses the norm that produces x int
 reduce runs down the columns. This times each formulation after an RMSNorm in a scan over tokens with 24
 layers' routers (as generation holds them: one array per layer), checks each against a float64 product, and
 prints the fusion kinds each becomes. First GPU run (H200, jax 0.11.2), without the norm in front: every
-formulation was a cuBLAS call of 4.3 us (batch 1) — the 26 us case needs the fused producer.
+formulation was a cuBLAS call of 4.3 us (batch 1) — the 26 us case needs the fused producer. Second run
+(sixteenth session), with the norm: every formulation 5.5-6 us per layer-token, two rows 8.9 us. Inside
+GPT-OSS-20B's generate the product is a column reduce of its own (the norm is not fused into it), 26.5 us
+in `tessera profile` and 5.8 us as two rows, but `tessera run` (CUDA graphs) ran no faster with two rows.
 
     python -m bench.decode_router [--tokens 64] [--layers 24] [--batch 1]
 """

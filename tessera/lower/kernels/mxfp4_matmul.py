@@ -14,6 +14,9 @@ time into eight bf16 weights with inline-PTX bit sequences (`dequantize_tile`: b
 and two bf16x2 FMAs, exact) and feeds two tensor-core dots. Split-K partials (fp32) are summed
 outside; at decode M that buffer is tiny.
 
+`pair_dot` runs the same kernel over unsorted (row, expert) pairs, one row a run (decode of one token:
+`reference.moe.moe_pairs`), with no table to build.
+
 Backend: `pl.pallas_call` lowered through Triton (jax 0.10-0.12; CPU interpreter for CI). Forward only;
 the gradient w.r.t. lhs goes through the reference (dequantised weights), packed weights get none.
 
