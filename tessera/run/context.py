@@ -45,22 +45,31 @@ class RunContext:
 
 
 class Interrupt:
-    """Turns Ctrl-C (SIGINT) into a flag the training loop polls, so it can checkpoint and stop cleanly."""
+    """Turns Ctrl-C (SIGINT) and a scheduler's SIGTERM into a flag the training loop polls, so it can
+    checkpoint and stop cleanly; `signum` is the signal that asked (a second one stops at once)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "Interrupt":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second Ctrl-C stops at once
+        if self.requested:  # a second signal stops at once
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signum = True, signum
+
+    @property
+    def name(self) -> str:
+        """The signal's name (SIGINT, SIGTERM), or "" when none came."""
+        return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

@@ -1,4 +1,4 @@
-"""A real training process killed (SIGKILL mid-training, SIGKILL during a checkpoint save, Ctrl-C),
+"""A real training process killed (SIGKILL mid-training, SIGKILL during a checkpoint save, Ctrl-C, SIGTERM),
 then resumed, ends bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
@@ -97,13 +97,15 @@ def test_sigkill_during_checkpoint_save_keeps_previous(tmp_path, reference):
     _resumes_bit_identical(tmp_path, out, reference, 10)  # re-running into the same --out continues
 
 
-def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path, reference):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C; a scheduler's preemption
+def test_interrupt_checkpoints_and_exits_cleanly(tmp_path, reference, sig):
     out = tmp_path / "run"
     proc = _start(tmp_path, out, "--step-sleep", "0.05")
     _wait_for(lambda: _steps_logged(out) >= 15)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     code, log = _finish(proc)
-    assert code == 130 and "Traceback" not in log, log
+    assert code == 128 + sig and "Traceback" not in log, log
+    assert f"interrupted ({sig.name}): checkpoint at step" in log, log
     m = _manifest(out)
     stopped = m["metrics"][-1]["step"]
     assert m["status"] == "interrupted" and 15 <= stopped < 40

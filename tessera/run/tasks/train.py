@@ -9,6 +9,7 @@ not stall the accelerator each step; every step's numbers are still recorded.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from typing import Any
 
@@ -23,7 +24,6 @@ from tessera.run.data import STREAM_EVAL, SyntheticSource, build_source
 from tessera.run.manifest import now, params_checksum
 from tessera.run.progress import Progress
 
-EXIT_INTERRUPTED = 130
 
 
 def _params(state) -> dict:
@@ -212,9 +212,9 @@ def run(ctx: RunContext) -> int:
             tr.ckpts.wait()
             step = tr.ckpts.latest_step()
             ctx.manifest.finish("interrupted", params_checksum=params_checksum(_params(tr.state)))
-            ctx.say(f"interrupted: checkpoint at step {step} in {tr.ckpts.directory}; "
+            ctx.say(f"interrupted ({ctx.interrupt.name}): checkpoint at step {step} in {tr.ckpts.directory}; "
                     f"continue with --resume --out {ctx.run_dir}")
-            return EXIT_INTERRUPTED
+            return 128 + (ctx.interrupt.signum or signal.SIGINT)  # the shell's code for death by that signal
         tr.save(tr.steps)
         tr.ckpts.wait()
         ctx.manifest.update(params_checksum=params_checksum(_params(tr.state)))
