@@ -1,9 +1,11 @@
 """Checkpoints through orbax: the train state plus a JSON record of where the run stood.
 
 A checkpoint `<dir>/<step>/` holds `state` (the TrainState pytree: step, params, optimizer state) and
-`meta` (data step, RNG seed, the resolved spec that made it, the metrics so far). Orbax writes each
-one into a temporary directory and renames it when complete, so a process killed mid-save leaves
-the previous checkpoint as the latest; half-written directories are ignored and cleaned up.
+`meta` (data step, RNG seed, the resolved spec that made it, the metrics so far, and `digest`: two
+checksums of every state tensor's bits). Orbax writes each one into a temporary directory and renames
+it when complete, so a process killed mid-save leaves the previous checkpoint as the latest;
+half-written directories are ignored and cleaned up. Orbax stores no checksums of its own (a flipped
+byte in a data file restores as a wrong number), so `Checkpoints.restore` compares the digest.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from tessera.diagnostics import Diagnostic, TesseraError
@@ -23,6 +28,40 @@ RESUMABLE_CHANGES = (
     "name", "checkpoint", "task.steps", "task.log_every", "task.eval_every", "task.eval_batches",
     "task.sample", "mesh", "parallel", "kernels",
 )
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be read back as it was written (truncated, missing or corrupted files)."""
+
+
+@jax.jit
+def _digests(leaves: list) -> list:
+    """Per tensor, uint32 [2]: the sum of its 32-bit words and their sum weighted by 2i+1 (wrapping).
+
+    Any one flipped bit changes the first; swapped words change the second. Integer sums do not depend
+    on the order of reduction, so the digest is the same on any mesh.
+    """
+    out = []
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        x = jnp.asarray(x).reshape(-1)
+        if x.dtype.itemsize == 8:
+            words = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+        elif x.dtype == jnp.bool_:
+            words = x.astype(jnp.uint32)
+        else:
+            words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+        odd = (2 * jnp.arange(words.shape[0], dtype=jnp.uint32) + 1)
+        out.append(jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * odd, dtype=jnp.uint32)]))
+    return out
+
+
+def state_digest(state: Any) -> dict[str, list[int]]:
+    """{tensor path: [sum, weighted sum]} of a state's tensors (see `_digests`), for a checkpoint's meta."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    sums = jax.device_get(_digests([leaf for _, leaf in flat]))
+    return {jax.tree_util.keystr(path): [int(v) for v in np.asarray(d)] for (path, _), d in zip(flat, sums)}
 
 
 class Checkpoints:
@@ -43,20 +82,38 @@ class Checkpoints:
         return list(self._mgr.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Write the state and its meta record as checkpoint `step` (replacing nothing that exists)."""
+        """Write the state and its meta record (plus the state's `digest`) as checkpoint `step`
+        (replacing nothing that exists)."""
         if step in self._mgr.all_steps():
             return
+        meta = {**meta, "digest": state_digest(state)}
         self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
 
     def read_meta(self, step: int) -> dict:
-        """Only the JSON record of checkpoint `step` (cheap: no arrays are read)."""
-        return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """Only the JSON record of checkpoint `step` (cheap: no arrays are read); DamagedCheckpoint if unreadable."""
+        try:
+            return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as exc:  # orbax raises what its readers raise (JSON, TensorStore, OS errors)
+            raise DamagedCheckpoint(f"its record (meta) cannot be read: {_first_line(exc)}") from None
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-        """The state of checkpoint `step`, laid out (structure, dtypes, shardings) like `target`."""
-        out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                              meta=ocp.args.JsonRestore()))
+        """The state of checkpoint `step`, laid out (structure, dtypes, shardings) like `target`.
+
+        DamagedCheckpoint if a file is missing or cut short, or a tensor's bits differ from the digest
+        written with it (checkpoints from before the digest are not compared)."""
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                  meta=ocp.args.JsonRestore()))
+        except Exception as exc:
+            raise DamagedCheckpoint(f"its tensors cannot be read: {_first_line(exc)}") from None
+        want = out["meta"].get("digest")
+        if want is not None:
+            got = state_digest(out["state"])
+            bad = [path for path in want if got.get(path) != want[path]]
+            if bad:
+                raise DamagedCheckpoint(f"{len(bad)} tensor(s) differ from what was written: "
+                                        + ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
         return out["state"], out["meta"]
 
     def wait(self) -> None:
@@ -67,6 +124,13 @@ class Checkpoints:
         """Finish pending saves and release the manager."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+
+
+def _first_line(exc: Exception) -> str:
+    """The exception's first line, short: TensorStore's errors go on with the whole store spec."""
+    text = str(exc).strip().splitlines()
+    first = text[0].split(" See full TensorStore details")[0] if text else ""
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -150,3 +151,37 @@ def test_a_second_run_into_a_directory_another_run_is_writing_is_refused(run_fak
         holder.kill()
         holder.wait()
     assert run_fake(small_spec, out=out).status == "completed"
+
+
+def _largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete"])
+def test_damaged_checkpoint_is_refused_at_resume_and_the_previous_offered(run_fake, small_spec, tmp_path, damage):
+    """A corrupted, cut-short or missing tensor file in the latest checkpoint stops --resume with the step
+    named and the older checkpoint offered; set aside as told, the run continues from that one exactly."""
+    spec = dict(small_spec, checkpoint={**small_spec.get("checkpoint", {}), "every": 10, "keep": 3})
+    whole = run_fake(spec, out=tmp_path / "whole")
+    short = dict(spec, task={**spec["task"], "steps": 20})
+    run_fake(short, out=tmp_path / "r")  # checkpoints 10 and 20
+    data = _largest_file(tmp_path / "r" / "ckpt" / "20" / "state")
+    if damage == "flip a byte":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        data.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    else:
+        data.unlink()
+    with pytest.raises(RunError) as err:
+        run_fake(spec, out=tmp_path / "r")
+    msg = str(err.value)
+    assert "checkpoint at step 20" in msg and "is damaged" in msg and "older checkpoints: 10" in msg, msg
+    if damage == "flip a byte":
+        assert "1 tensor(s) differ from what was written" in msg, msg
+    move = msg.split("(mv ")[1].split(")")[0].split()
+    Path(move[0]).rename(move[1])
+    resumed = run_fake(spec, out=tmp_path / "r")
+    assert resumed.manifest["resumed"][-1]["from_step"] == 10
+    assert resumed.metrics == whole.metrics and resumed.params_checksum == whole.params_checksum

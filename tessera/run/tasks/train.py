@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from tessera.diagnostics import RunError
-from tessera.run.checkpoint import Checkpoints, check_compatible
+from tessera.run.checkpoint import Checkpoints, DamagedCheckpoint, check_compatible
 from tessera.spec.files import file_records
 from tessera.run.context import Interrupt, RunContext
 from tessera.run.data import STREAM_EVAL, SyntheticSource, build_source
@@ -68,15 +68,30 @@ class Trainer:
             self.state = state
             self.ctx.metrics.truncate_after(0)  # a directory reused without a checkpoint starts over
             return 0
-        meta = self.ckpts.read_meta(latest)
-        check_compatible(self.exp, meta["spec"], self.exp.resolved(), self.ckpts.directory / str(latest),
-                         meta.get("files"))
-        self.state, meta = self.ckpts.restore(latest, state)
+        try:
+            meta = self.ckpts.read_meta(latest)
+            check_compatible(self.exp, meta["spec"], self.exp.resolved(), self.ckpts.directory / str(latest),
+                             meta.get("files"))
+            self.state, meta = self.ckpts.restore(latest, state)
+        except DamagedCheckpoint as exc:
+            raise RunError(self._damaged(latest, exc)) from None
         self.records = list(meta["metrics"])
         self.ctx.metrics.truncate_after(latest)
         self.ctx.manifest.record["resumed"].append({"from_step": latest, "at": now()})
         self.ctx.say(f"resuming from checkpoint at step {latest} in {self.ckpts.directory}")
         return int(meta["data_step"])
+
+    def _damaged(self, step: int, exc: DamagedCheckpoint) -> str:
+        """What to say of a checkpoint that cannot be restored, and which one to continue from instead."""
+        where = self.ckpts.directory / str(step)
+        older = [s for s in self.ckpts.all_steps() if s < step]
+        if older:
+            aside = self.ckpts.directory.parent / f"damaged-checkpoint-{step}"  # outside: orbax cleans its own dir
+            offer = (f"older checkpoints: {', '.join(map(str, sorted(older)))}; to continue from step {max(older)}, "
+                     f"move the damaged one aside (mv {where} {aside}) and run again with --resume")
+        else:
+            offer = "no older checkpoint is kept here; remove it to start over"
+        return f"checkpoint at step {step} in {self.ckpts.directory} is damaged: {exc}; {offer}"
 
     def flush(self, eval_loss: float | None = None) -> list[dict]:
         """Bring pending metrics to the host, stop on a non-finite loss, record them (eval loss on the last)."""
