@@ -157,7 +157,9 @@ def _open_bin(path: Path) -> np.ndarray:
     if width not in (2, 4):
         raise RunError(f"data file {path}: header says {width} bytes per token; expected 2 or 4")
     if (size - BIN_HEADER) % width:
-        raise RunError(f"data file {path} is truncated: {size - BIN_HEADER} data bytes is not a multiple of {width}")
+        last = BIN_HEADER + (size - BIN_HEADER) // width * width
+        raise RunError(f"data file {path} is truncated: its last token starts at byte {last:,} and needs {width} "
+                       f"bytes, but the file ends at byte {size:,}")
     return np.memmap(path, dtype=f"<u{width}", mode="r", offset=BIN_HEADER)
 
 
@@ -174,6 +176,10 @@ class TokenFileSource:
         self._perm: dict[tuple[int, int], np.ndarray] = {}
         self.fingerprint = file_fingerprint(self.path)
 
+    def _byte(self, index: int) -> int:
+        """The file offset of token `index` (past any header)."""
+        return int(getattr(self.tokens, "offset", 0)) + index * self.tokens.dtype.itemsize
+
     def _order(self, epoch: int, stream: int) -> np.ndarray:
         key = (epoch, stream)
         if key not in self._perm:
@@ -183,15 +189,18 @@ class TokenFileSource:
     def batch(self, step: int, stream: int = STREAM_TRAIN) -> dict[str, np.ndarray]:
         """Batch `step`: the (step*B)-th to (step*B+B-1)-th windows of the seeded order, every target counted."""
         s, b = self.seq_len, self.batch_size
-        rows = []
+        rows, starts = [], []
         for k in range(step * b, step * b + b):  # k-th window drawn overall
             epoch, i = divmod(k, self.windows)
-            start = int(self._order(epoch, stream)[i]) * s
-            rows.append(np.asarray(self.tokens[start:start + s + 1], np.int64))
+            starts.append(int(self._order(epoch, stream)[i]) * s)
+            rows.append(np.asarray(self.tokens[starts[-1]:starts[-1] + s + 1], np.int64))
         seq = np.stack(rows)  # [B, S+1]
         if int(seq.max()) >= self.vocab:
-            raise RunError(f"data file {self.path}: token id {int(seq.max())} at batch {step} is outside the "
-                           f"model's vocabulary of {self.vocab}")
+            r, c = np.argwhere(seq >= self.vocab)[0]
+            index = starts[r] + int(c)
+            raise RunError(f"data file {self.path}: token id {int(seq[r, c])} at token {index:,} (byte "
+                           f"{self._byte(index):,}), read for batch {step}, is outside the model's vocabulary "
+                           f"of {self.vocab}")
         return {"tokens": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32),
                 "mask": np.ones((b, s), np.float32)}
 

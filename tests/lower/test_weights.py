@@ -132,6 +132,27 @@ def test_missing_unexpected_and_misshaped_tensors(tmp_path):
     assert exc.value.diagnostics[2].hint == "did you mean `model.layers.0.self_attn.sinks`?"
 
 
+@pytest.mark.parametrize("cut,want", [
+    (lambda raw: raw[: len(raw) - 100], "ends at byte {end:,}, but the file ends at byte {size:,} (truncated: 100 bytes"),
+    (lambda raw: raw[:5], "the file is 5 bytes, shorter than the 8-byte header length"),
+    (lambda raw: raw[:40], "the header length says {n:,} bytes of JSON from byte 8, but the file ends at byte 40"),
+    (lambda raw: raw[:8] + b"{\"x\" 1" + raw[14:], "the JSON header is invalid at byte 13"),
+    (lambda raw: raw + b"\0" * 7, "the data ends at byte {end:,}, but the file goes on to byte {size:,}"),
+])
+def test_damaged_safetensors_is_named_with_the_byte_offset(tmp_path, cut, want):
+    d = _copy(tmp_path)
+    path = d / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    damaged = cut(raw)
+    path.write_bytes(damaged)
+    with pytest.raises(TesseraError) as exc:
+        load_hf_weights(d, family="gpt_oss", args=GPT_ARGS)
+    (message,) = _messages(exc)
+    assert message.startswith(f"{path} cannot be read as safetensors: "), message
+    assert want.format(end=len(raw), size=len(damaged), n=n) in message, message
+
+
 def test_missing_files(tmp_path):
     with pytest.raises(TesseraError) as exc:
         load_hf_weights(tmp_path, family="llama", args={})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import numpy as np
@@ -74,14 +75,20 @@ def test_bad_data_files_have_plain_messages(tmp_path):
     assert "even size" in err(tmp_path / "odd.bin")
     write_bin(tmp_path / "t.bin", np.arange(100))
     (tmp_path / "trunc.bin").write_bytes((tmp_path / "t.bin").read_bytes()[:-1])
-    assert "truncated" in err(tmp_path / "trunc.bin")
+    assert "truncated: its last token starts at byte 214 and needs 2 bytes, but the file ends at byte 215" in err(
+        tmp_path / "trunc.bin")
     bad = bytearray((tmp_path / "t.bin").read_bytes())
     bad[8] = 3
     (tmp_path / "width.bin").write_bytes(bytes(bad))
     assert "3 bytes per token" in err(tmp_path / "width.bin")
     write_bin(tmp_path / "short.bin", np.arange(5))
     assert "fewer than one sequence" in err(tmp_path / "short.bin")
-    assert "outside the model's vocabulary of 50" in err(tmp_path / "t.bin", batch=20)
+    msg = err(tmp_path / "t.bin", batch=20)
+    found = re.search(r"token id (\d+) at token (\d+) \(byte (\d+)\), read for batch 0, is outside the model's "
+                      r"vocabulary of 50", msg)
+    assert found, msg
+    token, index, offset = map(int, found.groups())  # the file holds 0, 1, 2, ...: a token's id is its index
+    assert token == index >= 50 and offset == 16 + 2 * index
     np.save(tmp_path / "f.npy", np.zeros(100, np.float32))
     assert "1-D integer array" in err(tmp_path / "f.npy")
     (tmp_path / "x.txt").write_text("1 2 3")

@@ -36,6 +36,37 @@ def checkpoint_files(directory: Path) -> list[Path]:
     raise TesseraError(Diagnostic(f"no {SINGLE} or {INDEX} in {relpath(directory)}"))
 
 
+def damage(path: Path) -> str | None:
+    """Where a safetensors file breaks its format, with byte offsets (None if no fault is found here).
+
+    The format: 8 bytes of little-endian header length N, N bytes of JSON {name: {dtype, shape,
+    data_offsets: [begin, end]}} (offsets relative to byte 8 + N), then the data, which must end the file.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"the file is {size} bytes, shorter than the 8-byte header length it must start with"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"the header length says {n:,} bytes of JSON from byte 8, but the file ends at byte {size:,}"
+        text = fh.read(n)
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        at = 8 + getattr(exc, "pos", getattr(exc, "start", 0))
+        return f"the JSON header is invalid at byte {at:,} ({exc})"
+    ends = [(info["data_offsets"][1], name) for name, info in header.items()
+            if name != "__metadata__" and isinstance(info, dict) and "data_offsets" in info]
+    end, name = max(ends, default=(0, None))
+    if 8 + n + end > size:
+        return (f"tensor `{name}` ends at byte {8 + n + end:,}, but the file ends at byte {size:,} "
+                f"(truncated: {8 + n + end - size:,} bytes missing)")
+    if 8 + n + end < size:
+        return f"the data ends at byte {8 + n + end:,}, but the file goes on to byte {size:,}"
+    return None
+
+
 class TensorSource:
     """Every tensor of a checkpoint by name: where it lives, its shape, and its value on demand."""
 
@@ -43,7 +74,11 @@ class TensorSource:
         self.files: dict[str, Path] = {}
         self._handles = {}
         for path in checkpoint_files(directory):
-            handle = self._handles[path] = safe_open(str(path), framework="numpy")
+            try:
+                handle = self._handles[path] = safe_open(str(path), framework="numpy")
+            except Exception as exc:  # safetensors' SafetensorError; an OSError for an unreadable file
+                raise TesseraError(Diagnostic(f"{relpath(path)} cannot be read as safetensors: "
+                                              f"{damage(path) or exc}")) from None
             for name in handle.keys():
                 self.files[name] = path
         self.mxfp4 = {n[: -len("_blocks")] for n in self.files
