@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tessera.diagnostics import Diagnostic, TesseraError
+from tessera.diagnostics import Diagnostic, RunError, TesseraError
 from tessera.spec.files import by_content, file_records
 
 ABSENT = "(absent)"  # shown for a key one spec has and the other lacks
@@ -87,8 +87,11 @@ class Checkpoints:
         if step in self._mgr.all_steps():
             return
         meta = {**meta, "digest": state_digest(state)}
-        self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)), force=True)
+        try:
+            self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as exc:
+            raise self._write_failed(step, exc) from None
 
     def read_meta(self, step: int) -> dict:
         """Only the JSON record of checkpoint `step` (cheap: no arrays are read); DamagedCheckpoint if unreadable."""
@@ -118,12 +121,26 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Block until any save in flight is finished and renamed into place."""
-        self._mgr.wait_until_finished()
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as exc:  # an asynchronous save's failure surfaces here
+            raise self._write_failed(None, exc) from None
+
+    def _write_failed(self, step: int | None, exc: Exception) -> RunError:
+        """A save that failed (a full disk, a lost mount): what was lost and what is kept. Orbax writes into
+        a temporary directory renamed only when complete, so the newest complete checkpoint is intact."""
+        kept = self._mgr.latest_step()
+        what = f"checkpoint at step {step}" if step is not None else "a checkpoint"
+        keep = (f"the checkpoint at step {kept} is intact; free space and continue with --resume" if kept is not None
+                else "no earlier checkpoint was written")
+        return RunError(f"{what} could not be written to {self.directory}: {_first_line(exc)}; {keep}")
 
     def close(self) -> None:
         """Finish pending saves and release the manager."""
-        self._mgr.wait_until_finished()
-        self._mgr.close()
+        try:
+            self.wait()
+        finally:
+            self._mgr.close()
 
 
 def _first_line(exc: Exception) -> str:

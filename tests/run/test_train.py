@@ -185,3 +185,34 @@ def test_damaged_checkpoint_is_refused_at_resume_and_the_previous_offered(run_fa
     resumed = run_fake(spec, out=tmp_path / "r")
     assert resumed.manifest["resumed"][-1]["from_step"] == 10
     assert resumed.metrics == whole.metrics and resumed.params_checksum == whole.params_checksum
+
+
+def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint(run_fake, small_spec, tmp_path,
+                                                                                  monkeypatch):
+    """The save of step 20 fails as a full disk fails it, after writing part of its temporary directory: the
+    run stops with a plain error naming the step and the intact checkpoint, and --resume continues from it."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    spec = dict(small_spec, checkpoint={"dir": "ckpt", "every": 10, "keep": 3})
+    whole = run_fake(spec, out=tmp_path / "whole")
+    real_save = ocp.CheckpointManager.save
+
+    def full_disk(self, step, *args, **kwargs):
+        if step == 20:
+            (Path(self.directory) / "20.orbax-checkpoint-tmp-1").mkdir()  # what a cut-off save leaves
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(RunError) as err:
+        run_fake(spec, out=tmp_path / "r")
+    msg = str(err.value)
+    assert "checkpoint at step 20 could not be written" in msg and "No space left on device" in msg, msg
+    assert "the checkpoint at step 10 is intact" in msg, msg
+    assert json.loads((tmp_path / "r" / "manifest.json").read_text())["status"] == "failed"
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+    resumed = run_fake(spec, out=tmp_path / "r", resume=True)
+    assert resumed.manifest["resumed"][-1]["from_step"] == 10
+    assert resumed.metrics == whole.metrics and resumed.params_checksum == whole.params_checksum
