@@ -10,7 +10,10 @@ Generation (`LowerCtx.unroll`) runs every layer unrolled instead, over per-layer
 (`split_layers`: each stacked parameter a list of its n layers) and per-layer KV caches. Inside a
 scan XLA copies a layer's slice of every stacked weight that a GEMM or a kernel reads, and of its
 cache, before using it: at decode that is the whole model copied per token (GPT-OSS 20b on an
-H200: 7.3 of 12.9 ms a token), while the step itself reads each weight once.
+H200: 7.3 of 12.9 ms a token), while the step itself reads each weight once. The unrolled layers are traced and lowered once per
+period (a jitted function per phase, which XLA inlines): a 24-layer generate program on the CPU traced in
+1.3 s instead of 8.8 and lowered in 1.2 s instead of 3.0, and on a GPU every layer's kernels were
+lowered again before (GPT-OSS-20B: 8.2 s of tracing and 19.6 s of lowering on an H200).
 """
 
 from __future__ import annotations
@@ -177,15 +180,25 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
 def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list | None):
     """`repeat` as n unrolled layers; layer i reads `params[path][i]` for a split parameter (a list)
     and `state[i]`, and gets its static attributes."""
-    n, region = op.attrs["n"], op.region
+    n, region, axis = op.attrs["n"], op.region, op.attrs["axis"].name
     if _stacked_paths(op, params):
         raise ValueError(f"an unrolled repeat needs its stacked parameters split first (split_layers): "
                          f"{_stacked_paths(op, params)[:3]}")
+    p = period(region, n)
+    phases: dict[int, Any] = {}
+
+    def phase(j: int):
+        # layers i and i + p have the same static attributes: one jitted function traces and lowers them
+        # (kernels included) once, and XLA inlines its calls, so the program is the same as written out
+        if j not in phases:
+            phases[j] = jax.jit(lambda index, carry, here, st: eval_region(
+                region, [index, *carry], here, ctx, st, layer=j, scope=axis))
+        return phases[j]
+
     carry, new_states = list(ins), []
     for i in range(n):
         here = {path: (v[i] if isinstance(v, list) else v) for path, v in params.items()}
-        carry, st = eval_region(region, [jnp.int32(i), *carry], here, ctx, None if state is None else state[i],
-                                layer=i, scope=op.attrs["axis"].name)
+        carry, st = phase(i % p)(jnp.int32(i), carry, here, None if state is None else state[i])
         new_states.append(st)
     return carry, (None if state is None else new_states)
 
