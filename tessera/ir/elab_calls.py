@@ -282,6 +282,13 @@ def emit_op(el: Elaborator, frame: _Frame, name: str, data: list, attrs: dict, s
         mentioned = [a for a in exprs if re.search(rf"\b{a}\b", str(exc))]
         notes = [n for a in mentioned for n in _notes(el, exprs, a)]
         raise el.error(f"`{name}`: {exc}", span, notes=notes) from None
+    for d in decls:  # a size of 0 or less from a model argument: refused here, not by a crash in the lowering
+        small = [dim for dim in d.dims if isinstance(dim.size, int) and dim.size < 1]
+        if small:
+            given = [a for a in exprs if any(attrs.get(a) == dim.size for dim in small)]
+            raise el.error(f"`{name}`: its parameter `{d.name}` would have "
+                           f"{', '.join(f'{dim.name} = {dim.size}' for dim in small)}; every size must be at least 1",
+                           span, notes=[n for a in given for n in _notes(el, exprs, a)])
     prefix = _scope(frame, A.Call(name, (), (), scope, span), name)
     refs = []
     for d in decls:

@@ -185,6 +185,13 @@ def _attention_rule(ins, attrs):
     need_float(x)
     need_dim(x, "seq")
     _sized(x, "embed")
+    small = [f"{n} = {attrs[n]}" for n in ("heads", "kv_heads", "head_dim") if attrs[n] < 1]
+    window = attrs["window"]
+    windows = window.values if isinstance(window, PerLayer) else (window,)
+    small += [f"window = {w}" for w in dict.fromkeys(windows) if w is not None and w < 1]
+    if small:
+        raise OpError(f"attention needs a head, a head element and a window (if any) of at least 1: "
+                      f"{', '.join(small)}")
     if attrs["heads"] % attrs["kv_heads"]:
         raise OpError(f"heads ({attrs['heads']}) must be a multiple of kv_heads ({attrs['kv_heads']})")
     return [x]

@@ -150,7 +150,10 @@ def _check_struct(family: str, value: Struct) -> Struct:
     fields = []
     for name, (kind, default) in schema.items():
         try:
-            fields.append((name, check_value(kind, given.get(name, default))))
+            v = check_value(kind, given.get(name, default))
+            if kind.rstrip("?") in ("int", "float") and v is not None and not v > 0:  # NaN too
+                raise OpError(f"must be greater than 0, got {v}")
+            fields.append((name, v))
         except OpError as exc:
             raise OpError(f"`{value.kind}` field `{name}`: {exc}") from None
     return Struct(value.kind, tuple(fields))
