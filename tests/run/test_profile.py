@@ -140,8 +140,10 @@ def test_profile_times_each_ir_op_of_the_train_step(profiled):
                 ("backward", "layers/mlp"), ("forward", "embed/unembed"), ("optimizer", "optimizer")]:
         assert rows[key]["seconds"] > 0 and rows[key]["calls"] >= 1, key
     assert sum(r["seconds"] for r in rec["by_op"]) == pytest.approx(rec["op_seconds"])
-    named = sum(r["seconds"] for r in rec["by_op"] if not r["op"].startswith("(other"))
-    assert named > 0.5 * rec["op_seconds"]  # most of the step's device time lands on an IR op
+    # most of the step's work lands on an IR op: counted in instructions run, which a loaded machine (CI runs
+    # two workers on two cores) does not skew as it skews their times
+    named = sum(r["calls"] for r in rec["by_op"] if not r["op"].startswith("(other"))
+    assert named > 0.5 * sum(r["calls"] for r in rec["by_op"]), rec["by_op"]
     assert 0.5 * rec["op_seconds"] < sum(k["seconds"] for k in rec["by_kernel"]) <= rec["op_seconds"] * (1 + 1e-9)
     assert rec["plan_seconds"] is None and rec["by_collective"] == []  # one CPU device: no peak, no collectives
 
