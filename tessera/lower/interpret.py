@@ -10,10 +10,10 @@ Generation (`LowerCtx.unroll`) runs every layer unrolled instead, over per-layer
 (`split_layers`: each stacked parameter a list of its n layers) and per-layer KV caches. Inside a
 scan XLA copies a layer's slice of every stacked weight that a GEMM or a kernel reads, and of its
 cache, before using it: at decode that is the whole model copied per token (GPT-OSS 20b on an
-H200: 7.3 of 12.9 ms a token), while the step itself reads each weight once. The unrolled layers are traced and lowered once per
-period (a jitted function per phase, which XLA inlines): a 24-layer generate program on the CPU traced in
-1.3 s instead of 8.8 and lowered in 1.2 s instead of 3.0, and on a GPU every layer's kernels were
-lowered again before (GPT-OSS-20B: 8.2 s of tracing and 19.6 s of lowering on an H200).
+H200: 7.3 of 12.9 ms a token), while the step itself reads each weight once. The unrolled layers are
+traced and lowered once per period (a jitted function per phase, which XLA inlines): a 24-layer generate
+program on the CPU traced in 1.3 s instead of 8.8 and lowered in 1.2 s instead of 3.0; on a GPU every
+layer's kernels were lowered again before (GPT-OSS-20B: 8.2 s of tracing and 19.6 s of lowering, H200).
 """
 
 from __future__ import annotations
