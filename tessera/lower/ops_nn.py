@@ -289,7 +289,8 @@ def _moe(ctx, op, attrs, ins, params):
                 down_bias=p.get("experts/down_bias", zeros((n_exp, e))),
                 top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]))
     label = f"{op_scope(op)} experts"
-    if ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX:  # few copies: no sort, no scatter
+    few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
+    if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)
         y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=select.pair_dot(ctx, label))
     else:
         y = moe_ref.moe(x.reshape(b * s, e), **args, ragged_dot=select.ragged_dot(ctx, label))

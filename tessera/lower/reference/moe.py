@@ -64,7 +64,7 @@ def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
 # an expert shared by several tokens of a step is read once per token. Measured with `python -m bench.e2e`
 # on an H200 (GPT-OSS-20B, top-4 of 32, 32 new tokens): batch 1 (4 copies) decodes at 336-357 tok/s
 # against 317 sorted; batch 8 (32 copies, ~21 distinct experts) at 888 against 1,725 sorted. So: up to
-# one GPT-OSS token.
+# one GPT-OSS token, and (the lowering's choice) only for packed experts, the case measured.
 PAIRS_MAX = 4
 
 
