@@ -96,7 +96,8 @@ class Checkpoints:
     def read_meta(self, step: int) -> dict:
         """Only the JSON record of checkpoint `step` (cheap: no arrays are read); DamagedCheckpoint if unreadable."""
         try:
-            return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            return {k: v for k, v in meta.items() if k != "digest"}
         except Exception as exc:  # orbax raises what its readers raise (JSON, TensorStore, OS errors)
             raise DamagedCheckpoint(f"its record (meta) cannot be read: {_first_line(exc)}") from None
 
@@ -110,14 +111,15 @@ class Checkpoints:
                                                                   meta=ocp.args.JsonRestore()))
         except Exception as exc:
             raise DamagedCheckpoint(f"its tensors cannot be read: {_first_line(exc)}") from None
-        want = out["meta"].get("digest")
+        meta = dict(out["meta"])
+        want = meta.pop("digest", None)  # the checkpoint's own record, not the caller's
         if want is not None:
             got = state_digest(out["state"])
             bad = [path for path in want if got.get(path) != want[path]]
             if bad:
                 raise DamagedCheckpoint(f"{len(bad)} tensor(s) differ from what was written: "
                                         + ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
-        return out["state"], out["meta"]
+        return out["state"], meta
 
     def wait(self) -> None:
         """Block until any save in flight is finished and renamed into place."""
