@@ -102,8 +102,7 @@ def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_ele
     if m < g:
         ends = jnp.cumsum(group_sizes)
         gid = jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right")  # [M] group of row m
-        w = dequantize(jax.tree.map(lambda a: a[jnp.minimum(gid, g - 1)], rhs), lhs.dtype)  # [M, K, N]
-        out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=preferred_element_type)
+        out = pair_dot(lhs, rhs, jnp.minimum(gid, g - 1), preferred_element_type=preferred_element_type)
         return jnp.where((gid < g)[:, None], out, jnp.zeros((), out.dtype))
     return jax.lax.ragged_dot(lhs, dequantize(rhs, lhs.dtype), group_sizes,
                               preferred_element_type=preferred_element_type)
