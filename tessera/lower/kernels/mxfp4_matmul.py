@@ -425,7 +425,8 @@ def supported_pairs(lhs, rhs, experts, config: Mxfp4Config | None = None) -> boo
     """As `supported`, for `pair_dot`: experts int [R] with R the rows of lhs."""
     if experts.ndim != 1 or not jnp.issubdtype(experts.dtype, jnp.integer) or experts.shape[0] != lhs.shape[0]:
         return False
-    return isinstance(rhs, ref.MXFP4) and supported(lhs, rhs, jax.ShapeDtypeStruct((rhs.shape[0],), jnp.int32), config)
+    sizes = jax.ShapeDtypeStruct((rhs.shape[0],), jnp.int32)  # what `supported` checks of group sizes
+    return isinstance(rhs, ref.MXFP4) and supported(lhs, rhs, sizes, config)
 
 
 def ragged_dot_reference(lhs, rhs: ref.MXFP4, group_sizes):
