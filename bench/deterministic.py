@@ -21,8 +21,8 @@ if FORCE:  # read by XLA when the GPU backend starts: before jax is imported
 
 import jax  # noqa: E402
 
-from bench.kernels import (_attention_inputs, _backward, _pullback, print_table, record, time_jax,  # noqa: E402
-                           time_torch)
+from bench.suites.attention import _attention_inputs, _backward, _pullback  # noqa: E402
+from bench.timing import print_table, record, time_jax, time_torch  # noqa: E402
 
 SHAPES = [(4, 4096, 64, 8, 64), (4, 4096, 32, 8, 128)]  # B, S, Hq, Hkv, D (the attention table's)
 

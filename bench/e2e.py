@@ -6,7 +6,7 @@ Each row runs a shipped spec through `run_experiment` (mesh: auto, Tessera's all
 prints tokens/s, model FLOP utilisation or the share of the decode roofline, the first token's latency
 and compile time apart, and the peak device memory measured (`peak_bytes_in_use`) against `tessera
 plan`'s total. The decode roofline is the plan's bytes a step must read over the copy bandwidth
-measured in the same process (bench.kernels.copy_bandwidth). Published figures are fixed reference
+measured in the same process (bench.timing.copy_bandwidth). Published figures are fixed reference
 columns (issue 32's table). Rows with a PyTorch peer (bench/peers.py: the Llama train step in
 `transformers`, eager and `torch.compile`) run it first, in a process of its own, on the same GPU and
 shapes, and print it under the row with its MFU counted with Tessera's FLOPs per token (--no-peers skips).
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     peers = {} if args.no_peers else {n: run_peers(n) for n in names if n in PEERS}  # before JAX takes the card
     import jax
 
-    from bench.kernels import copy_bandwidth
+    from bench.timing import copy_bandwidth
     from tessera.run.plan import pick_device
 
     dev = jax.devices()[0]

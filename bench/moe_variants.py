@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import ROWS, _routing_sizes, _torch_grouped_mm, print_table, record, rel_err, time_jax
+from bench.suites.moe import _routing_sizes, _torch_grouped_mm
+from bench.timing import ROWS, print_table, record, rel_err, time_jax
 from tessera.lower.kernels import grouped_matmul as gm
 from tessera.lower.kernels import grouped_swiglu as gsw
 
@@ -130,7 +131,7 @@ def fused(variants=(dict(), dict(stages=6), dict(block_m=256, stages=3))) -> Non
 
 
 def fused_rows() -> None:
-    """The fused rows of bench/kernels.py's table (default tiles only)."""
+    """The fused rows of bench.kernels' moe group (default tiles only)."""
     fused(variants=(dict(),))
 
 

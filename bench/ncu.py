@@ -9,7 +9,7 @@ Each (head dim, direction, implementation) runs in its own process under
 once between `cudaProfilerStart` and `cudaProfilerStop`, so ncu sees exactly one call's kernels
 (helper fusions, reductions and conversions included). ncu serialises kernels and locks the SM
 clock (~1.4 GHz on an H100), so the figures compare kernels with each other, free of launch
-gaps, clock boost and the timing method, not with wall-clock rates. Shapes are bench.kernels':
+gaps, clock boost and the timing method, not with wall-clock rates. Shapes are bench/suites/attention.py's:
 B4 S4096, Hq 64 (D64) or 32 (D128), Hkv 8, causal, bf16. With `--window W` Tessera also applies
 per-head sinks (cuDNN has none; torch SDPA has no window and is skipped).
 """
@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 IMPLS = ("tessera", "cudnn", "torch")
-QUERY_HEADS = {64: 64, 128: 32}  # by head dim, as bench.kernels' attention shapes
+QUERY_HEADS = {64: 64, 128: 32}  # by head dim, as bench/suites/attention.py's shapes
 _UNITS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
           "second": 1e3, "s": 1e3}
 _KERNEL = re.compile(r"^  (\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)")
@@ -50,7 +50,7 @@ def _one_call(impl: str, d: int, direction: str, window: int | None) -> None:
     import jax
     import torch
 
-    from bench import kernels as K
+    from bench.suites import attention as K
 
     q, k, v, ct, sinks = K._attention_inputs(4, 4096, QUERY_HEADS[d], 8, d)
     if impl == "torch":
@@ -99,7 +99,7 @@ def main() -> None:
         return
     if shutil.which("ncu") is None:
         raise SystemExit("ncu (Nsight Compute) is not on PATH")
-    from bench import kernels as K
+    from bench.timing import print_table, record
     from tessera.lower.kernels.flash_attention import attention_flops
     for d in (int(x) for x in args.d.split(",")):
         for direction in args.direction.split(","):
@@ -117,8 +117,8 @@ def main() -> None:
                     continue
                 for name, ms in kernels:
                     print(f"  {case} {impl:<8} {ms * 1e3:10.1f} us  {name[:100]}", flush=True)
-                K.record(case, f"{impl} ({len(kernels)} kernels)", lambda: sum(ms for _, ms in kernels), flops)
-    K.print_table()
+                record(case, f"{impl} ({len(kernels)} kernels)", lambda: sum(ms for _, ms in kernels), flops)
+    print_table()
 
 
 if __name__ == "__main__":

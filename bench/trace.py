@@ -7,7 +7,7 @@
     python -m bench.trace mxfp4 [--t 1] [--n 2880] [--g 32]
     python -m bench.trace generate [--spec specs/gpt_oss_20b.yaml] [--t 16]
 
-Runs the case's calls inside one program (bench.kernels.rotating_program) under `jax.profiler.trace`, then
+Runs the case's calls inside one program (bench.timing.rotating_program) under `jax.profiler.trace`, then
 reads the trace's GPU events and prints, per kernel name, the calls per case call, the mean
 microseconds and the share of the GPU's busy time, and the busy time against the wall time.
 `generate` traces a whole model's generation instead (random weights): one call with --t new tokens
@@ -49,9 +49,9 @@ def _gpu_events(trace_dir: pathlib.Path) -> list[dict]:
 def profile_us(fn, consts, varying, out: pathlib.Path | None = None, breakdown: bool = False
                ) -> tuple[float, float]:
     """(GPU busy us, span us) per call of fn(*consts, v) over `varying`, from a profile of one program
-    running the calls back to back (bench.kernels.rotating_program), compiled and warmed up first;
+    running the calls back to back (bench.timing.rotating_program), compiled and warmed up first;
     `breakdown` prints the time per kernel too."""
-    from bench.kernels import rotating_program
+    from bench.timing import rotating_program
     many, args = rotating_program(fn, consts, varying)
     jax.block_until_ready(many(*args))
     out = pathlib.Path(tempfile.mkdtemp(dir=out))  # a fresh directory: never an older run's trace
@@ -89,7 +89,7 @@ def report(events: list[dict], calls: int, base: list[dict] = (), top: int | Non
 
 def decode_case(t: int, impl: str = "tessera"):
     """Decode against four caches of t tokens: Tessera's kernel, or cuDNN (no sinks)."""
-    from bench.kernels import decode_inputs
+    from bench.suites.decode import decode_inputs
     from tessera.lower.kernels.decode_attention import decode_attention
     q, caches, sinks = decode_inputs(t)
     if impl == "cudnn":
@@ -99,14 +99,14 @@ def decode_case(t: int, impl: str = "tessera"):
 
 def copy_case():
     """The copy bench.kernels takes as the memory ceiling (four 512 MiB bf16 buffers)."""
-    from bench.kernels import copy_case as case
+    from bench.timing import copy_case as case
     return case()
 
 
 def moe_case(n: int):
     """The MoE forward of bench.kernels (32768 rows over 128 experts, 2880 -> n) over 4 routings."""
     import jax.numpy as jnp
-    from bench.kernels import _routing_sizes
+    from bench.suites.moe import _routing_sizes
     from tessera.lower.kernels.grouped_matmul import grouped_matmul
     m, g, k = 32768, 128, 2880
     ks = jax.random.split(jax.random.key(1), 2)
@@ -119,7 +119,7 @@ def moe_case(n: int):
 def mxfp4_case(tokens: int, n: int, g: int):
     """The MXFP4 expert matmul at decode (tokens x top-4 rows, 2880 -> n over g experts), 8 routings."""
     import jax.numpy as jnp
-    from bench.kernels import _decode_routings, _mxfp4_experts
+    from bench.suites.mxfp4 import _decode_routings, _mxfp4_experts
     from tessera.lower.kernels.mxfp4_matmul import ragged_dot
     rhs = _mxfp4_experts(g, 2880, n)
     lhs = jax.random.normal(jax.random.key(0), (tokens * 4, 2880), jnp.bfloat16)

@@ -52,7 +52,7 @@ def test_a_trace_without_gpu_rows_says_what_it_saw(tmp_path):
 
 def test_rotating_program_runs_every_call_on_its_own_input():
     import jax.numpy as jnp
-    from bench.kernels import rotating_program
+    from bench.timing import rotating_program
 
     many, args = rotating_program(lambda w, x: w * x, (jnp.float32(3.0),), [jnp.arange(4.0) + i for i in range(5)])
     outs = many(*args)
@@ -66,7 +66,7 @@ def test_timing_a_function_again_compiles_nothing():
     its function once however many calls it makes: on a GPU a Mosaic attention variant took
     ~50 s to compile into the timing programs, its timing well under a second."""
     import jax.numpy as jnp
-    from bench.kernels import time_in_program
+    from bench.timing import time_in_program
 
     traces = []
 
@@ -88,7 +88,7 @@ def test_the_long_program_keeps_its_length_across_rounds():
     arguments, not each round's jitter (1.26 ms wants 32 extra calls, 1.30 ms 31: another program
     to compile); other arguments or another function get their own."""
     import jax.numpy as jnp
-    from bench.kernels import _extra_calls
+    from bench.timing import _extra_calls
 
     fn = lambda x: x + 1.0  # noqa: E731
     x = jnp.zeros(8)
@@ -180,9 +180,9 @@ def test_profiling_context_sets_the_profiler_of_kernels_traced_inside(monkeypatc
 
 
 def test_variants_are_timed_in_turns_and_keep_their_median(monkeypatch, capsys):
-    from bench import kernels
+    from bench import timing
 
-    monkeypatch.setattr(kernels, "ROWS", [])
+    monkeypatch.setattr(timing, "ROWS", [])
     calls = []
 
     def timer(name, times):
@@ -197,12 +197,12 @@ def test_variants_are_timed_in_turns_and_keep_their_median(monkeypatch, capsys):
         calls.append("broken")
         raise RuntimeError("no such tile")
 
-    kernels.record_rounds("tune fwd x", [("tessera a", timer("a", [2.0, 1.0, 4.0])), ("tessera broken", broken),
-                                         ("tessera b", timer("b", [1.0, 3.0, 2.0]))], 4e9, rounds=3)
+    timing.record_rounds("tune fwd x", [("tessera a", timer("a", [2.0, 1.0, 4.0])), ("tessera broken", broken),
+                                        ("tessera b", timer("b", [1.0, 3.0, 2.0]))], 4e9, rounds=3)
     # in turns, odd rounds in reverse; a failing variant is dropped at once
     assert calls == ["a", "broken", "b", "b", "a", "a", "b"]
-    assert [(r[1], r[2]) for r in kernels.ROWS] == [("tessera a", 2.0), ("tessera b", 2.0)]
-    assert kernels.ROWS[0][3] == pytest.approx(2.0)  # 4e9 FLOP in 2 ms: 2 TFLOP/s
+    assert [(r[1], r[2]) for r in timing.ROWS] == [("tessera a", 2.0), ("tessera b", 2.0)]
+    assert timing.ROWS[0][3] == pytest.approx(2.0)  # 4e9 FLOP in 2 ms: 2 TFLOP/s
     out = capsys.readouterr().out
     assert "tune fwd x / tessera broken: failed: RuntimeError: no such tile" in out
     assert "(1.000-4.000 over 3 rounds)" in out and "(1.000-3.000 over 3 rounds)" in out
