@@ -10,6 +10,7 @@ measured in the same process (bench.timing.copy_bandwidth). Published figures ar
 columns (issue 32's table). Rows with a PyTorch peer (bench/peers.py: the Llama train step in
 `transformers`, eager and `torch.compile`) run it first, in a process of its own, on the same GPU and
 shapes, and print it under the row with its MFU counted with Tessera's FLOPs per token (--no-peers skips).
+`measure` returns the rows as dicts: `python -m bench.results` takes them from there into bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -107,14 +108,14 @@ def run_row(name: str, bandwidth: float, device: str, out: Path) -> dict:
     plan = _plan(m, device)
     planned = plan["memory_per_device"]["total"]
     peak = (m.get("device_memory") or {}).get("peak_bytes_in_use")
-    row = {"row": name, "wall_s": wall, "planned_bytes": planned, "peak_bytes": peak, "peer": peer,
+    row = {"row": name, "kind": kind, "wall_s": wall, "planned_bytes": planned, "peak_bytes": peak, "peer": peer,
            "mesh": (m.get("mesh_choice") or {}).get("mesh"), "log": log.getvalue().splitlines()[:3]}
     if kind in ("decode", "prefill"):
         s = m["speed"]
         batch = plan["shapes"]["batch"]
         step_bytes = plan["device"]["bytes_per_step"]
         roofline = batch * bandwidth / step_bytes if step_bytes else None
-        row.update(decode_tok_s=s["decode_tokens_per_s"], prefill_tok_s=s["prefill_tokens_per_s"],
+        row.update(batch=batch, decode_tok_s=s["decode_tokens_per_s"], prefill_tok_s=s["prefill_tokens_per_s"],
                    first_token_s=s.get("first_token_s"), compile_s=s.get("compile_s"),
                    roofline_tok_s=roofline,
                    roofline_share=s["decode_tokens_per_s"] / roofline if roofline else None)
@@ -142,20 +143,25 @@ def show(row: dict) -> str:
     return f"{row['row']:<18} {what}; {mem}; mesh {row['mesh']}; wall {row['wall_s']:.0f} s | peer: {row['peer']}"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=None, help="kinds: decode, prefill, train")
-    parser.add_argument("--rows", default=None, help="row names, comma-separated")
-    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
-    parser.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
-    args = parser.parse_args(argv)
-    names = list(ROWS)
-    if args.rows:
-        names = [n.strip() for n in args.rows.split(",")]
-    if args.only:
-        kinds = set(args.only.split(","))
-        names = [n for n in names if ROWS[n][0] in kinds]
-    peers = {} if args.no_peers else {n: run_peers(n) for n in names if n in PEERS}  # before JAX takes the card
+def select(kinds: str | None = None, rows: str | None = None) -> list[str]:
+    """Row names to run: `rows` (comma-separated names) or all, then only those of `kinds` (decode, prefill, train)."""
+    names = [n.strip() for n in rows.split(",")] if rows else list(ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; rows are {list(ROWS)}")
+    if kinds:
+        names = [n for n in names if ROWS[n][0] in set(kinds.split(","))]
+    return names
+
+
+def measure_peers(names: list[str]) -> dict[str, list[dict]]:
+    """{row name: its PyTorch peers' results}; run it before this process's JAX takes the card."""
+    return {n: run_peers(n) for n in names if n in PEERS}
+
+
+def measure(names: list[str], peers: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Run the rows `names` in this process and return them (a dict a row, its peers under "peers"; a failed
+    row holds "error"), printing each as it comes."""
     import jax
 
     from bench.timing import copy_bandwidth
@@ -172,12 +178,29 @@ def main(argv=None) -> int:
             try:
                 rows.append(run_row(name, bandwidth, device, Path(tmp)))
                 print(show(rows[-1]), flush=True)
-                rows[-1]["peers"] = peers.get(name, [])
+                rows[-1]["peers"] = (peers or {}).get(name, [])
                 for peer in rows[-1]["peers"]:
                     print(show_peer(peer, rows[-1]), flush=True)
             except Exception as exc:  # one row's failure (out of memory) is a result, not the end of the table
-                rows.append({"row": name, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+                rows.append({"row": name, "kind": ROWS[name][0], "peer": ROWS[name][3],
+                             "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
                 print(f"{name:<18} FAILED {rows[-1]['error']}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="kinds: decode, prefill, train")
+    parser.add_argument("--rows", default=None, help="row names, comma-separated")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
+    args = parser.parse_args(argv)
+    try:
+        names = select(args.only, args.rows)
+    except ValueError as exc:
+        parser.error(str(exc))
+    peers = {} if args.no_peers else measure_peers(names)  # before JAX takes the card
+    rows = measure(names, peers)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

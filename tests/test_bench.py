@@ -206,3 +206,73 @@ def test_variants_are_timed_in_turns_and_keep_their_median(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "tune fwd x / tessera broken: failed: RuntimeError: no such tile" in out
     assert "(1.000-4.000 over 3 rounds)" in out and "(1.000-3.000 over 3 rounds)" in out
+
+
+PROV = {"device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2", "commit": "475d361"}
+
+
+def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit(tmp_path):
+    from bench import results
+
+    kernel = results.kernel_rows([("attn fwd D64 causal", "tessera (mosaic gpu)", 1.25, 440.0, "TFLOP/s"),
+                                  ("attn fwd D64 causal", "cuDNN (jax.nn.dpa)", 1.3, 400.0, "TFLOP/s"),
+                                  ("attn fwd D64 causal", "torch SDPA", 1.28, 410.0, "TFLOP/s"),
+                                  ("memory ceiling (copy)", "jnp copy", 0.0, 3001.0, "GB/s")], PROV)
+    e2e = results.e2e_rows([
+        {"row": "20b decode b8", "kind": "decode", "batch": 8, "decode_tok_s": 1600.0, "prefill_tok_s": 900.0,
+         "first_token_s": 0.0131, "compile_s": 99.7, "roofline_tok_s": 3200.0, "roofline_share": 0.5,
+         "peak_bytes": 15 * 2**30, "planned_bytes": 14 * 2**30, "peer": "SGLang 1 GPU b8: 1,351 tok/s", "peers": []},
+        {"row": "llama-1b train", "kind": "train", "forward_ms": 38.3, "forward_mfu": 0.564, "train_step_ms": 200.0,
+         "train_step_mfu": 0.3, "train_step_flops_per_token": 1e10, "peak_flops": 1e15, "peak_bytes": None,
+         "planned_bytes": 2**30, "peer": "-",
+         "peers": [{"peer": "torch.compile", "tokens_per_s": 24000.0, "step_ms": 250.0},
+                   {"peer": "eager", "error": "OOM"}]},
+        {"row": "20b-layers train", "kind": "train", "peer": "NeMo 28 %", "error": "XlaRuntimeError: out of memory"},
+    ], PROV)
+    out = tmp_path / "RESULTS.md"
+    text = results.write(out, {"attention": kernel, "e2e": e2e})
+    assert text == out.read_text() and text.startswith("# Benchmark results\n")
+    tail = "| NVIDIA H100 80GB HBM3 | 0.11.2 | 475d361 |"
+    lines = text.splitlines()
+    assert "## Attention: flash_attention (bench/suites/attention.py)" in lines
+    assert "| case | implementation | time | rate | vs best peer | device | jax | commit | note |" in lines
+    assert f"| attn fwd D64 causal | tessera (mosaic gpu) | 1.250 ms | 440.0 TFLOP/s | 1.07x {tail}  |" in lines
+    assert f"| attn fwd D64 causal | torch SDPA | 1.280 ms | 410.0 TFLOP/s |  {tail}  |" in lines
+    assert f"| memory ceiling (copy) | jnp copy | - | 3,001.0 GB/s |  {tail}  |" in lines
+    assert (f"| 20b decode b8 | tessera run, decode | 5.000 ms | 1,600.0 tok/s |  {tail} 50% of the 3,200 tok/s "
+            "roofline; prefill 900 tok/s; first token 13.1 ms; compile 99.7 s; peak 15.0 vs plan 14.0 GiB; "
+            "published: SGLang 1 GPU b8: 1,351 tok/s |") in lines
+    assert f"| llama-1b train | tessera run, forward | 38.300 ms | 56.4 % MFU |  {tail} peak - vs plan 1.0 GiB |" \
+        in lines
+    assert f"| llama-1b train | tessera run, train step | 200.0 ms | 30.0 % MFU | 1.25x {tail}  |" in lines
+    assert (f"| llama-1b train | torch.compile | 250.0 ms | 24.0 % MFU |  {tail} train step; MFU counted with "
+            "Tessera's FLOPs |") in lines
+    assert f"| llama-1b train | eager | - | - |  {tail} FAILED: OOM |" in lines
+    assert (f"| 20b-layers train | tessera run | - | - |  {tail} FAILED: XlaRuntimeError: out of memory; "
+            "published: NeMo 28 % |") in lines
+    assert "## MoE grouped GEMM" not in text  # not measured, nothing to keep
+
+    # a run of one suite rewrites its section and keeps the others as they were
+    again = results.write(out, {"e2e": e2e[:1]})
+    attention = results.sections_of(text)["Attention: flash_attention (bench/suites/attention.py)"]
+    assert attention in again and "llama-1b train" not in again
+    assert list(results.sections_of(again)) == [results.TITLES["attention"], results.TITLES["e2e"]]
+
+
+def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path):
+    import subprocess
+
+    from bench import results
+
+    assert results.commit(tmp_path) == "unknown"  # not a checkout
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "a.txt").write_text("1")
+    subprocess.run(git + ["add", "a.txt"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "a"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    assert results.commit(tmp_path) == head.stdout.strip()
+    (tmp_path / "new.txt").write_text("untracked files leave it clean")
+    assert results.commit(tmp_path) == head.stdout.strip()
+    (tmp_path / "a.txt").write_text("2")
+    assert results.commit(tmp_path) == head.stdout.strip() + "+dirty"
