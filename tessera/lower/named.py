@@ -51,7 +51,7 @@ def stored_dtype(result, accum, *, partial: bool = False):
     rounding, at most half a bf16 ulp). Writing fp32 and casting afterwards is slow at decode:
     with deterministic GPU ops XLA turns an fp32-result GEMV of bf16 operands into an fp32
     conversion of the whole weight plus an fp32 cuBLAS GEMV, on every token (GPT-OSS 20b on an
-    H200: 8.45 -> 6.26 ms a decode step, bench/RESULTS.md). The router keeps fp32: its logits
+    H200: 8.45 -> 6.26 ms a decode step, docs/kernels-log.md). The router keeps fp32: its logits
     choose the experts. `partial`: a tensor-parallel partial sum, summed across devices before
     it is rounded, so it stays in `accum`.
     """

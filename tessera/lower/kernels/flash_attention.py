@@ -46,11 +46,11 @@ class FlashConfig:
     interpret: bool = False
     # forward: issue block j+1's Q K^T before block j's softmax (FA3 intra-warpgroup overlap).
     # Off by default: on an H100 (causal, B4 S4096) it measured slower on top of the ping-pong,
-    # D64 398-404 vs 411-427 TFLOP/s, D128 430-438 vs 539-580 (bench/RESULTS.md).
+    # D64 398-404 vs 411-427 TFLOP/s, D128 430-438 vs 539-580 (docs/kernels-log.md).
     overlap: bool = False
     # forward, causal window of 2 x block_q keys (GPT-OSS's 128): interior items as one unmasked
     # 128-column softmax step each (`_band_items`). Off by default: on an H200 (window 128 + sinks,
-    # D64, B4 S4096) it measured level with the block loops, 186 vs 182 us (bench/RESULTS.md).
+    # D64, B4 S4096) it measured level with the block loops, 186 vs 182 us (docs/kernels-log.md).
     band: bool = False
 
     def __post_init__(self):
@@ -67,9 +67,9 @@ class FlashConfig:
 
 
 def default_config(head_dim: int, window: int | None = None, causal: bool = True) -> FlashConfig:
-    """Measured on an H200 and an H100 (bench/RESULTS.md): 128-key tiles and a 4-deep ring (D 64) where
-    blocks on the causal or window edge are many; 256-key tiles for D 64 without a mask (468 vs 441
-    TFLOP/s on an H100); the same tiles won with and without a 128 window."""
+    """Measured on an H200 and an H100 (docs/kernels-log.md, "Attention forward"): 128-key tiles and a
+    4-deep ring (D 64) where blocks on the causal or window edge are many; 256-key tiles for D 64 without
+    a mask (468 vs 441 TFLOP/s on an H100); the same tiles won with and without a 128 window."""
     if head_dim <= 64 and not causal and window is None:
         return FlashConfig(block_kv=256, stages=2, block_q_bwd=128)
     return FlashConfig(block_kv=128, stages=4 if head_dim <= 64 else 2,
@@ -167,7 +167,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     out. The ring and its barriers run on across items, so the producer fills the next item's
     pipeline during an epilogue. Loading Q in the producer, not in the compute warpgroups, took
     the causal forward from 1011-1041 to 891-912 us at D128 and from 1265-1277 to 1243-1248 us at
-    D64 (H200, both builds timed in turns; bench/RESULTS.md).
+    D64 (H200, both builds timed in turns; docs/kernels-log.md, "Attention forward").
     """
     *lse_refs, smem, bars = rest  # [lse_ref], or [] without a gradient
     q_smem, k_smem, v_smem, row_smem = smem  # [n_buf, 2, bq, d], [stages, bkv, d] x2, [n_buf, 2, bq]
@@ -315,7 +315,7 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
         if sched is not None:
             # ptxas hoists this arrive to just after the Q K^T wait, so the other warpgroup's
             # softmax may start alongside this one; pinned after the V wait instead, the causal
-            # forward took 1377 against 1205 us (H200, D64; bench/RESULTS.md)
+            # forward took 1377 against 1205 us (H200, D64; docs/kernels-log.md)
             plgpu.barrier_arrive(sched)  # softmax done
         with jax.named_scope("wait_v"):
             plgpu.barrier_wait(v_bar.at[slot])
@@ -395,7 +395,7 @@ def _band_items(i0, i1, carry, *, q_smem, row_smem, k_smem, v_smem, bars, wg, cf
     epilogue. Only the warpgroups' softmaxes take turns (`turn`: 0, 1, 0, ...), so their
     exponentials do not share the MUFU; the block loops' ping-pong, which also orders the products,
     would with one step an item chain each warpgroup's item boundary (P V, epilogue, next Q K^T)
-    to the other's (measured: `wait_turn` 982 cycles an item; bench/RESULTS.md).
+    to the other's (measured: `wait_turn` 982 cycles an item; docs/kernels-log.md).
     """
     q_bar, k_bar, v_bar, k_free, v_free, turn = bars
     bq, stages, interp, n = cfg.block_q, cfg.stages, cfg.interpret, _WGS
@@ -655,7 +655,7 @@ class _Static:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, sinks, st: _Static):
     # without a gradient nothing reads the statistics; not storing them measured 206-211 against
-    # 223-233 us for window 128 + sinks at D64 on an H200 (bench/RESULTS.md)
+    # 223-233 us for window 128 + sinks at D64 on an H200 (docs/kernels-log.md)
     out, _ = _forward(q, k, v, sinks, causal=st.causal, window=st.window, scale=st.scale,
                       q_offset=st.q_offset, cfg=st.cfg, has_sinks=st.has_sinks, want_lse=False)
     return out

@@ -9,7 +9,7 @@ memory warpgroup streams Q/dO/lse/delta tiles of every query head of the group o
 range that sees those keys, so GQA sums happen in registers and dK/dV are written once.
 On a fully visible block the two products reading one streamed tile are issued together (S with
 dP; dV with dK) and the next step's operand is built while the second is in flight; blocks the
-mask cuts issue one product at a time (registers: bench/RESULTS.md).
+mask cuts issue one product at a time (registers: docs/kernels-log.md, "Attention backward").
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ cotangent of h and rstd and writes dh (= dx = dr); d scale = sum over rows of dy
 XLA reduction outside.
 
 Selection: the lowering only takes it where it beats XLA's own fusion of the same expression
-(`supported()` says why not); see bench/RESULTS.md for the measurement.
+(`supported()` says why not); the measurement: docs/kernels-log.md, "RMSNorm".
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from tessera.lower.reference.norms import rms_norm as _rms_norm_ref
 
-# Measured on an H200 (bench/RESULTS.md): the forward (+residual) beats XLA's fusion by 1.2-1.4x, but a
+# Measured on an H200 (docs/kernels-log.md): the forward (+residual) beats XLA's fusion by 1.2-1.4x, but a
 # win for training (fwd+bwd) is not shown, so the lowering keeps XLA's fusion. An empty string here
 # would let `supported()` select the kernel.
-NOT_SELECTED = "not selected: fwd+bwd not shown to beat XLA's fusion (bench/RESULTS.md, rmsnorm rows)"
+NOT_SELECTED = "not selected: fwd+bwd not shown to beat XLA's fusion (docs/kernels-log.md, RMSNorm)"
 
 
 @dataclasses.dataclass(frozen=True)
