@@ -47,14 +47,15 @@ COLUMNS = ("case", "implementation", "time", "rate", "vs best peer", "device", "
 
 
 def commit(repo: Path = ROOT) -> str:
-    """The checkout's short commit hash, `+dirty` when tracked files differ from it; 'unknown' outside git."""
+    """The checkout's short commit hash, `+dirty` when tracked files differ from it; outside git, $BENCH_COMMIT
+    (a copy of a checkout, as a GPU machine may get) or 'unknown'."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("BENCH_COMMIT", "unknown")
     return head + ("+dirty" if dirty else "")
 
 

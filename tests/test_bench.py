@@ -259,12 +259,15 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
     assert list(results.sections_of(again)) == [results.TITLES["attention"], results.TITLES["e2e"]]
 
 
-def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path):
+def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path, monkeypatch):
     import subprocess
 
     from bench import results
 
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
     assert results.commit(tmp_path) == "unknown"  # not a checkout
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    assert results.commit(tmp_path) == "abc1234"  # a copy of a checkout, named by whoever copied it
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run(git + ["init", "-q"], cwd=tmp_path, check=True)
     (tmp_path / "a.txt").write_text("1")
