@@ -6,7 +6,7 @@ Runs, in this one process, the kernel groups of `python -m bench.kernels` (atten
 rmsnorm; the rows they leave in bench.timing.ROWS) and the whole programs of `python -m bench.e2e` (the
 rows `e2e.measure` returns), then writes one markdown table per suite: case, implementation, time, rate,
 Tessera / best peer, and on every row the device, jax version and commit (`+dirty` when the tree had
-uncommitted changes). A suite not run this time keeps its section of the file as it was.
+uncommitted changes). Rows of cases not run this time stay as they were.
 
 Order matters on one card: the e2e rows' PyTorch peers run first, in their own processes, before JAX
 takes the card; then the kernel groups (PyTorch peers in this process, so JAX does not preallocate);
@@ -37,8 +37,9 @@ HEADER = """# Benchmark results
 
 Current numbers, one table per suite, written by `python -m bench.results` on a GPU machine: it runs
 `bench.kernels`' groups (attention, moe, decode, mxfp4, rmsnorm) and `bench.e2e` in one process and
-rewrites this file (`--only kernels` or `--only e2e` rewrites one part and keeps the other). Every row
-names the device, jax version and commit that measured it (`+dirty`: the tree had uncommitted changes).
+rewrites this file; a partial run (`--only e2e`, `--kernels decode`) rewrites the rows of the cases it
+ran and keeps the others. Every row names the device, jax version and commit that measured it (`+dirty`:
+the tree had uncommitted changes).
 Rates count only the work needed (attention: visible pairs, backward 2.5x the forward; grouped GEMM:
 real rows; decode and MXFP4: bytes read); "vs best peer" is Tessera's rate over the best other
 implementation of the same case. What was tried on each kernel, and why it stays: docs/kernels-log.md.
@@ -47,15 +48,19 @@ COLUMNS = ("case", "implementation", "time", "rate", "vs best peer", "device", "
 
 
 def commit(repo: Path = ROOT) -> str:
-    """The checkout's short commit hash, `+dirty` when tracked files differ from it; outside git, $BENCH_COMMIT
-    (a copy of a checkout, as a GPU machine may get) or 'unknown'."""
+    """The checkout's short commit hash, `+dirty` when tracked files differ from it; 'unknown' outside git.
+
+    $BENCH_COMMIT, when set, is taken instead: for a copy of a working tree whose .git is not its own (a GPU
+    machine that is sent the files), name the commit it was copied from."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
+        return "unknown"
     return head + ("+dirty" if dirty else "")
 
 
@@ -154,22 +159,45 @@ def sections_of(text: str) -> dict[str, str]:
     return {p.splitlines()[0][3:].strip(): p.rstrip("\n") + "\n" for p in parts if p.startswith("## ")}
 
 
-def render(measured: dict[str, list[dict]], kept: dict[str, str] | None = None, note: str = "") -> str:
-    """The file: the header, then each suite of TITLES in order, measured now or kept from `kept`."""
-    out = [HEADER + (f"\n{note.strip()}\n" if note else "")]
+def note_of(text: str) -> str:
+    """The note of a file written by `write`: its quoted ("> ") lines before the first section."""
+    head = re.split(r"(?m)^## ", text, maxsplit=1)[0]
+    return "\n".join(line[2:] for line in head.splitlines() if line.startswith("> "))
+
+
+def _body(section: str) -> list[str]:
+    """A section's table rows (the lines after its |---| line)."""
+    lines = section.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("|---")), len(lines))
+    return [line for line in lines[start:] if line.startswith("| ")]
+
+
+def render(measured: dict[str, list[dict]], kept: dict[str, str] | None = None, note: str | None = None,
+           kept_note: str = "") -> str:
+    """The file: the header, then each suite of TITLES in order. A measured suite's table holds its new rows,
+    then the rows `kept` has for cases not measured now; a suite not measured keeps its section. `note`
+    (None: `kept_note`, while any old row is kept) follows the header."""
+    kept, sections, carried = kept or {}, [], 0
     for suite, title in TITLES.items():
         if suite in measured:
-            out.append(f"## {title}\n\n{table(measured[suite])}")
-        elif kept and title in kept:
-            out.append(kept[title])
-    return "\n".join(out)
+            cases = {r["case"] for r in measured[suite]}
+            old = [line for line in _body(kept.get(title, "")) if line[2:].split(" | ", 1)[0] not in cases]
+            carried += len(old)
+            sections.append(f"## {title}\n\n{table(measured[suite])}" + "".join(line + "\n" for line in old))
+        elif title in kept:
+            carried += len(_body(kept[title]))
+            sections.append(kept[title])
+    note = (kept_note if carried else "") if note is None else note
+    quoted = "".join(f"> {line}\n" for line in note.strip().splitlines()) if note else ""
+    return "\n".join([HEADER + (f"\n{quoted}" if quoted else "")] + sections)
 
 
-def write(path, measured: dict[str, list[dict]], note: str = "") -> str:
-    """Write the file at `path`, keeping the sections of suites not in `measured` from what is there; returns it."""
+def write(path, measured: dict[str, list[dict]], note: str | None = None) -> str:
+    """Write the file at `path` (render), keeping from what is there the rows and sections not measured now;
+    returns the text."""
     path = Path(path)
-    kept = sections_of(path.read_text()) if path.exists() else {}
-    text = render(measured, kept, note)
+    old = path.read_text() if path.exists() else ""
+    text = render(measured, sections_of(old), note, note_of(old))
     path.write_text(text)
     return text
 
@@ -216,8 +244,9 @@ def main(argv=None) -> int:
     groups = [g for g in args.kernels.split(",") if g]
     if not set(groups) <= set(KERNEL_GROUPS):
         ap.error(f"--kernels takes {', '.join(KERNEL_GROUPS)}, got {args.kernels}")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch peers share the card
-    from bench import e2e  # sets JAX's allocator share before its backend starts, as `tessera run` does
+    from bench import e2e  # JAX may take 95 % of the card, as `tessera run` lets it, unless the caller chose
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # but grows to it: PyTorch peers share the card
 
     names = e2e.select(rows=args.e2e_rows) if "e2e" in parts else []
     peers = {} if args.no_peers else e2e.measure_peers(names)  # before JAX takes the card

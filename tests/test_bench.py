@@ -230,8 +230,8 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
         {"row": "20b-layers train", "kind": "train", "peer": "NeMo 28 %", "error": "XlaRuntimeError: out of memory"},
     ], PROV)
     out = tmp_path / "RESULTS.md"
-    text = results.write(out, {"attention": kernel, "e2e": e2e})
-    assert text == out.read_text() and text.startswith("# Benchmark results\n")
+    text = results.write(out, {"attention": kernel, "e2e": e2e}, note="Copied from\nthe notebook.")
+    assert text == out.read_text() and text.startswith(results.HEADER + "\n> Copied from\n> the notebook.\n\n## ")
     tail = "| NVIDIA H100 80GB HBM3 | 0.11.2 | 475d361 |"
     lines = text.splitlines()
     assert "## Attention: flash_attention (bench/suites/attention.py)" in lines
@@ -252,11 +252,21 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
             "published: NeMo 28 % |") in lines
     assert "## MoE grouped GEMM" not in text  # not measured, nothing to keep
 
-    # a run of one suite rewrites its section and keeps the others as they were
-    again = results.write(out, {"e2e": e2e[:1]})
-    attention = results.sections_of(text)["Attention: flash_attention (bench/suites/attention.py)"]
-    assert attention in again and "llama-1b train" not in again
-    assert list(results.sections_of(again)) == [results.TITLES["attention"], results.TITLES["e2e"]]
+    # a partial run rewrites the rows of the cases it ran and keeps the other rows, sections and the note
+    b8 = dict(e2e[0], commit="abc1234", note="")
+    again = results.write(out, {"e2e": [b8]})
+    sections = results.sections_of(again)
+    assert list(sections) == [results.TITLES["attention"], results.TITLES["e2e"]]
+    assert sections[results.TITLES["attention"]] == results.sections_of(text)[results.TITLES["attention"]]
+    e2e_lines = [line for line in sections[results.TITLES["e2e"]].splitlines() if line.startswith("| ")][1:]
+    assert e2e_lines[0] == "| 20b decode b8 | tessera run, decode | 5.000 ms | 1,600.0 tok/s |  " \
+        "| NVIDIA H100 80GB HBM3 | 0.11.2 | abc1234 |  |"
+    assert [line.split(" | ")[1] for line in e2e_lines[1:]] == [
+        "tessera run, forward", "tessera run, train step", "torch.compile", "eager", "tessera run"]
+    assert results.note_of(again) == "Copied from\nthe notebook."
+    # once every row is new, the note goes
+    final = results.write(out, {"attention": kernel, "e2e": e2e})
+    assert results.note_of(final) == "" and final.startswith(results.HEADER + "\n## ")
 
 
 def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path, monkeypatch):
@@ -266,8 +276,7 @@ def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path, monkeypatch):
 
     monkeypatch.delenv("BENCH_COMMIT", raising=False)
     assert results.commit(tmp_path) == "unknown"  # not a checkout
-    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
-    assert results.commit(tmp_path) == "abc1234"  # a copy of a checkout, named by whoever copied it
+
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run(git + ["init", "-q"], cwd=tmp_path, check=True)
     (tmp_path / "a.txt").write_text("1")
@@ -279,3 +288,5 @@ def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path, monkeypatch):
     assert results.commit(tmp_path) == head.stdout.strip()
     (tmp_path / "a.txt").write_text("2")
     assert results.commit(tmp_path) == head.stdout.strip() + "+dirty"
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")  # a copied tree whose .git is not its own
+    assert results.commit(tmp_path) == "abc1234"
