@@ -248,7 +248,10 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # but grows to it: PyTorch peers share the card
 
-    names = e2e.select(rows=args.e2e_rows) if "e2e" in parts else []
+    try:
+        names = e2e.select(rows=args.e2e_rows) if "e2e" in parts else []
+    except ValueError as exc:
+        ap.error(str(exc))
     peers = {} if args.no_peers else e2e.measure_peers(names)  # before JAX takes the card
     prov = provenance()
     print(f"# {prov['device']}, jax {prov['jax']}, commit {prov['commit']}", flush=True)
