@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from tessera.lower.kernels._tables import cumsum
-from tessera.lower.kernels.mxfp4_matmul import (Mxfp4Config, _tile_table, default_config, matmul, pair_dot,
-                                                ragged_dot, ragged_dot_reference, supported, supported_pairs)
+from tessera.lower.kernels.mxfp4_matmul import (GemvConfig, Mxfp4Config, _tile_table, default_config, gemv_splits,
+                                                matmul, pair_config, pair_dot, pair_halves, ragged_dot,
+                                                ragged_dot_reference, supported, supported_pairs)
 from tessera.lower.reference import mxfp4 as ref
 from tests.lower.kernels._check import assert_close
 
@@ -122,6 +124,65 @@ def test_interpret_pair_dot(experts, cfg):
                  grad(lambda x: ref.pair_dot(x, rhs, ex, preferred_element_type=jnp.float32)), 1e-2, "dlhs")
 
 
+GEMV_CASES = [  # experts (unsorted, repeats), K, N, config
+    ([3, 0, 3, 1, 3], 96, 96, GemvConfig(block_n=64, splits=2, interpret=True)),  # N off the tile
+    ([2, 2, 0], 128, 96, GemvConfig(block_n=32, groups=2, splits=0, ahead=0, dequant="f16", interpret=True)),
+    ([0, 1], 64, 32, GemvConfig(block_n=32, dequant="pair", interpret=True)),
+    ([1, 3, 0, 2, 1, 1, 0], 96, 48, GemvConfig(block_n=32, groups=2, interpret=True)),  # last step half masked
+    ([0, 3, 3], 128, 96, GemvConfig(layout="tile", block_n=64, splits=3, interpret=True)),
+    ([2, 1, 2, 0, 1], 96, 96, GemvConfig(layout="tile", block_n=32, groups=2, ahead=2, interpret=True)),
+    ([3, 1, 3], 64, 96, GemvConfig(layout="tile_reduce", block_n=64, groups=2, splits=1, interpret=True)),
+]
+
+
+@pytest.mark.parametrize("experts,k,n,cfg", GEMV_CASES)
+def test_interpret_pair_gemv(experts, k, n, cfg):
+    """The matrix-vector kernel: fresh random inputs against the reference's pair_dot, any order of pairs,
+    repeats, R not a power of two, N off block_n, split K; bf16 and fp32 out; d lhs through the reference."""
+    r = len(experts)
+    lhs, rhs, _ = _inputs(r * k + n, r, k, n, [0] * 4)
+    ex = jnp.asarray(experts, jnp.int32)
+    assert supported_pairs(lhs, rhs, ex, cfg)
+    want = ref.pair_dot(lhs, rhs, ex, preferred_element_type=jnp.float32)
+    got = jax.jit(lambda a, b, e: pair_dot(a, b, e, preferred_element_type=jnp.float32, config=cfg))(lhs, rhs, ex)
+    assert got.dtype == jnp.float32 and got.shape == (r, n)
+    assert_close(got, want, 1e-5, "pairs fp32")
+    out = jax.jit(lambda a, b, e: pair_dot(a, b, e, config=cfg))(lhs, rhs, ex)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, want, 1e-2, "pairs bf16")
+    ct = jax.random.normal(jax.random.key(2), (r, n), jnp.float32)
+    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.vdot(f(x).astype(jnp.float32), ct)))(lhs)
+    assert_close(grad(lambda x: pair_dot(x, rhs, ex, config=cfg)),
+                 grad(lambda x: ref.pair_dot(x, rhs, ex, preferred_element_type=jnp.float32)), 1e-2, "dlhs")
+
+
+def test_gemv_config_and_splits():
+    """Bad configs are refused; splits=0 splits K until ~4 programs an SM, never into empty splits."""
+    for bad in (dict(block_n=96), dict(block_n=16), dict(groups=3), dict(layout="cols"), dict(dequant="fp8"),
+                dict(splits=-1)):
+        with pytest.raises(ValueError):
+            GemvConfig(**bad)
+    assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=256)) == 10  # 11 wanted (4 x 12 x 11 >= 528): 9 steps a split
+    assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=256, splits=7)) == 7
+    assert gemv_splits(1, 64, 32, GemvConfig(block_n=32)) == 2  # one per K step at most
+    assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=64, splits=89)) == 45  # 90 steps: 2 a split
+    default = pair_config(4, 2880, 2880)  # pair_dot's default: the matrix-vector kernel (measured faster)
+    assert isinstance(default, GemvConfig) and (default.block_n, default.num_warps) == (1024, 4)
+    assert default.dequant == "e4m3" and gemv_splits(4, 2880, 2880, default) == 30  # no GPU here: sm_89 assumed
+
+
+def test_pair_halves_bits():
+    """The jnp pair bits (the interpreter's and the PTX's reference): fp16 halves times 2^14 are E2M1 values."""
+    codes = np.arange(256, dtype=np.uint8)
+    w = np.asarray(pair_halves(jnp.asarray(codes), ptx=False)).view(np.uint32)
+    lo = (w & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64) * 2**14
+    hi = (w >> 16).astype(np.uint16).view(np.float16).astype(np.float64) * 2**14
+    table = np.asarray(ref.E2M1, np.float64)
+    np.testing.assert_array_equal(lo, table[codes & 15])
+    np.testing.assert_array_equal(hi, table[codes >> 4])
+    np.testing.assert_array_equal(np.signbit(lo), np.signbit(table[codes & 15]))  # -0 stays -0
+
+
 def test_supported_and_default_config():
     """CPU without the interpreter: not supported; wrong dtypes / shapes: not supported; decode splits K."""
     lhs, rhs, gs = _inputs(0, 8, 64, 32, [8, 0])
@@ -171,6 +232,23 @@ def test_gpu_matches_reference(tokens, top_k, g, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("r,g,n", [(4, 32, 5760), (5, 128, 2880), (1, 32, 2880), (8, 32, 200)])
+def test_gpu_pair_dot_default_matches_reference(r, g, n):
+    """On a GPU: pair_dot's default (the matrix-vector kernel) at decode shapes, unsorted experts with a
+    repeat, against the reference's pair_dot; bf16 and fp32 out."""
+    rng = np.random.default_rng(r * g + n)
+    lhs, rhs, _ = _inputs(r + g, r, 2880, n, [0] * g)
+    experts = rng.integers(0, g, r).astype(np.int32)
+    experts[-1] = experts[0]
+    ex = jnp.asarray(experts)
+    assert supported_pairs(lhs, rhs, ex) and isinstance(pair_config(r, 2880, n), GemvConfig)
+    want = ref.pair_dot(lhs.astype(jnp.float32), rhs, ex, preferred_element_type=jnp.float32)
+    got = jax.jit(lambda a, b, e: pair_dot(a, b, e, preferred_element_type=jnp.float32))(lhs, rhs, ex)
+    assert_close(got, want, 1e-5, "fp32 out")
+    assert_close(jax.jit(pair_dot)(lhs, rhs, ex), want, 1e-2, "bf16 out")
+
+
+@pytest.mark.gpu
 def test_gpu_select_picks_the_kernel():
     """kernels: auto on a GPU: select.ragged_dot runs the kernel for packed experts, reports it, fp32 out."""
     from tessera.lower import select
@@ -213,8 +291,10 @@ def test_interpreter_dequantize_tile_is_bitwise_the_reference():
 
 
 def _run_ptx(asm: str, regs: dict) -> dict:
-    """Runs the instructions `_DEQUANT_PTX` uses (mov, prmt, shl, shr, and, or on .b32; fma.rn.bf16x2)
-    on uint32 numpy arrays, one lane per instance; `regs` maps "$i" to inputs; returns every register."""
+    """Runs the instructions `_DEQUANT_PTX`, `_PAIR_PTX` and `_E4M3_PTX` use (mov, prmt, shl, shr, and,
+    or on .b32; fma.rn.bf16x2; bfe.u32, mul.lo.u32; cvt.rn.f16x2.e4m3x2, cvt.f32.f16; mov.b32 {a, b}
+    unpacking) on uint32 numpy arrays, one lane per instance; `regs` maps "$i" to inputs; returns every
+    register."""
     regs = dict(regs)
 
     def val(tok):
@@ -228,6 +308,12 @@ def _run_ptx(asm: str, regs: dict) -> dict:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):  # unpack: {lo16, hi16}, src
+            dests, src = args.split("}")
+            lo16, hi16 = (t.strip("{ ") for t in dests.split(","))
+            word = regs[src.strip(", ")]
+            regs[lo16], regs[hi16] = word & 0xFFFF, word >> 16
+            continue
         d, *src = [a.strip() for a in args.split(",")]
         x = [val(a) for a in src]
         if op == "mov.b32":
@@ -242,6 +328,16 @@ def _run_ptx(asm: str, regs: dict) -> dict:
                 out = out | (byte << 8 * i)
         elif op in ("shl.b32", "shr.b32"):
             out = x[0] << x[1] if op == "shl.b32" else x[0] >> x[1]
+        elif op == "cvt.rn.f16x2.e4m3x2":  # low byte -> low half, high byte -> high half (exact)
+            f16 = lambda b: (np.asarray(b, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float16)
+                             .view(np.uint16).astype(np.uint32))
+            out = f16(x[0] & 0xFF) | f16(x[0] >> 8) << 16
+        elif op == "cvt.f32.f16":
+            out = np.asarray(x[0], np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+        elif op == "bfe.u32":  # bit field extract: x[1] bits from bit x[0]... as (src, start, length)
+            out = (x[0] >> x[1]) & ((np.uint32(1) << x[2]) - np.uint32(1))
+        elif op == "mul.lo.u32":
+            out = np.asarray((x[0].astype(np.uint64) * np.uint64(x[1])) & np.uint64(0xFFFFFFFF), np.uint32)
         elif op in ("and.b32", "or.b32"):
             out = x[0] & x[1] if op == "and.b32" else x[0] | x[1]
         elif op == "fma.rn.bf16x2":  # every product here is exact in float64; one rounding to bf16
@@ -266,6 +362,42 @@ def test_dequant_ptx_is_bitwise_the_reference_on_an_emulator():
         out = _run_ptx(asm, {"$2": pack(codes), "$3": pack(scales)})
         got = np.stack([out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16], axis=1)
         np.testing.assert_array_equal(got.reshape(-1).astype(np.uint16), _reference_bits(nibble, scales))
+
+
+def test_pair_ptx_is_bitwise_the_jnp_bits_on_an_emulator():
+    """`_PAIR_PTX` (four code bytes a register -> four fp16 pairs) gives `pair_halves`'s jnp bits for every
+    byte in every one of the four positions."""
+    from tessera.lower.kernels.mxfp4_matmul import _PAIR_PTX
+
+    rng = np.random.default_rng(3)
+    b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
+    for pos in range(4):  # each byte value once in each position
+        rolled = np.roll(b, pos, axis=0)
+        out = _run_ptx(_PAIR_PTX, {"$4": rolled[0] | rolled[1] << 8 | rolled[2] << 16 | rolled[3] << 24})
+        for i in range(4):
+            want = np.asarray(pair_halves(jnp.asarray(rolled[i].astype(np.uint8)), ptx=False)).view(np.uint32)
+            np.testing.assert_array_equal(out[f"${i}"], want)
+
+
+def test_e4m3_ptx_is_bitwise_the_reference_on_an_emulator():
+    """`_E4M3_LO` / `_E4M3_HI` (four code bytes -> four fp32 values of one nibble, times 2^-6): the E2M1
+    values exactly, signed zeros and the code 0.5 included, for every byte in every position; the jnp
+    route the interpreter takes gives the same bits."""
+    from tessera.lower.kernels.mxfp4_matmul import _E4M3_HI, _E4M3_LO, E4M3_SHIFT, nibbles_e4m3
+
+    rng = np.random.default_rng(4)
+    b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
+    table = np.asarray(ref.E2M1, np.float32) / np.float32(E4M3_SHIFT)
+    for pos in range(4):
+        rolled = np.roll(b, pos, axis=0)
+        word = rolled[0] | rolled[1] << 8 | rolled[2] << 16 | rolled[3] << 24
+        jnp_lo, jnp_hi = nibbles_e4m3(jnp.asarray(rolled.astype(np.uint8)), ptx=False)
+        for asm, nib, via_jnp in ((_E4M3_LO, rolled & 15, jnp_lo), (_E4M3_HI, rolled >> 4, jnp_hi)):
+            out = _run_ptx(asm, {"$4": word})
+            want = table[nib].view(np.uint32)  # [4 positions, 256]
+            got = np.stack([out[f"${i}"] for i in range(4)])
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.asarray(via_jnp).view(np.uint32), want)
 
 
 @pytest.mark.gpu
