@@ -79,8 +79,7 @@ def tune_attention(check: bool = False) -> None:
                                   ("kv256 s2", dict(block_kv=256)),
                                   ("kv128 s4 per-item", dict(stages=4, num_ctas=per_item))],
         (64, True, 128, "fwd"): [("kv128 s4", dict(stages=4)), ("kv128 s2", dict()),
-                                 ("kv128 s4 per-item", dict(stages=4, num_ctas=per_item)),
-                                 ("kv128 s4 band", dict(stages=4, band=True))],
+                                 ("kv128 s4 per-item", dict(stages=4, num_ctas=per_item))],
         (64, False, None, "fwd"): [("kv128 s4", dict(stages=4)), ("kv256 s2", dict(block_kv=256))],
         (128, True, None, "fwd"): [("kv128 s2", dict()), ("kv64 s4", dict(block_kv=64, stages=4))],
         (64, True, None, "bwd"): [(f"bwd q{a} kv{b}", dict(stages=4, block_q_bwd=a, block_kv_bwd=b))

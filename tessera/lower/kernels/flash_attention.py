@@ -11,10 +11,7 @@ Sinks seed the running max/denominator. Statistics are kept in the log2 domain (
 folded in), fp32; the output of a fully masked row is 0, as in the reference; the log-sum-exp the
 backward needs is stored only when a gradient is taken. The phases of a step and an item are named
 scopes, which `_mgpu.profiling` (and `python -m bench.profile`) turns into an on-device trace of
-each warpgroup.
-`FlashConfig(overlap=True)` adds FA3's intra-warpgroup overlap (block j+1's Q K^T in flight during
-block j's softmax); `FlashConfig(band=True)` runs the interior items of a 128-key window as one
-unmasked 128-column softmax step each (`_band_items`). Backward: `flash_attention_bwd.py`.
+each warpgroup. Backward: `flash_attention_bwd.py`.
 """
 
 from __future__ import annotations
@@ -44,14 +41,6 @@ class FlashConfig:
     block_q_bwd: int = 64
     block_kv_bwd: int = 64
     interpret: bool = False
-    # forward: issue block j+1's Q K^T before block j's softmax (FA3 intra-warpgroup overlap).
-    # Off by default: on an H100 (causal, B4 S4096) it measured slower on top of the ping-pong,
-    # D64 398-404 vs 411-427 TFLOP/s, D128 430-438 vs 539-580 (docs/kernels-log.md).
-    overlap: bool = False
-    # forward, causal window of 2 x block_q keys (GPT-OSS's 128): interior items as one unmasked
-    # 128-column softmax step each (`_band_items`). Off by default: on an H200 (window 128 + sinks,
-    # D64, B4 S4096) it measured level with the block loops, 186 vs 182 us (docs/kernels-log.md).
-    band: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -61,9 +50,6 @@ class FlashConfig:
             raise ValueError(f"{self.stages=} must be at least 2")
         if self.num_ctas is not None and self.num_ctas < 1:
             raise ValueError(f"{self.num_ctas=} must be at least 1")
-        if self.overlap and self.block_kv > 128:  # two live [64, 256] fp32 S tiles: 256 regs/thread
-            raise ValueError(f"overlap=True needs block_kv <= 128 (got {self.block_kv}): two score "
-                             "tiles live at once would exceed the 232 registers of a thread")
 
 
 def default_config(head_dim: int, window: int | None = None, causal: bool = True) -> FlashConfig:
@@ -128,18 +114,6 @@ class _Work:
         rounds, rest = divmod(max(end, 0), self.grid)
         return jnp.int32(rounds) + (self._place(cta, jnp.int32(rounds)) < rest).astype(jnp.int32)
 
-    def band_stretch(self, cta):
-        """[i0, i1): CTA `cta`'s items whose row tile is interior for a band (`_band_items`): the KV
-        block before the tile's first position exists, and the tile's own block holds no padding.
-        Tiles only fall along a CTA's list, so these items are one stretch of it."""
-        per_tile, q0 = self.bsz * self.hq, self.mask.q_offset
-        t_lo = max(-(-(self.block_kv - q0) // self.rows), 0)  # first position >= block_kv
-        t_hi = min((self.mask.kv_len - self.block_kv - q0) // self.rows, self.n_tiles - 1)
-        if t_hi < t_lo:
-            return self.count(cta), self.count(cta)
-        i0 = self._count_below(cta, per_tile * (self.n_tiles - 1 - t_hi))
-        return i0, jnp.maximum(self._count_below(cta, per_tile * (self.n_tiles - t_lo)), i0)
-
     def item(self, cta, i):
         """(batch, head, first row, first/last KV block) of the CTA's i-th item."""
         b, h, tile, lo, hi = self.locate(cta, i)
@@ -158,7 +132,7 @@ class _Work:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashConfig, work: _Work,
-                    has_sinks: bool, group: int, qk_scale: float, band: bool):
+                    has_sinks: bool, group: int, qk_scale: float):
     """Persistent CTA: warpgroups 0 and 1 compute 64-row halves of each item, warpgroup 2 loads.
 
     The memory warpgroup loads each item's Q (and sink row) into a slot of a 2- or 3-slot buffer
@@ -172,7 +146,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     *lse_refs, smem, bars = rest  # [lse_ref], or [] without a gradient
     q_smem, k_smem, v_smem, row_smem = smem  # [n_buf, 2, bq, d], [stages, bkv, d] x2, [n_buf, 2, bq]
     # q_bar: an item's Q and sink row both; q_free: a warpgroup's half of a slot is free again
-    q_bar, k_bar, v_bar, k_free, v_free, sched, q_free, *turn = bars  # turn: band items only
+    q_bar, k_bar, v_bar, k_free, v_free, sched, q_free = bars
     n, bq, bkv, stages = _WGS, cfg.block_q, cfg.block_kv, cfg.stages
     n_buf = q_smem.shape[0]
     mask = work.mask
@@ -184,14 +158,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
     def sched_sync():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
-    # the ping-pong on `sched`; with band items (`_band_items`) the warpgroups run free instead
-    turns = not band
 
     @pl.when(wg < n)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        if turns:
-            pl.when(wg == 1)(sched_sync)  # warpgroup 1 starts one schedule phase late: the ping-pong
+        pl.when(wg == 1)(sched_sync)  # warpgroup 1 starts one schedule phase late: the ping-pong
 
         # g: K/V steps this CTA consumed before item i; `item`: where item i is (`_Work.locate`),
         # worked out during item i-1's epilogue, where its chain of integer divisions overlaps the
@@ -230,30 +201,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, sink_ref, out_ref, *rest, cfg: FlashCon
                 pl.when(hi == lo)(functools.partial(release, i))
             args = (q_smem.at[buf, wg], row_smem.at[buf, wg], q_bar.at[buf * n + wg],
                     row + wg * bq + mask.q_offset, lo, hi, g,
-                    k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched if turns else None))
-            attend = _attend_overlap if cfg.overlap else _attend
-            acc, m, l = attend(*args, cfg=cfg, mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
-                               first_step=functools.partial(release, i) if n_buf == 2 else None)
+                    k_smem, v_smem, (k_bar, v_bar, k_free, v_free, sched))
+            acc, m, l = _attend(*args, cfg=cfg, mask=mask, has_sinks=has_sinks, qk_scale=qk_scale,
+                                first_step=functools.partial(release, i) if n_buf == 2 else None)
             with jax.named_scope("epilogue"):
                 nxt = place_of(i + 1)
                 epilogue(i, item, acc, m, l)
             return g + (hi - lo), nxt
 
         zero = n_items - n_items
-        carry = (zero, work.locate(cta, zero))
-        if band:  # the CTA's items run heaviest (latest) tile first: the interior ones are a stretch
-            i0, i1 = work.band_stretch(cta)
-            carry = lax.fori_loop(zero, i0, item_body, carry)
-            carry = _band_items(i0, i1, carry, q_smem=q_smem, row_smem=row_smem, k_smem=k_smem,
-                                v_smem=v_smem, bars=(q_bar, k_bar, v_bar, k_free, v_free, *turn), wg=wg,
-                                cfg=cfg, qk_scale=qk_scale, has_sinks=has_sinks, n_buf=n_buf,
-                                release=release, epilogue=epilogue,
-                                locate=place_of)
-            lax.fori_loop(i1, n_items, item_body, carry)
-        else:
-            lax.fori_loop(zero, n_items, item_body, carry)
-        if turns:
-            pl.when(wg == 0)(sched_sync)  # balance the offset so every schedule phase completes
+        lax.fori_loop(zero, n_items, item_body, (zero, work.locate(cta, zero)))
+        pl.when(wg == 0)(sched_sync)  # balance the offset so every schedule phase completes
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == n)
@@ -280,7 +238,6 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
     `first_step()`, if given, runs in the first step before it waits for its turn on the tensor
     cores. That turn may wait for the other warpgroup's next Q K^T, whose K the producer may load
     only after the next item's Q: a slot release the producer waits for must come before it.
-    `bars[-1]` (the ping-pong's schedule barrier) is None where the warpgroups run free.
     """
     k_bar, v_bar, k_free, v_free, sched = bars
     bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
@@ -288,9 +245,8 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
     carry = _start(q_smem, row_smem, q_bar, has_sinks=has_sinks, interpret=interp)
 
     def sync_after_issue():
-        if sched is not None:
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
 
     with jax.named_scope("wait_k"):
         pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(g, stages)]))
@@ -312,18 +268,16 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
             if masked:
                 s = jnp.where(mask.tile(p0, kv * bkv + first_key, (bq, n), interpret=interp), s, -jnp.inf)
             acc, m_new, l, p16 = _mgpu.online_softmax(s, acc, m, l, qk_scale=qk_scale, dtype=dtype)
-        if sched is not None:
-            # ptxas hoists this arrive to just after the Q K^T wait, so the other warpgroup's
-            # softmax may start alongside this one; pinned after the V wait instead, the causal
-            # forward took 1377 against 1205 us (H200, D64; docs/kernels-log.md)
-            plgpu.barrier_arrive(sched)  # softmax done
+        # ptxas hoists this arrive to just after the Q K^T wait, so the other warpgroup's
+        # softmax may start alongside this one; pinned after the V wait instead, the causal
+        # forward took 1377 against 1205 us (H200, D64; docs/kernels-log.md)
+        plgpu.barrier_arrive(sched)  # softmax done
         with jax.named_scope("wait_v"):
             plgpu.barrier_wait(v_bar.at[slot])
         if first_step is not None:
             pl.when(kv == lo)(first_step)
-        if sched is not None:
-            with jax.named_scope("wait_turn"):
-                plgpu.barrier_wait(sched)  # tensor cores free again
+        with jax.named_scope("wait_turn"):
+            plgpu.barrier_wait(sched)  # tensor cores free again
 
         def wait_next_k():
             nxt = kv + 1
@@ -356,121 +310,6 @@ def _attend(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
     return carry
 
 
-def _band_applies(mask: MaskSpec, cfg: FlashConfig) -> bool:
-    """Whether interior items can run as `_band_items`: a causal window of exactly 2 x `block_q`
-    keys (GPT-OSS's 128) over `block_kv` = 2 x `block_q` tiles, with items starting on a tile, and a
-    ring of at least 3 tiles (an item's step waits for both its K tiles at once; the next item's
-    two then load behind the V tile of the item before)."""
-    bq = cfg.block_q
-    return (cfg.band and mask.causal and mask.window == 2 * bq == cfg.block_kv and not cfg.overlap
-            and cfg.stages >= 3
-            and isinstance(mask.q_offset, int) and mask.q_offset % cfg.block_kv == 0
-            and isinstance(mask.kv_len, int))
-
-
-def _band_chunk(ring, g, c: int, wg, cfg: FlashConfig):
-    """64-key chunk c (0 old, 1 full, 2 new) of warpgroup `wg` in a band item whose blocks sit in
-    ring steps g, g + 1: half (wg + c) % 2 of block (wg + c) // 2 (see `_band_items`)."""
-    bq, stages = cfg.block_q, cfg.stages
-    block, half = ((g, wg), (g + wg, 1 - wg), (g + 1, wg))[c]
-    return ring.at[lax.rem(block, stages), pl.ds(pl.multiple_of(half * bq, bq), bq)]
-
-
-def _band_items(i0, i1, carry, *, q_smem, row_smem, k_smem, v_smem, bars, wg, cfg: FlashConfig,
-                qk_scale: float, has_sinks: bool, n_buf: int, release, epilogue, locate):
-    """Items [i0, i1) of a 128-key window, all interior, each as one online-softmax step of a
-    warpgroup, software-pipelined across items. `carry` = (g, item i0's place), returned for i1.
-
-    Warpgroup `wg`'s 64 rows start at position p0 (a multiple of 64); row j sees keys
-    p0 + j - 127 .. p0 + j. In 64-key chunks: `old` = [p0 - 128, p0 - 64) is visible where the
-    key's column c in the chunk exceeds j, `full` = [p0 - 64, p0) everywhere, and `new` =
-    [p0, p0 + 64) where c <= j. Old and new are visible on complementary triangles, so the tile
-    where(c > j, old, new) holds each row's other 64 keys: every row sees exactly the 128 keys of
-    [full | mixed], none masked. The softmax runs once over those 128 columns, without a mask,
-    where the block loops run a masked 128-key block and a masked 64-key half (96 exponentials a
-    thread instead of 64, and twice the fixed cost of a step). P V splits the mixed P back into old
-    and new. The item's blocks lo, lo + 1 are ring steps g, g + 1 (`_band_chunk`).
-
-    Pipelining: item i+1's Q K^T is issued right after item i's P V, and runs during item i's
-    epilogue. Only the warpgroups' softmaxes take turns (`turn`: 0, 1, 0, ...), so their
-    exponentials do not share the MUFU; the block loops' ping-pong, which also orders the products,
-    would with one step an item chain each warpgroup's item boundary (P V, epilogue, next Q K^T)
-    to the other's (measured: `wait_turn` 982 cycles an item; docs/kernels-log.md).
-    """
-    q_bar, k_bar, v_bar, k_free, v_free, turn = bars
-    bq, stages, interp, n = cfg.block_q, cfg.stages, cfg.interpret, _WGS
-    d = q_smem.shape[-1]
-
-    def wait_loads(i, g):  # item i's Q and sink row, and its K tiles
-        with jax.named_scope("wait_q"):
-            plgpu.barrier_wait(q_bar.at[lax.rem(i, n_buf) * n + wg])
-        with jax.named_scope("wait_k"):
-            for step in (g, g + 1):
-                plgpu.barrier_wait(k_bar.at[lax.rem(step, stages)])
-
-    def products(i, g):  # item i's three Q K^T
-        q = q_smem.at[lax.rem(i, n_buf), wg]
-        return [(q, _band_chunk(k_smem, g, c, wg, cfg)) for c in range(3)]
-
-    def free(bar, g):
-        for step in (g, g + 1):
-            plgpu.barrier_arrive(bar.at[lax.rem(step, stages)])
-
-    def item(i, g, place, s, has_next):
-        buf = lax.rem(i, n_buf)
-        with jax.named_scope("release_q"):
-            release(i)
-        with jax.named_scope("wait_turn"):  # the softmaxes alternate: 1, 0, 1, ... after 0's first
-            pl.when((wg == 1) | (i > i0))(lambda: plgpu.barrier_wait(turn.at[wg]))
-        with jax.named_scope("softmax"):
-            s_old, s_full, s_new = s
-            # old where c - j > 0. The zero it is compared with passes a barrier with the scores:
-            # without it LLVM would work out the 32 tests once, before the loop, and keep them
-            zero = _mgpu.row_vector(0, bq, interpret=interp, dtype=jnp.int32)
-            s_old, s_new, zero = lax.optimization_barrier((s_old, s_new, zero))
-            diff = (_mgpu.iota2d((bq, bq), 1, interpret=interp)
-                    - _mgpu.iota2d((bq, bq), 0, interpret=interp))
-            old = diff > lax.broadcast_in_dim(zero, (bq, bq), [0])
-            m0, l0 = _seed(row_smem.at[buf, wg], has_sinks=has_sinks, interpret=interp)
-            m, l, p_full, p_old, p_new = _mgpu.band_softmax(s_full, s_old, s_new, old, m0, l0,
-                                                            qk_scale=qk_scale, dtype=q_smem.dtype)
-        with jax.named_scope("wait_v"):
-            for step in (g, g + 1):
-                plgpu.barrier_wait(v_bar.at[lax.rem(step, stages)])
-        # the other warpgroup's turn, after the waits: ptxas hoists an arrive it may move (no data
-        # depends on it) up into the softmax, whose exponentials then overlap the other's
-        plgpu.barrier_arrive(turn.at[1 - wg])
-        nxt = locate(i + 1)
-        pv = [(p, _band_chunk(v_smem, g, c, wg, cfg)) for c, p in enumerate((p_old, p_full, p_new))]
-
-        def finish(acc):  # once P V landed
-            free(v_free, g)
-            with jax.named_scope("epilogue"):
-                epilogue(i, place, acc, m, l)
-        if not has_next:
-            with jax.named_scope("pv"):
-                finish(_mgpu.mma_chain(pv, (bq, d), interpret=interp))
-            return g + 2, nxt, s
-        with jax.named_scope("pv"):
-            _, s_next = _mgpu.mma_chain_then_group(
-                pv, (bq, d), products(i + 1, g + 2), (bq, bq), finish,
-                before_group=lambda: wait_loads(i + 1, g + 2), interpret=interp)
-        free(k_free, g + 2)
-        return g + 2, nxt, tuple(s_next)
-
-    def stretch(_, carry):
-        g, place = carry
-        wait_loads(i0, g)
-        with jax.named_scope("qk"):
-            s = tuple(_mgpu.mma_group(products(i0, g), (bq, bq), interpret=interp))
-        free(k_free, g)
-        g, place, s = lax.fori_loop(i0, i1 - 1, lambda i, c: item(i, *c, has_next=True), (g, place, s))
-        g, place, _ = item(i1 - 1, g, place, s, has_next=False)
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))  # 1's last turn, observed
-        return g, place
-    return lax.fori_loop(i0 - i0, (i1 > i0).astype(jnp.int32), stretch, carry)
-
-
 def _start(q_smem, row_smem, q_bar, *, has_sinks: bool, interpret: bool):
     """Wait for the item's Q and sink row; the running (acc, m, l) before its first block: zeros
     and the sink's seed (`_seed`)."""
@@ -485,90 +324,6 @@ def _seed(row_smem, *, has_sinks: bool, interpret: bool):
     without sinks), read from the item's loaded sink row, and the sink's weight 1 (or 0)."""
     return (_mgpu.load_rows(row_smem, interpret=interpret),
             _mgpu.row_vector(1.0 if has_sinks else 0.0, row_smem.shape[0], interpret=interpret))
-
-
-def _mma_during(a, b, shape, during, *, interpret: bool):
-    """(a @ b.T fp32 [M, N] = `shape`, during()): `during()` runs while the wgmma is in flight.
-
-    The product is read (waited on) only after `during()` returned, so its values may be
-    register arrays computed under the wgmma. The interpreter computes the product first.
-    """
-    if interpret:
-        return _mgpu.mma(a, b, shape, transpose_b=True, interpret=True), during()
-
-    def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, _mgpu.transposed(b))
-        res = during()
-        return acc_ref[...], res
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
-
-
-def _attend_overlap(q_smem, row_smem, q_bar, p0, lo, hi, g, k_smem, v_smem, bars, *,
-                    cfg: FlashConfig, mask: MaskSpec, has_sinks: bool, qk_scale: float, first_step):
-    """`_attend` software-pipelined (FA3 intra-warpgroup overlap): S_{j+1} = Q K_{j+1}^T is in
-    flight while block j's softmax runs, then P_j V_j; one more [bq, bkv] fp32 tile is live.
-
-    Step j: issue S_{j+1} (j + 1 < hi) -> softmax(S_j) -> wait S_{j+1}, free K_{j+1} -> P_j V_j
-    (waiting for K_{j+2} meanwhile) -> free V_j. S_lo is computed before the loop; the last step
-    issues nothing. The ping-pong schedule barrier keeps `_attend`'s two arrive/wait pairs per
-    step, around the same GEMM issues (Q K^T, then P V), so the warpgroups still alternate.
-    """
-    k_bar, v_bar, k_free, v_free, sched = bars
-    bq, bkv, stages, interp = cfg.block_q, cfg.block_kv, cfg.stages, cfg.interpret
-    dtype = q_smem.dtype
-    slot_of = lambda kv: lax.rem(g + kv - lo, stages)
-    acc, m, l = _start(q_smem, row_smem, q_bar, has_sinks=has_sinks, interpret=interp)
-
-    def wait_k(kv):
-        pl.when(kv < hi)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(kv)]))
-
-    def prologue(kv, _):  # S_lo (one trip if hi > lo, none otherwise)
-        plgpu.barrier_wait(k_bar.at[slot_of(kv)])
-        s = _mgpu.mma(q_smem, k_smem.at[slot_of(kv)], (bq, bkv), transpose_b=True, interpret=interp,
-                      then=lambda: wait_k(kv + 1))
-        plgpu.barrier_arrive(k_free.at[slot_of(kv)])
-        return s
-    s = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), prologue, _mgpu.zeros((bq, bkv), interpret=interp))
-
-    def step(kv, carry, masked, issue):
-        acc, m, l, s = carry
-        slot = slot_of(kv)
-
-        def softmax():
-            plgpu.barrier_arrive(sched)  # the other warpgroup may issue while S_{j+1} runs
-            plgpu.barrier_wait(sched)
-            sj = s
-            if masked:
-                sj = jnp.where(mask.tile(p0, kv * bkv, (bq, bkv), interpret=interp), sj, -jnp.inf)
-            out = _mgpu.online_softmax(sj, acc, m, l, qk_scale=qk_scale, dtype=dtype)
-            plgpu.barrier_arrive(sched)  # softmax done
-            plgpu.barrier_wait(v_bar.at[slot])
-            if first_step is not None:  # before the turn wait, as in `_attend`
-                pl.when(kv == lo)(first_step)
-            plgpu.barrier_wait(sched)  # tensor cores free again
-            return out
-        if issue:
-            s, (acc, m, l, p16) = _mma_during(q_smem, k_smem.at[slot_of(kv + 1)], (bq, bkv), softmax,
-                                              interpret=interp)
-            plgpu.barrier_arrive(k_free.at[slot_of(kv + 1)])
-        else:
-            acc, m, l, p16 = softmax()
-
-        def wait_next_k():
-            wait_k(kv + 2)  # K_{j+1} was waited in the previous step (or the prologue)
-        acc = _mgpu.mma(p16, v_smem.at[slot], acc.shape, acc=acc, interpret=interp, then=wait_next_k)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m, l, s
-
-    # blocks [lo, last) issue the next Q K^T; `last` = hi - 1 (if any) is always masked (a no-op
-    # on a fully visible block), so the masked/unmasked split needs no runtime branch
-    last = jnp.maximum(hi - 1, lo)
-    full_lo, full_hi = mask.full_range(p0, p0 + bq - 1, bkv, lo, hi)
-    full_lo, full_hi = jnp.minimum(full_lo, last), jnp.minimum(full_hi, last)
-    carry = (acc, m, l, s)
-    carry = masked_stretches(functools.partial(step, issue=True), carry, lo, full_lo, full_hi, last)
-    acc, m, l, _ = lax.fori_loop(last, hi, functools.partial(step, masked=True, issue=False), carry)
-    return acc, m, l
 
 
 # ----------------------------------------------------------------------------- forward driver
@@ -619,15 +374,11 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
             plgpu.Barrier(num_barriers=n_buf * n))  # a warpgroup's half of a Q slot released
     mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t,
                     keys_padded=t_pad > t, diff_tile=d <= 64)  # see MaskSpec.diff_tile
-    band = _band_applies(mask, cfg) and n_buf == 3
-    if band:  # the masked block loops run only at the edges: keep their hoisted tile out of the
-        mask = dataclasses.replace(mask, diff_tile=False)  # registers of the band's loop
-        bars += (plgpu.Barrier(num_barriers=n),)  # `turn`: warpgroup w may start its softmax
     n_items = (s_pad // rows) * bsz * hq
     grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
     work = _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask)
     body = functools.partial(_forward_kernel, cfg=cfg, work=work, has_sinks=has_sinks,
-                             group=hq // hkv, qk_scale=scale * _mgpu.LOG2E, band=band)
+                             group=hq // hkv, qk_scale=scale * _mgpu.LOG2E)
     out_type = (jax.ShapeDtypeStruct((bsz, s_pad, hq, d), q.dtype),)
     if want_lse:
         out_type += (jax.ShapeDtypeStruct((bsz, hq, s_pad), jnp.float32),)

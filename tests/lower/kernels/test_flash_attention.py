@@ -94,48 +94,6 @@ def test_interpret_half_width_edge_blocks_and_snake_schedule():
     _check((1, 300, 300, 5, 1, 64), jnp.bfloat16, causal=True, window=128, with_sinks=True, config=cfg)
 
 
-def test_interpret_band_items_of_a_128_window(monkeypatch):
-    """CPU interpreter, FlashConfig(band=True) on the GPU's tiles: window 128, S a multiple of 128.
-    The interior items run as band steps (old / full / new 64-key chunks, mixed scores, the next
-    item's Q K^T during the epilogue); the first item and, with 372 keys, the last one (its block
-    holds padding) run the block loops, before and after the band stretch of each CTA's list."""
-    from tessera.lower.kernels import flash_attention as fa
-    calls = []
-    band_items = fa._band_items
-    monkeypatch.setattr(fa, "_band_items", lambda *a, **kw: calls.append(1) or band_items(*a, **kw))
-    # forward only: the band changes no backward kernel (the GPU cases check the gradients too)
-    cfg = FlashConfig(block_q=64, block_kv=128, stages=3, num_ctas=2, interpret=True, band=True)
-    _check_forward((1, 384, 384, 2, 1, 64), jnp.bfloat16, causal=True, window=128, with_sinks=True,
-                   config=cfg)
-    assert calls  # traced: the band path was taken
-    # each CTA's list: a padded last-tile item, a band item, a first-tile item
-    _check_forward((1, 384, 372, 2, 1, 64), jnp.bfloat16, causal=True, window=128, with_sinks=False,
-                   config=cfg)
-    _check_forward((1, 128, 256, 1, 1, 64), jnp.bfloat16, causal=True, window=128, with_sinks=True,
-                   config=cfg, q_offset=128)
-
-
-@pytest.mark.parametrize("n_tiles,bsz,hq,grid,q_offset,kv_len", [
-    (32, 2, 8, 20, 0, 4096), (4, 1, 5, 3, 0, 500), (3, 2, 3, 7, 128, 512), (4, 1, 2, 2, 0, 100)])
-def test_band_stretch_is_the_interior_items(n_tiles, bsz, hq, grid, q_offset, kv_len):
-    """Each CTA's band stretch [i0, i1) holds exactly its items whose tile has a KV block before
-    its first position and no padding in its own block."""
-    from tessera.lower.kernels.flash_attention import _band_applies
-    mask = MaskSpec(causal=True, window=128, q_offset=q_offset, kv_len=kv_len)
-    assert _band_applies(mask, FlashConfig(block_kv=128, stages=4, band=True))
-    assert not _band_applies(mask, FlashConfig(block_kv=128, stages=4))
-    assert not _band_applies(mask, FlashConfig(block_kv=128, stages=2, band=True))
-    assert not _band_applies(MaskSpec(causal=True, window=100, q_offset=0, kv_len=512),
-                             FlashConfig(block_kv=128, stages=4, band=True))
-    work = _Work(n_tiles, bsz, hq, grid, 128, 128, mask)
-    locate, count, stretch = jax.jit(work.locate), jax.jit(work.count), jax.jit(work.band_stretch)  # one dispatch each
-    for cta in range(grid):
-        tiles = [int(locate(jnp.int32(cta), jnp.int32(i))[2]) for i in range(int(count(jnp.int32(cta))))]
-        interior = [128 <= t * 128 + q_offset and t * 128 + q_offset + 128 <= kv_len for t in tiles]
-        i0, i1 = (int(x) for x in stretch(jnp.int32(cta)))
-        assert interior == [i0 <= i < i1 for i in range(len(tiles))], (cta, tiles, i0, i1)
-
-
 def test_interpret_two_q_slots(monkeypatch):
     """CPU interpreter, the Q / output double buffer that head dim 128 gets on the GPU (2 slots,
     not 3): the producer loads the next item's Q into the slot of the item before once each
@@ -197,56 +155,15 @@ def test_interpret_window_split_into_masked_and_full_runs(monkeypatch):
            config=cfg, seed=3, q_offset=128)
 
 
-def _check_forward(shape, dtype, *, causal, window, with_sinks, config, seed=0, q_offset=0):
-    """Forward only (no backward: cheaper in the interpreter) against the fp32 reference."""
-    q, k, v, sinks, _ = _inputs(seed, *shape, dtype, with_sinks)
-    kw = dict(causal=causal, window=window, q_offset=q_offset)
-    out = flash_attention(q, k, v, sinks=sinks, config=config, **kw)
-    up = tuple(None if x is None else x.astype(jnp.float32) for x in (q, k, v, sinks))
-    assert_close(out, attention(*up[:3], sinks=up[3], **kw), 2e-2, "out")
-
-
-def test_interpret_overlap_causal_window_sinks_gqa():
-    """overlap=True (Q K^T of block j+1 in flight during block j's softmax): GQA 2:1, causal,
-    window 48 < block, sinks, S not a multiple of the block; forward and all gradients."""
-    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True, overlap=True)
-    _check((1, 100, 100, 2, 1, 64), jnp.bfloat16, causal=True, window=48, with_sinks=True, config=cfg)
-
-
-def test_interpret_overlap_single_block_items_and_ring_wrap():
-    """overlap=True on one CTA: items of 1 KV block (prologue only) and of 2, and a 3-block item
-    (64 queries at 128..191, window 100) whose pipeline wraps the 2-slot K/V ring."""
-    cfg = FlashConfig(block_q=64, block_kv=128, num_ctas=1, interpret=True, overlap=True)
-    _check_forward((1, 200, 200, 2, 1, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True,
-                   config=cfg, seed=3)
-    cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True, overlap=True)
-    _check_forward((1, 64, 192, 2, 1, 64), jnp.bfloat16, causal=True, window=100, with_sinks=True,
-                   config=cfg, seed=2, q_offset=128)
-
-
-def test_interpret_overlap_full_attention_fp16():
-    """overlap=True, not causal: an unmasked block then a masked edge block (keys 100 of 128)."""
-    cfg = FlashConfig(block_q=64, block_kv=64, interpret=True, overlap=True)
-    _check_forward((1, 64, 100, 1, 1, 64), jnp.float16, causal=False, window=None, with_sinks=False,
-                   config=cfg, seed=1)
-
-
-def test_overlap_refuses_wide_key_tiles():
-    """Two live [64, 256] fp32 score tiles would not fit in a thread's registers."""
-    with pytest.raises(ValueError, match="overlap=True needs block_kv <= 128"):
-        FlashConfig(block_kv=256, overlap=True)
-
-
-@pytest.mark.parametrize("d,overlap,band", [(64, False, False), (64, True, False), (128, True, False),
-                                             (64, False, True)])
-def test_forward_lowers_for_hopper(d, overlap, band):
+@pytest.mark.parametrize("d,window", [(64, 300), (128, 300), (64, 128)])
+def test_forward_lowers_for_hopper(d, window):
     """The real Mosaic GPU lowering (no GPU needed) accepts the kernel: register layouts of loop
     carries, accumulators and row vectors are checked here, which the interpreter does not do.
-    band=True: window 128, the band stretch between the block loops."""
-    cfg = FlashConfig(block_kv=128, stages=4 if d == 64 else 2, num_ctas=132, overlap=overlap, band=band)
+    Window 128 (GPT-OSS's) runs each item as one masked loop between the half-width edge blocks."""
+    cfg = FlashConfig(block_kv=128, stages=4 if d == 64 else 2, num_ctas=132)
     q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 1, d), jnp.bfloat16)
-    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, window=128 if band else 300, config=cfg)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, window=window, config=cfg)
     text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -288,17 +205,6 @@ GPU_CASES = [
     ((1, 700, 700, 4, 1, 64), jnp.float16, True, 100, False, FlashConfig(block_kv=64, stages=4,
                                                                         num_ctas=5)),
     ((1, 640, 640, 4, 2, 128), jnp.bfloat16, True, None, True, FlashConfig(num_ctas=3)),
-    # overlap=True: Q K^T of block j+1 in flight during block j's softmax
-    ((2, 1000, 1000, 8, 2, 64), jnp.bfloat16, True, None, True, FlashConfig(stages=4, overlap=True)),
-    ((1, 300, 300, 4, 1, 128), jnp.float16, True, 40, True, FlashConfig(overlap=True)),
-    ((2, 256, 256, 4, 1, 128), jnp.bfloat16, False, None, True, FlashConfig(overlap=True)),
-    ((1, 128, 384, 2, 1, 64), jnp.bfloat16, False, 100, False, FlashConfig(overlap=True)),
-    ((1, 700, 700, 4, 1, 64), jnp.float16, True, 100, False,
-     FlashConfig(block_kv=64, stages=4, num_ctas=5, overlap=True)),
-    ((1, 640, 640, 4, 2, 128), jnp.bfloat16, True, None, True, FlashConfig(num_ctas=3, overlap=True)),
-    # band=True: interior items of a 128 window as one unmasked step (the last block padded in the second)
-    ((2, 1024, 1024, 8, 2, 64), jnp.bfloat16, True, 128, True, FlashConfig(stages=4, band=True)),
-    ((1, 1024, 1000, 4, 1, 64), jnp.float16, True, 128, False, FlashConfig(stages=4, num_ctas=5, band=True)),
 ]
 
 
