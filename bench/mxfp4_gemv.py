@@ -1,8 +1,8 @@
 """MXFP4 pairs at decode: the grouped kernel (`pair_dot` with an Mxfp4Config), `pair_dot`'s default and
-the matrix-vector kernel's (`GemvConfig`) variants; correctness on the GPU, time per call, GB/s and % of
-the copy bandwidth.
+the matrix-vector kernel's (`mxfp4_gemv.GemvConfig`) variants; correctness on the GPU, time per call, GB/s
+and % of the copy bandwidth.
 
-    python -m bench.mxfp4_gemv [--sweep-only] [--variants rows_n512_w4,...] [--json PATH]
+    python -m bench.mxfp4_gemv [--sweep-only] [--variants n512_w4,...] [--json PATH]
 
 1. the inline-PTX conversions against their jnp routes for every code byte (bitwise);
 2. every variant on fresh random inputs (R = 5 unsorted pairs with repeats, both shapes) against
@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from tessera.lower.kernels import mxfp4_matmul as mk
+from tessera.lower.kernels import mxfp4_gemv as mg, mxfp4_matmul as mk
 from tessera.lower.reference import mxfp4 as ref
 
 SHAPES = {"gate_up": (2880, 5760), "down": (2880, 2880)}
@@ -38,24 +38,26 @@ L2_BYTES = 60e6
 
 
 def _variants() -> dict:
-    g = mk.GemvConfig
+    g = mg.GemvConfig
     # the grouped kernel with one row a run (pair_dot's default before the matrix-vector kernel; the same
     # config for every R <= 16 at K = 2880) and pair_config (None)
     out = {"grouped": mk.default_config(4, 2880, 2880, 4), "default": None}
+    out["n1024_w4_pair"] = g(block_n=1024, num_warps=4, dequant="pair")  # the default below sm_89
     for a in (2, 3):
-        out[f"rows_n1024_w4_a{a}"] = g(block_n=1024, num_warps=4, ahead=a)
-    out["rows_n512_w2_a2"] = g(block_n=512, num_warps=2, ahead=2)
-    out["rows_n512_w4"] = g(block_n=512, num_warps=4)
-    out["rows_n512_w4_a2"] = g(block_n=512, num_warps=4, ahead=2)
-    out["rows_n1024_w4_p1056"] = g(block_n=1024, num_warps=4, programs=1056)
-    out["rows_n1024_w4_p1056_a2"] = g(block_n=1024, num_warps=4, programs=1056, ahead=2)
-    out["rows_n1024_w4_p264_a2"] = g(block_n=1024, num_warps=4, programs=264, ahead=2)
-    out["rows_n2048_w8_a2"] = g(block_n=2048, num_warps=8, ahead=2)
+        out[f"n1024_w4_a{a}"] = g(block_n=1024, num_warps=4, ahead=a)
+    out["n1024_w4_g2"] = g(block_n=1024, num_warps=4, groups=2)
+    out["n512_w2_a2"] = g(block_n=512, num_warps=2, ahead=2)
+    out["n512_w4"] = g(block_n=512, num_warps=4)
+    out["n512_w4_a2"] = g(block_n=512, num_warps=4, ahead=2)
+    out["n1024_w4_p1056"] = g(block_n=1024, num_warps=4, programs=1056)
+    out["n1024_w4_p1056_a2"] = g(block_n=1024, num_warps=4, programs=1056, ahead=2)
+    out["n1024_w4_p264_a2"] = g(block_n=1024, num_warps=4, programs=264, ahead=2)
+    out["n2048_w8_a2"] = g(block_n=2048, num_warps=8, ahead=2)
     return out
 
 
 def _config(variant, r, k, n):
-    return variant if variant is not None else mk.pair_config(r, k, n)  # "default"
+    return variant if variant is not None else mg.pair_config(r, k, n)  # "default"
 
 
 def _inputs(key, r, k, n, g):
@@ -74,16 +76,16 @@ def check_ptx() -> bool:
     codes = jnp.arange(256 * 16, dtype=jnp.int32).astype(jnp.uint8).reshape(64, 64)
 
     def body(c_ref, p_ref, lo_ref, hi_ref):
-        p_ref[...] = mk.pair_halves(c_ref[...], ptx=True)
-        lo_ref[...], hi_ref[...] = mk.nibbles_e4m3(c_ref[...], ptx=True)
+        p_ref[...] = mg.pair_halves(c_ref[...], ptx=True)
+        lo_ref[...], hi_ref[...] = mg.nibbles_e4m3(c_ref[...], ptx=True)
     shapes = (jax.ShapeDtypeStruct((64, 64), jnp.int32),) + (jax.ShapeDtypeStruct((64, 64), jnp.float32),) * 2
     pair, lo, hi = pl.pallas_call(body, out_shape=shapes, compiler_params=pltriton.CompilerParams(num_warps=4))(codes)
     table = jnp.asarray(ref.E2M1, jnp.float32)
     c = codes.astype(jnp.int32)
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)
-    ok_pair = bool(jnp.array_equal(pair, mk.pair_halves(codes, ptx=False)))
-    ok_e4m3 = bool(jnp.array_equal(bits(lo), bits(table[c & 15] / mk.E4M3_SHIFT))
-                   and jnp.array_equal(bits(hi), bits(table[c >> 4] / mk.E4M3_SHIFT)))
+    ok_pair = bool(jnp.array_equal(pair, mg.pair_halves(codes, ptx=False)))
+    ok_e4m3 = bool(jnp.array_equal(bits(lo), bits(table[c & 15] / mg.E4M3_SHIFT))
+                   and jnp.array_equal(bits(hi), bits(table[c >> 4] / mg.E4M3_SHIFT)))
     print(f"PTX bitwise: pair {ok_pair}, e4m3 {ok_e4m3}", flush=True)
     return ok_pair and ok_e4m3
 

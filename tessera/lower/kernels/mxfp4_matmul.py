@@ -15,44 +15,20 @@ and two bf16x2 FMAs, exact) and feeds two tensor-core dots. Split-K partials (fp
 outside; at decode M that buffer is tiny.
 
 `pair_dot` multiplies unsorted (row, expert) pairs (decode of one token: `reference.moe.moe_pairs`),
-with no table to build. By default (`pair_config`) it runs a matrix-vector kernel on the FMA units
-(`GemvConfig`, `_gemv_kernel`): one program per (pair, 1024 columns, K split) walks its K range a scale
-group (16 code rows) at a time, each code row one vector of 8 bytes a thread; four code bytes at a time
-become E4M3 bytes (masks and a shift) that `cvt.rn.f16x2.e4m3x2` turns into values two an instruction
-(`_E4M3_PTX`, exact); x's (even, odd) bf16 pair is one 32-bit load; the 16 rows' products are summed per
-column and scaled once by the group's scale row, read once. The grouped kernel (one row a run,
-`config=default_config(r, k, n, r)`) masks 15 of its 16 dot rows and reads each scale byte once per
-code row.
+with no table to build. By default (`mxfp4_gemv.pair_config`) it runs the matrix-vector kernel of
+`mxfp4_gemv` on the FMA units (1.3-1.6x faster at decode, numbers there); an Mxfp4Config runs this
+module's kernel with each row its own run.
 
 Backend: `pl.pallas_call` lowered through Triton (jax 0.10-0.12; CPU interpreter for CI). Forward only;
 the gradient w.r.t. lhs goes through the reference (dequantised weights), packed weights get none.
 
 block_m < 16 takes the products on the FMA units instead (`_step_fma`); at decode it measured no
-faster than 16-row dots (bench/RESULTS.md), so the defaults keep the dots.
+faster than 16-row dots (docs/kernels-log.md, "MXFP4 expert matmul"), so the defaults keep the dots.
 
-Measured on an H200 (bench/RESULTS.md, profile busy time, 2880 -> 2880 unless said): one token's 4
-experts (17.7 MB) in 22.8 us (776 GB/s), 8 tokens in 86 us, 2880 -> 5760 at 4096 rows in 0.88 ms; the
-E4M3 route converting one nibble at a time took 33.8 / 137 / 1345 us, of which the inline PTX saved
-~15% and issuing each K step's loads one step early (`Mxfp4Config.ahead`) the rest.
-
-`pair_dot` on one H200, jax 0.11.2 (`python -m bench.mxfp4_gemv`: GPU busy time per call from a
-profile, the split-K sum included, weights from HBM; copy 4218-4226 GB/s; GB/s count the R experts'
-codes and scales; G = 32 and 128 within 1.5% of each other, G = 32 shown):
-
-| R pairs | 2880 -> 2880: grouped | matrix-vector (default) | 2880 -> 5760: grouped | matrix-vector |
-|---|---|---|---|---|
-| 1 | 9.6 us (457 GB/s, 11 %) | 6.7 us (660 GB/s, 16 %) | 12.9 us (681 GB/s, 16 %) | 10.0 us (884 GB/s, 21 %) |
-| 4 | 19.7 us (896 GB/s, 21 %) | 13.1 us (1342 GB/s, 32 %) | 33.8 us (1041 GB/s, 25 %) | 23.1 us (1529 GB/s, 36 %) |
-| 8 | 33.0 us (1068 GB/s, 25 %) | 23.2 us (1519 GB/s, 36 %) | 61.1 us (1154 GB/s, 27 %) | 38.0 us (1857 GB/s, 44 %) |
-
-At R = 4 the matrix-vector kernel itself takes 11.6 / 21.5 us (1.52 / 1.64 TB/s, 36 / 39 % of copy)
-and the split-K sum 1.6 us; the 60 % of copy aimed at is not reached. Variants at R = 4 (2880 -> 5760 /
-2880 -> 2880, us; the default 23.0 / 13.1), none faster on both shapes: loads two or three steps ahead
-27.3 / 15.4 and 28.3 / 17.5; 512 columns over 2 or 4 warps 22.6 / 14.3 and 24.5 / 15.3; 2048 columns
-22.6 / 16.9; two scale groups a step 24.7 / 14.8; K split for ~8 programs an SM 21.9 / 14.8, 8 or 16
-fixed splits 27.4 / 20.7 and 21.5 / 16.1; the fp16-pair PTX (`dequant="pair"`) 26.6 / 14.7;
-[groups, 16, block_n] tiles (`layout="tile"`) 34.0-34.4 / 15.1-19.2. About 8 instructions a code byte
-(conversion ~5, two FMAs) at the few warps an SM these grids give is the likely limit (not profiled).
+Measured on an H200 (docs/kernels-log.md, "MXFP4 expert matmul"; profile busy time, 2880 -> 2880 unless
+said): one token's 4 experts (17.7 MB) in 22.8 us (776 GB/s), 8 tokens in 86 us, 2880 -> 5760 at 4096
+rows in 0.88 ms; the E4M3 route converting one nibble at a time took 33.8 / 137 / 1345 us, of which the
+inline PTX saved ~15% and issuing each K step's loads one step early (`Mxfp4Config.ahead`) the rest.
 """
 
 from __future__ import annotations
@@ -146,8 +122,9 @@ def _on_gpu() -> bool:
     return cc is not None and cc >= (8, 0)
 
 
-def supported(lhs, rhs, group_sizes, config: Mxfp4Config | GemvConfig | None = None) -> bool:
-    """GPU (or the interpreter), bf16 lhs [M, K], packed rhs [G, K, N], int group_sizes [G], K % 32 == 0."""
+def supported(lhs, rhs, group_sizes, config=None) -> bool:
+    """GPU (or the interpreter: a config with interpret set, Mxfp4Config or GemvConfig), bf16 lhs [M, K],
+    packed rhs [G, K, N], int group_sizes [G], K % 32 == 0."""
     if not isinstance(rhs, ref.MXFP4) or rhs.codes.ndim != 3 or lhs.ndim != 2:
         return False
     if not ((config is not None and config.interpret) or _on_gpu()):
@@ -376,253 +353,6 @@ def _ragged(lhs, rhs: ref.MXFP4, group_sizes, cfg: Mxfp4Config, out_dtype):
     return _run(lhs, rhs, _tile_table(group_sizes, lhs.shape[0], cfg.block_m), cfg, out_dtype)
 
 
-# ----------------------------------------------------------------------------- matrix-vector form for pairs
-
-@dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    """`pair_dot` as matrix-vector products on the FMA units: one program per (pair, block_n columns, K split).
-
-    A K step is `groups` scale groups (16 code rows each). layout "rows": each code row is one vector of
-    block_n bytes, the products of a group summed per column, then scaled once by the group's scale row;
-    "tile": [groups, 16, block_n] tiles with the scale row broadcast over its 16 code rows, partial sums
-    kept per code row and reduced after the last step; "tile_reduce": as "tile", the 16 rows reduced
-    every step. dequant "e4m3": inline PTX makes four bytes' nibbles E4M3 bytes, converted two an
-    instruction (`_E4M3_PTX`; compute capability 8.9+); "pair": inline PTX turns a code byte into its
-    two values as one fp16 pair (`_PAIR_PTX`); "f16": that pair's bits from jnp ops. The interpreter
-    takes jnp ops for all three. splits=0: enough K splits for ~`programs` programs. Split partials
-    are fp32, summed outside the kernel in a fixed order (deterministic). `pair_config` gives the
-    measured default (module docstring).
-    """
-    block_n: int = 256
-    groups: int = 1
-    splits: int = 0
-    num_warps: int = 2
-    num_stages: int = 1
-    ahead: int = 1
-    layout: str = "rows"
-    dequant: str = "e4m3"
-    programs: int = 528  # splits=0: K splits until about this many programs (4 an SM of an H100 / H200)
-    interpret: bool = False
-
-    def __post_init__(self):
-        for name in ("block_n", "groups"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two (Triton tiles)")
-        if self.block_n < 32:
-            raise ValueError(f"{self.block_n=} must be >= 32")
-        if self.splits < 0 or self.ahead < 0:
-            raise ValueError(f"splits ({self.splits}) and ahead ({self.ahead}) must be >= 0")
-        if self.layout not in ("rows", "tile", "tile_reduce"):
-            raise ValueError(f"layout {self.layout!r} is not one of rows, tile, tile_reduce")
-        if self.dequant not in ("e4m3", "pair", "f16"):
-            raise ValueError(f"dequant {self.dequant!r} is not one of e4m3, pair, f16")
-
-
-# Four code bytes (one register) -> the four values of one nibble in fp32, times 2^-6. A nibble
-# s e1 e0 m placed in a byte as s 0 0 e1 e0 m 0 0 is the E4M3 pattern of its E2M1 value times 2^-6
-# (the code 0.5 an E4M3 subnormal), so all four bytes are placed with two masks and a shift, and
-# Hopper's cvt.rn.f16x2.e4m3x2 (two values an instruction) and cvt.f32.f16 make them fp32, exact.
-# One sequence per nibble: Pallas lowers an inline-asm op with two results wrongly (see _DEQUANT_PTX).
-_E4M3_PTX = """{{
-.reg .b32 m, s, q;
-.reg .b16 p0, p1, a0, a1, a2, a3;
-.reg .b32 h01, h23;
-.reg .f32 f0, f1, f2, f3;
-{place}
-or.b32 q, m, s;
-mov.b32 {{p0, p1}}, q;
-cvt.rn.f16x2.e4m3x2 h01, p0;
-cvt.rn.f16x2.e4m3x2 h23, p1;
-mov.b32 {{a0, a1}}, h01;
-mov.b32 {{a2, a3}}, h23;
-cvt.f32.f16 f0, a0;
-cvt.f32.f16 f1, a1;
-cvt.f32.f16 f2, a2;
-cvt.f32.f16 f3, a3;
-mov.b32 $0, f0;
-mov.b32 $1, f1;
-mov.b32 $2, f2;
-mov.b32 $3, f3;
-}}"""
-# low nibble: magnitude bits 0-2 -> 2-4, sign bit 3 -> 7; high nibble: magnitude 4-6 -> 2-4, sign in place
-_E4M3_LO = _E4M3_PTX.format(place="""and.b32 m, $4, 0x07070707;
-shl.b32 m, m, 2;
-and.b32 s, $4, 0x08080808;
-shl.b32 s, s, 4;""")
-_E4M3_HI = _E4M3_PTX.format(place="""shr.b32 m, $4, 2;
-and.b32 m, m, 0x1C1C1C1C;
-and.b32 s, $4, 0x80808080;""")
-E4M3_SHIFT = 64.0  # the E4M3 values are the E2M1 values times 2^-6
-
-# One code byte b -> its low nibble's value in the low fp16 half and its high nibble's in the high half,
-# each the fp16 bit pattern s000 0mmm 0000 0000 (the E2M1 value times 2^-14, the code 0.5 a subnormal:
-# fp16 -> fp32 conversion keeps it, exact). b * 0x200200 puts b's bits 0-2 at 9-11 and its bits 4-6 at
-# 25-27; b * 0x1001000 puts bit 3 at 15 and bit 7 at 31 (no carries: the copies do not overlap).
-_PAIR_BYTE = """bfe.u32 b, $4, {shift}, 8;
-mul.lo.u32 t, b, 0x200200;
-mul.lo.u32 u, b, 0x1001000;
-and.b32 t, t, 0x0E000E00;
-and.b32 u, u, 0x80008000;
-or.b32 ${out}, t, u;"""
-_PAIR_PTX = "{\n.reg .b32 b, t, u;\n" + "\n".join(_PAIR_BYTE.format(shift=8 * i, out=i) for i in range(4)) + "\n}"
-
-
-def pair_halves(codes, *, ptx: bool):
-    """uint8 code bytes -> int32 (low nibble, high nibble) fp16 pairs, each half the value times 2^-14
-    (int32: Triton's inline asm takes no unsigned result)."""
-    if ptx:
-        out = jax.ShapeDtypeStruct(codes.shape, jnp.int32)
-        return pltriton.elementwise_inline_asm(_PAIR_PTX, args=[codes], pack=4, constraints="=r,=r,=r,=r,r",
-                                               result_shape_dtypes=[out])[0]
-    c = codes.astype(jnp.int32)
-    half = lambda nib: ((nib & 7) << 9) | ((nib & 8) << 12)
-    return half(c & 15) | (half(c >> 4) << 16)  # a negative high nibble sets bit 31 (wraps in int32)
-
-
-def _halves_f32(w):
-    """int32 fp16 pairs -> (low half, high half) in fp32 (exact)."""
-    f = lambda h: lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-    return f(w & 0xFFFF), f(w >> 16)
-
-
-def nibbles_e4m3(codes, *, ptx: bool):
-    """uint8 code bytes -> (low-nibble, high-nibble) values times 2^-6 in fp32 (`_E4M3_PTX`; off the GPU
-    the same values from jnp ops)."""
-    if ptx:
-        out = jax.ShapeDtypeStruct(codes.shape, jnp.int32)
-        return tuple(lax.bitcast_convert_type(
-            pltriton.elementwise_inline_asm(asm, args=[codes], pack=4, constraints="=r,=r,=r,=r,r",
-                                            result_shape_dtypes=[out])[0], jnp.float32)
-            for asm in (_E4M3_LO, _E4M3_HI))
-    c = codes.astype(jnp.int32)
-    return tuple(_e2m1_to_f32(nib) * (FP16_SHIFT / E4M3_SHIFT) for nib in (c & 15, c >> 4))
-
-
-def _nibbles_f32(codes, cfg: GemvConfig):
-    """uint8 code bytes -> (low-nibble, high-nibble) values in fp32, times 1 / `_nibble_shift(cfg)`."""
-    if cfg.dequant == "e4m3":
-        return nibbles_e4m3(codes, ptx=not cfg.interpret)
-    return _halves_f32(pair_halves(codes, ptx=cfg.dequant == "pair" and not cfg.interpret))
-
-
-def _nibble_shift(cfg: GemvConfig) -> float:
-    return E4M3_SHIFT if cfg.dequant == "e4m3" else FP16_SHIFT
-
-
-def _x_pair(words):
-    """uint32 words holding lhs's (even, odd) bf16 pair -> the two in fp32 (exact)."""
-    return (lax.bitcast_convert_type(words << 16, jnp.float32),
-            lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32))
-
-
-def _gemv_kernel(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, *, cfg: GemvConfig, rows: int, k: int,
-                 n: int, steps_per_split: int):
-    """One (pair, N tile, K split): out[r, tile] = lhs[r, K range] @ dequantised expert columns (flat refs).
-
-    Each scale row is read once for its 16 code rows; K is walked a step of `groups` scale groups at a
-    time, each step's loads issued `ahead` steps early (`_steps`).
-    """
-    bn, gq = cfg.block_n, cfg.groups
-    r, ni, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = ex_ref[r]
-    c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
-    col_ok = c < n
-    kh = k // 2
-    code_base, scale_base, x_base = e * kh, e * (k // 32), r * kh
-    steps = -(-k // (32 * gq))
-    lo = s * steps_per_split
-    hi = jnp.minimum(lo + steps_per_split, steps)
-
-    if cfg.layout == "rows":
-        def load(kk, live):
-            codes, xs, scs = [], [], []
-            for i in range(16 * gq):
-                j = kk * (16 * gq) + i  # code row within the expert
-                ok = live & (j < kh)
-                codes.append(pltriton.load(codes_ref.at[(code_base + j) * n + c], mask=col_ok & ok, other=0))
-                xs.append(jnp.where(ok, xw_ref[x_base + jnp.minimum(j, kh - 1)], jnp.uint32(0)))
-            for q in range(gq):
-                g = kk * gq + q
-                ok = live & (g < k // 32)
-                scs.append(pltriton.load(scales_ref.at[(scale_base + g) * n + c], mask=col_ok & ok, other=0))
-            return tuple(codes), tuple(xs), tuple(scs)
-
-        def step(tiles, acc):
-            codes, xs, scs = tiles
-            for q in range(gq):
-                part = jnp.zeros((bn,), jnp.float32)
-                for i in range(16 * q, 16 * (q + 1)):
-                    w_lo, w_hi = _nibbles_f32(codes[i], cfg)
-                    x_e, x_o = _x_pair(xs[i])
-                    part = part + x_e * w_lo + x_o * w_hi
-                acc = acc + _scale_f32(scs[q]) * part
-            return acc
-        acc = _steps(load, step, lo, hi, jnp.zeros((bn,), jnp.float32), ahead=cfg.ahead)
-    else:
-        gi = jnp.arange(gq, dtype=jnp.int32)[:, None, None]
-        ii = jnp.arange(16, dtype=jnp.int32)[None, :, None]
-        cc, cok = c[None, None, :], col_ok[None, None, :]
-
-        def load(kk, live):
-            j = kk * (16 * gq) + gi * 16 + ii  # [gq, 16, 1] code rows
-            ok = live & (j < kh)
-            codes = pltriton.load(codes_ref.at[(code_base + j) * n + cc], mask=ok & cok, other=0)
-            xs = pltriton.load(xw_ref.at[x_base + jnp.minimum(j, kh - 1)], mask=ok, other=0)
-            g = kk * gq + gi  # [gq, 1, 1]
-            sc = pltriton.load(scales_ref.at[(scale_base + g) * n + cc], mask=live & (g < k // 32) & cok, other=0)
-            return codes, xs, sc
-
-        def step(tiles, acc):
-            codes, xs, sc = tiles
-            w_lo, w_hi = _nibbles_f32(codes, cfg)
-            x_e, x_o = _x_pair(xs)
-            part = x_e * w_lo + x_o * w_hi  # [gq, 16, bn]
-            if cfg.layout == "tile":
-                return acc + _scale_f32(sc) * part
-            return acc + _scale_f32(sc[:, 0, :]) * part.sum(axis=1)
-        shape = (gq, 16, bn) if cfg.layout == "tile" else (gq, bn)
-        acc = _steps(load, step, lo, hi, jnp.zeros(shape, jnp.float32), ahead=cfg.ahead)
-        acc = acc.sum(axis=0)
-        if cfg.layout == "tile":
-            acc = acc.sum(axis=0)
-    out = (acc * _nibble_shift(cfg)).astype(out_ref.dtype)
-    pltriton.store(out_ref.at[(s * rows + r) * n + c], out, mask=col_ok)
-
-
-def gemv_splits(r: int, k: int, n: int, cfg: GemvConfig) -> int:
-    """K splits: cfg.splits, or (0) enough for ~cfg.programs programs, at most one per K step."""
-    steps = -(-k // (32 * cfg.groups))
-    want = cfg.splits or -(-cfg.programs // (r * -(-n // cfg.block_n)))
-    per = -(-steps // max(1, min(want, steps)))
-    return -(-steps // per)  # no empty splits
-
-
-def _gemv(lhs, rhs: ref.MXFP4, experts, cfg: GemvConfig, out_dtype):
-    """out [R, N] = lhs[r] @ dequantise(rhs[experts[r]]) by `_gemv_kernel` (fp32 split partials summed)."""
-    r, k = lhs.shape
-    g, _, n = rhs.shape
-    splits = gemv_splits(r, k, n, cfg)
-    steps = -(-k // (32 * cfg.groups))
-    per = -(-steps // splits)
-    part_dtype = out_dtype if splits == 1 else jnp.float32
-    body = functools.partial(_gemv_kernel, cfg=cfg, rows=r, k=k, n=n, steps_per_split=per)
-    xw = lax.bitcast_convert_type(lhs.reshape(r, k // 2, 2), jnp.uint32).reshape(-1)  # (even, odd) bf16 pairs
-    codes, scales = rhs.codes.reshape(-1), rhs.scales.reshape(-1)
-    experts, xw, codes, scales = common(experts, xw, codes, scales)
-    out = pl.pallas_call(
-        body,
-        out_shape=out_struct((splits * r * n,), part_dtype, xw),
-        grid=(r, -(-n // cfg.block_n), splits),
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=cfg.interpret,
-        name="mxfp4_pair_gemv",
-    )(experts, xw, codes, scales)
-    if splits == 1:
-        return out.reshape(r, n)
-    return out.reshape(splits, r, n).sum(axis=0).astype(out_dtype)
-
-
 # ----------------------------------------------------------------------------- public ops
 
 
@@ -670,9 +400,11 @@ def matmul(x, w: ref.MXFP4, *, config: Mxfp4Config | None = None):
 
 
 def _pairs(lhs, rhs, experts, cfg, out_dtype):
-    if isinstance(cfg, GemvConfig):
-        return _gemv(lhs, rhs, experts, cfg, out_dtype)
-    return _run(lhs, rhs, _pair_table(experts), cfg, out_dtype)
+    if isinstance(cfg, Mxfp4Config):  # the grouped kernel, each row its own run
+        return _run(lhs, rhs, _pair_table(experts), cfg, out_dtype)
+    from tessera.lower.kernels import mxfp4_gemv  # imports this module's helpers
+
+    return mxfp4_gemv.gemv(lhs, rhs, experts, cfg, out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -694,33 +426,24 @@ def _pairs_dot_bwd(cfg, out_dtype, res, dout):
 _pairs_dot.defvjp(_pairs_dot_fwd, _pairs_dot_bwd)
 
 
-def pair_config(r: int, k: int, n: int, *, interpret: bool = False) -> Mxfp4Config | GemvConfig:
-    """`pair_dot`'s default: the matrix-vector kernel, 1024 columns a program over 4 warps (8 code bytes a
-    thread a row), loads one K step ahead, K split for ~4 programs an SM; the fp16-pair conversion below
-    compute capability 8.9. It beat the grouped kernel at every R, G and shape measured (module
-    docstring). The grouped kernel stays reachable with config=default_config(r, k, n, r)."""
-    del r, k, n  # the K splits follow R and N in gemv_splits
-    cc = _capability()
-    dequant = "pair" if cc is not None and cc < (8, 9) else "e4m3"  # cvt from E4M3 needs sm_89
-    return GemvConfig(block_n=1024, num_warps=4, dequant=dequant, interpret=interpret)
-
-
-def pair_dot(lhs, rhs: ref.MXFP4, experts, *, preferred_element_type=None,
-             config: Mxfp4Config | GemvConfig | None = None):
+def pair_dot(lhs, rhs: ref.MXFP4, experts, *, preferred_element_type=None, config=None):
     """`reference.mxfp4.pair_dot(lhs [R, K], rhs [G, K, N], experts [R])`: row r times expert experts[r].
 
-    No sort and no tile table to build: by default (`pair_config`) the matrix-vector kernel, one program
-    per (pair, column tile, K split); an Mxfp4Config runs the grouped kernel with each row its own run.
-    fp32 accumulation; the result in preferred_element_type (default lhs's dtype).
+    No sort and no tile table to build: by default (`mxfp4_gemv.pair_config`) the matrix-vector kernel, one
+    program per (pair, column tile, K split); a `mxfp4_gemv.GemvConfig` sets its knobs, an Mxfp4Config runs
+    the grouped kernel with each row its own run. fp32 accumulation; the result in preferred_element_type
+    (default lhs's dtype).
     """
+    from tessera.lower.kernels import mxfp4_gemv  # imports this module's helpers
+
     r, k = lhs.shape
     g, _, n = rhs.shape
-    cfg = config or pair_config(r, k, n)
+    cfg = config or mxfp4_gemv.pair_config(r, k, n)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     return _pairs_dot(lhs, rhs, experts.astype(jnp.int32), cfg, out_dtype)
 
 
-def supported_pairs(lhs, rhs, experts, config: Mxfp4Config | GemvConfig | None = None) -> bool:
+def supported_pairs(lhs, rhs, experts, config=None) -> bool:
     """As `supported`, for `pair_dot`: experts int [R] with R the rows of lhs."""
     if experts.ndim != 1 or not jnp.issubdtype(experts.dtype, jnp.integer) or experts.shape[0] != lhs.shape[0]:
         return False

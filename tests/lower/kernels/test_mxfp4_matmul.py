@@ -1,4 +1,9 @@
-"""MXFP4 grouped matmul kernel vs reference.mxfp4.ragged_dot: ragged and empty experts, tail rows, split K."""
+"""MXFP4 kernels vs the reference (reference.mxfp4): the grouped kernel (mxfp4_matmul: ragged and empty
+experts, tail rows, split K) and the matrix-vector kernel for (token, expert) pairs (mxfp4_gemv); their
+bit conversions bitwise, on the interpreter and on a PTX emulator.
+
+The interpreter cases are as small as still reach each path: every jit compiles the interpreted kernel
+(~2 s of CPU), so each case is one jit, its output and, where asked, d lhs together."""
 
 from __future__ import annotations
 
@@ -9,9 +14,9 @@ import numpy as np
 import pytest
 
 from tessera.lower.kernels._tables import cumsum
-from tessera.lower.kernels.mxfp4_matmul import (GemvConfig, Mxfp4Config, _tile_table, default_config, gemv_splits,
-                                                matmul, pair_config, pair_dot, pair_halves, ragged_dot,
-                                                ragged_dot_reference, supported, supported_pairs)
+from tessera.lower.kernels.mxfp4_gemv import GemvConfig, gemv_splits, pair_config, pair_halves
+from tessera.lower.kernels.mxfp4_matmul import (Mxfp4Config, _tile_table, default_config, matmul, pair_dot,
+                                                ragged_dot, ragged_dot_reference, supported, supported_pairs)
 from tessera.lower.reference import mxfp4 as ref
 from tests.lower.kernels._check import assert_close
 
@@ -31,134 +36,128 @@ def _want(lhs, rhs, sizes):
     return ragged_dot_reference(lhs.astype(jnp.float32), rhs, sizes)
 
 
+def _weights(rhs, experts) -> np.ndarray:
+    """float64 [R, K, N]: the dequantised weights (the reference's) of experts[r] for each r."""
+    return np.asarray(ref.dequantize(rhs, jnp.float32), np.float64)[np.asarray(experts)]
+
+
+def _row_experts(sizes, m) -> np.ndarray:
+    """The group of each of m rows (-1 past sum(sizes))."""
+    return np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(m - sum(sizes), -1)])
+
+
+def _run_and_grad(fn, lhs, ct, grad: bool):
+    """One jit: fn(lhs), and d <fn(lhs), ct> / d lhs where `grad`."""
+    def both(x):
+        if not grad:
+            return fn(x), None
+        out, vjp = jax.vjp(fn, x)
+        return out, vjp(ct.astype(out.dtype))[0]
+    return jax.jit(both)(lhs)
+
+
 def test_cumsum_is_numpy_cumsum():
     x = np.random.default_rng(0).integers(0, 50, 37).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(cumsum(jnp.asarray(x))), np.cumsum(x))
 
 
 @pytest.mark.parametrize("sizes,m,bm", [
-    ([3, 0, 40, 17, 0, 1], 70, 16),  # rows past sum(sizes)
+    ([3, 0, 40, 17, 0, 1], 70, 16),  # runs straddling tiles, rows past sum(sizes)
     ([0, 1, 0, 0, 1, 0, 0, 0, 1, 1] + [0] * 110, 4, 16),  # decode: 120 experts, 4 of them hold a row
     ([5, 5, 5, 5], 20, 4),  # every group exactly whole tiles
-    ([17, 1, 15, 0, 33], 66, 16),  # runs straddling tiles in every group
 ])
 def test_tile_table_covers_every_row_once(sizes, m, bm):
     """Each row up to m lands in exactly one run of its own group (tail rows: group G), and the table
     has cdiv(m, bm) + min(G, m) + 1 entries however many groups are empty."""
-    sizes = np.array(sizes, np.int32)
-    table = np.asarray(_tile_table(jnp.asarray(sizes), m, bm))
+    table = np.asarray(jax.jit(_tile_table, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), m, bm))
     assert table.shape == (-(-m // bm) + min(len(sizes), m) + 1, 3)
     owner = np.full(m, -1)
     for grp, row0, rows in table:
         assert 0 <= rows <= bm
         assert (owner[row0:row0 + rows] == -1).all()
         owner[row0:row0 + rows] = grp
-    want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(m - sizes.sum(), len(sizes))])
-    np.testing.assert_array_equal(owner, want)
+    want = _row_experts(sizes, m)
+    np.testing.assert_array_equal(owner, np.where(want < 0, len(sizes), want))
 
 
-INTERPRET_CASES = [  # m, k, n, sizes, config
-    (37, 128, 96, [5, 0, 20, 0, 9], Mxfp4Config(block_m=16, block_n=64, block_k=64, interpret=True)),
-    # loads issued one and two K steps ahead (and past a split's last step: masked off)
-    (21, 320, 64, [9, 0, 12], Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, ahead=1, interpret=True)),
-    (5, 288, 32, [2, 3], Mxfp4Config(block_m=16, block_n=32, block_k=32, splits=3, ahead=2, interpret=True)),
-    (4, 96, 64, [0, 1, 0, 2, 1, 0], Mxfp4Config(block_m=16, block_n=32, block_k=32, splits=2, interpret=True)),
-    (50, 64, 48, [0, 0, 50], Mxfp4Config(block_m=32, block_n=32, block_k=32, interpret=True)),
-    # block_k not dividing K (the last step masked), as decode's 256-wide steps over K = 2880 are
-    (9, 160, 64, [2, 0, 4, 1], Mxfp4Config(block_m=16, block_n=32, block_k=128, interpret=True)),
-    (6, 224, 32, [1, 5], Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True)),
-    # block_m < 16: the FMA path (decode: a row or two per expert)
-    (7, 160, 64, [1, 0, 3, 2], Mxfp4Config(block_m=2, block_n=32, block_k=128, splits=2, ahead=1,
-                                           interpret=True)),
-    (5, 96, 48, [0, 1, 1, 1, 0, 1], Mxfp4Config(block_m=1, block_n=32, block_k=64, interpret=True)),
+GROUPED_CASES = [  # m, k, n, sizes, config, out dtype, d lhs
+    # group 2 starts mid-tile and spans two runs, 4 tail rows, empty groups, N off the tile; 3 K steps
+    # (the last half masked, as decode's 64-wide steps over K = 2880 are not) split 2 ways, loads two steps
+    # ahead (those past a split's end masked off); fp32 out; d lhs through the custom VJP (the reference)
+    (33, 160, 48, [9, 0, 20, 0],
+     Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, ahead=2, interpret=True), jnp.float32, True),
+    # block_m < 16: the FMA path; one K split, so the kernel stores bf16 itself; a masked last step
+    (7, 96, 32, [1, 0, 3, 2], Mxfp4Config(block_m=2, block_n=32, block_k=64, interpret=True), jnp.bfloat16, False),
 ]
 
 
-@pytest.mark.parametrize("m,k,n,sizes,cfg", INTERPRET_CASES)
-def test_interpret_forward(m, k, n, sizes, cfg):
-    """Interpreter: ragged groups, empty experts, rows past sum(sizes) = 0, N / M off the tiles, split K."""
+@pytest.mark.parametrize("m,k,n,sizes,cfg,dtype,grad", GROUPED_CASES)
+def test_interpret_ragged_dot(m, k, n, sizes, cfg, dtype, grad):
+    """Interpreter: the grouped kernel against dequantised weights (float64), rows past sum(sizes) exactly 0."""
     lhs, rhs, gs = _inputs(m + k, m, k, n, sizes)
-    out = jax.jit(lambda a, b, c: ragged_dot(a, b, c, config=cfg))(lhs, rhs, gs)
-    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
-    assert_close(out, _want(lhs, rhs, gs), 1e-2, "out")
-    tail = int(sum(sizes))
-    assert float(jnp.abs(out[tail:].astype(jnp.float32)).max(initial=0.0)) == 0.0
+    ct = jax.random.normal(jax.random.key(9), (m, n), jnp.float32)
+    out, dlhs = _run_and_grad(lambda x: ragged_dot(x, rhs, gs, preferred_element_type=dtype, config=cfg),
+                              lhs, ct, grad)
+    assert out.shape == (m, n) and out.dtype == dtype
+    rows = _row_experts(sizes, m)
+    w = _weights(rhs, np.maximum(rows, 0)) * (rows >= 0)[:, None, None]  # [M, K, N], tail rows zero
+    x = np.asarray(lhs.astype(jnp.float32), np.float64)
+    assert_close(out, np.einsum("mk,mkn->mn", x, w), 1e-5 if dtype == jnp.float32 else 1e-2, "out")
+    assert float(jnp.abs(out[sum(sizes):].astype(jnp.float32)).max(initial=0.0)) == 0.0
+    if grad:
+        assert dlhs.dtype == lhs.dtype
+        assert_close(dlhs, np.einsum("mn,mkn->mk", np.asarray(ct, np.float64), w), 1e-2, "dlhs")
 
 
-def test_interpret_grad_lhs_and_matmul():
-    """d lhs through the custom VJP matches the reference's; matmul is the one-group case."""
-    lhs, rhs, gs = _inputs(3, 20, 64, 32, [7, 0, 13])
+def test_interpret_matmul():
+    """matmul is the one-group case: 18 rows over two runs of 16, bf16 out."""
+    lhs, rhs, _ = _inputs(3, 18, 64, 32, [0])
+    w = ref.MXFP4(rhs.codes[0], rhs.scales[0])
     cfg = Mxfp4Config(block_m=16, block_n=32, block_k=32, interpret=True)
-    ct = jax.random.normal(jax.random.key(9), (20, 32), jnp.float32)
-    loss = lambda f: (lambda x: jnp.vdot(f(x).astype(jnp.float32), ct))
-    got = jax.jit(jax.grad(loss(lambda x: ragged_dot(x, rhs, gs, config=cfg))))(lhs)
-    want = jax.jit(jax.grad(loss(lambda x: ragged_dot_reference(x, rhs, gs))))(lhs.astype(jnp.float32))
-    assert_close(got, want, 1e-2, "dlhs")
-    w = ref.MXFP4(rhs.codes[2], rhs.scales[2])
-    out32 = jax.jit(lambda x: ragged_dot(x, rhs, gs, preferred_element_type=jnp.float32, config=cfg))(lhs)
-    assert out32.dtype == jnp.float32
-    assert_close(out32, _want(lhs, rhs, gs), 1e-5, "fp32 out")
-    out = matmul(lhs.reshape(4, 5, 64), w, config=cfg)
-    assert_close(out, ref.matmul(lhs.astype(jnp.float32), w).reshape(4, 5, 32), 1e-2, "matmul")
+    out = jax.jit(lambda x: matmul(x, w, config=cfg))(lhs.reshape(2, 9, 64))
+    assert out.shape == (2, 9, 32) and out.dtype == jnp.bfloat16
+    want = np.asarray(lhs.astype(jnp.float32), np.float64) @ _weights(rhs, 0)
+    assert_close(out.reshape(18, 32), want, 1e-2, "matmul")
 
 
-@pytest.mark.parametrize("experts,cfg", [
-    ([3, 0, 3, 1, 3], Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True)),  # shared, unsorted
-    ([2], Mxfp4Config(block_m=16, block_n=64, block_k=32, interpret=True)),
-])
-def test_interpret_pair_dot(experts, cfg):
-    """Row r times expert experts[r], in any order and with repeats; d lhs through the reference's VJP."""
-    r, k, n = len(experts), 96, 48
-    lhs, rhs, _ = _inputs(r + 11, r, k, n, [0] * 4)
-    ex = jnp.asarray(experts, jnp.int32)
-    assert supported_pairs(lhs, rhs, ex, cfg) and not supported_pairs(lhs, rhs, ex[:, None], cfg)
-    got = jax.jit(lambda a, b, e: pair_dot(a, b, e, preferred_element_type=jnp.float32, config=cfg))(lhs, rhs, ex)
-    want = jnp.stack([ref.matmul(lhs[i].astype(jnp.float32), ref.MXFP4(rhs.codes[e], rhs.scales[e]))
-                      for i, e in enumerate(experts)])
-    assert got.dtype == jnp.float32
-    assert_close(got, want, 1e-5, "pairs")
-    assert_close(got, ref.pair_dot(lhs, rhs, ex, preferred_element_type=jnp.float32), 1e-5, "reference pairs")
-    ct = jax.random.normal(jax.random.key(1), (r, n), jnp.float32)
-    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.vdot(f(x).astype(jnp.float32), ct)))(lhs)
-    assert_close(grad(lambda x: pair_dot(x, rhs, ex, config=cfg)),
-                 grad(lambda x: ref.pair_dot(x, rhs, ex, preferred_element_type=jnp.float32)), 1e-2, "dlhs")
-
-
-GEMV_CASES = [  # experts (unsorted, repeats), K, N, config
-    ([3, 0, 3, 1, 3], 96, 96, GemvConfig(block_n=64, splits=2, interpret=True)),  # N off the tile
-    ([2, 2, 0], 128, 96, GemvConfig(block_n=32, groups=2, splits=0, ahead=0, dequant="f16", interpret=True)),
-    ([0, 1], 64, 32, GemvConfig(block_n=32, dequant="pair", interpret=True)),
-    ([1, 3, 0, 2, 1, 1, 0], 96, 48, GemvConfig(block_n=32, groups=2, interpret=True)),  # last step half masked
-    ([0, 3, 3], 128, 96, GemvConfig(layout="tile", block_n=64, splits=3, interpret=True)),
-    ([2, 1, 2, 0, 1], 96, 96, GemvConfig(layout="tile", block_n=32, groups=2, ahead=2, interpret=True)),
-    ([3, 1, 3], 64, 96, GemvConfig(layout="tile_reduce", block_n=64, groups=2, splits=1, interpret=True)),
+PAIR_CASES = [  # experts, K, N, config, out dtype, d lhs
+    # the matrix-vector kernel (E4M3 route): unsorted with repeats, R = 5, N off block_n, each of 2 K
+    # splits one step (the load ahead masked off); fp32 out; d lhs through the custom VJP (the reference)
+    ([3, 0, 3, 1, 3], 64, 48, GemvConfig(block_n=32, splits=2, interpret=True), jnp.float32, True),
+    # two scale groups a step over K = 96: the last step half masked; loads in the step; the fp16-pair
+    # route; one K split, so the kernel stores bf16 itself
+    ([2, 0, 2], 96, 32, GemvConfig(block_n=32, groups=2, splits=1, ahead=0, dequant="pair", interpret=True),
+     jnp.bfloat16, False),
+    # the grouped kernel, each row its own run: split K, a masked last step, N off the tile
+    ([1, 3, 1], 96, 48, Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True), jnp.float32,
+     False),
 ]
 
 
-@pytest.mark.parametrize("experts,k,n,cfg", GEMV_CASES)
-def test_interpret_pair_gemv(experts, k, n, cfg):
-    """The matrix-vector kernel: fresh random inputs against the reference's pair_dot, any order of pairs,
-    repeats, R not a power of two, N off block_n, split K; bf16 and fp32 out; d lhs through the reference."""
+@pytest.mark.parametrize("experts,k,n,cfg,dtype,grad", PAIR_CASES)
+def test_interpret_pair_dot(experts, k, n, cfg, dtype, grad):
+    """Interpreter: row r times expert experts[r], in any order and with repeats, against dequantised
+    weights (float64)."""
     r = len(experts)
     lhs, rhs, _ = _inputs(r * k + n, r, k, n, [0] * 4)
     ex = jnp.asarray(experts, jnp.int32)
-    assert supported_pairs(lhs, rhs, ex, cfg)
-    want = ref.pair_dot(lhs, rhs, ex, preferred_element_type=jnp.float32)
-    got = jax.jit(lambda a, b, e: pair_dot(a, b, e, preferred_element_type=jnp.float32, config=cfg))(lhs, rhs, ex)
-    assert got.dtype == jnp.float32 and got.shape == (r, n)
-    assert_close(got, want, 1e-5, "pairs fp32")
-    out = jax.jit(lambda a, b, e: pair_dot(a, b, e, config=cfg))(lhs, rhs, ex)
-    assert out.dtype == jnp.bfloat16
-    assert_close(out, want, 1e-2, "pairs bf16")
+    assert supported_pairs(lhs, rhs, ex, cfg) and not supported_pairs(lhs, rhs, ex[:, None], cfg)
     ct = jax.random.normal(jax.random.key(2), (r, n), jnp.float32)
-    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.vdot(f(x).astype(jnp.float32), ct)))(lhs)
-    assert_close(grad(lambda x: pair_dot(x, rhs, ex, config=cfg)),
-                 grad(lambda x: ref.pair_dot(x, rhs, ex, preferred_element_type=jnp.float32)), 1e-2, "dlhs")
+    out, dlhs = _run_and_grad(lambda x: pair_dot(x, rhs, ex, preferred_element_type=dtype, config=cfg),
+                              lhs, ct, grad)
+    assert out.shape == (r, n) and out.dtype == dtype
+    w = _weights(rhs, experts)
+    want = np.einsum("rk,rkn->rn", np.asarray(lhs.astype(jnp.float32), np.float64), w)
+    assert_close(out, want, 1e-5 if dtype == jnp.float32 else 1e-2, "pairs")
+    if grad:
+        assert dlhs.dtype == lhs.dtype
+        assert_close(dlhs, np.einsum("rn,rkn->rk", np.asarray(ct, np.float64), w), 1e-2, "dlhs")
 
 
-def test_gemv_config_and_splits():
-    """Bad configs are refused; splits=0 splits K until ~4 programs an SM, never into empty splits."""
-    for bad in (dict(block_n=96), dict(block_n=16), dict(groups=3), dict(layout="cols"), dict(dequant="fp8"),
+def test_gemv_config_and_splits(monkeypatch):
+    """Bad configs are refused; splits=0 splits K until ~4 programs an SM, never into empty splits; the
+    default converts through E4M3 from compute capability 8.9 on, through fp16 pairs below."""
+    for bad in (dict(block_n=96), dict(block_n=16), dict(groups=3), dict(dequant="f16"), dict(dequant="fp8"),
                 dict(splits=-1)):
         with pytest.raises(ValueError):
             GemvConfig(**bad)
@@ -169,6 +168,11 @@ def test_gemv_config_and_splits():
     default = pair_config(4, 2880, 2880)  # pair_dot's default: the matrix-vector kernel (measured faster)
     assert isinstance(default, GemvConfig) and (default.block_n, default.num_warps) == (1024, 4)
     assert default.dequant == "e4m3" and gemv_splits(4, 2880, 2880, default) == 30  # no GPU here: sm_89 assumed
+    from tessera.lower.kernels import mxfp4_gemv
+
+    for cc, dequant in (((8, 0), "pair"), ((8, 6), "pair"), ((8, 9), "e4m3"), ((9, 0), "e4m3")):
+        monkeypatch.setattr(mxfp4_gemv, "_capability", lambda cc=cc: cc)
+        assert pair_config(4, 2880, 2880).dequant == dequant
 
 
 def test_pair_halves_bits():
@@ -367,7 +371,7 @@ def test_dequant_ptx_is_bitwise_the_reference_on_an_emulator():
 def test_pair_ptx_is_bitwise_the_jnp_bits_on_an_emulator():
     """`_PAIR_PTX` (four code bytes a register -> four fp16 pairs) gives `pair_halves`'s jnp bits for every
     byte in every one of the four positions."""
-    from tessera.lower.kernels.mxfp4_matmul import _PAIR_PTX
+    from tessera.lower.kernels.mxfp4_gemv import _PAIR_PTX
 
     rng = np.random.default_rng(3)
     b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
@@ -383,7 +387,7 @@ def test_e4m3_ptx_is_bitwise_the_reference_on_an_emulator():
     """`_E4M3_LO` / `_E4M3_HI` (four code bytes -> four fp32 values of one nibble, times 2^-6): the E2M1
     values exactly, signed zeros and the code 0.5 included, for every byte in every position; the jnp
     route the interpreter takes gives the same bits."""
-    from tessera.lower.kernels.mxfp4_matmul import _E4M3_HI, _E4M3_LO, E4M3_SHIFT, nibbles_e4m3
+    from tessera.lower.kernels.mxfp4_gemv import _E4M3_HI, _E4M3_LO, E4M3_SHIFT, nibbles_e4m3
 
     rng = np.random.default_rng(4)
     b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
