@@ -99,7 +99,8 @@ def profile_attention(*, d: int, window: int | None, batch: int, seq: int, space
     import jax
     import jax.numpy as jnp
     from tessera.lower.kernels import _mgpu
-    from tessera.lower.kernels.flash_attention import _WGS, flash_attention
+    from tessera.lower.kernels.flash_attention import flash_attention
+    from tessera.lower.kernels.flash_attention_fwd import _WGS
 
     hq = 64 if d == 64 else 32
     ks = jax.random.split(jax.random.key(0), 4)

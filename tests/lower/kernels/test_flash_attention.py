@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from tessera.lower.kernels.attention_mask import MaskSpec
-from tessera.lower.kernels.flash_attention import (FlashConfig, _forward, _Work, flash_attention,
-                                                  supported)
+from tessera.lower.kernels.flash_attention import FlashConfig, flash_attention, supported
+from tessera.lower.kernels.flash_attention_fwd import _forward, _Work
 from tessera.lower.reference.attention import attention, attention_mask
 from tests.lower.kernels._check import assert_close
 
@@ -101,8 +101,8 @@ def test_interpret_two_q_slots(monkeypatch):
     One CTA runs all 6 items of both heads; the last two have one KV block each, where a release
     after the step's turn wait would deadlock (the turn waits for the other warpgroup's next
     Q K^T, whose K the producer loads only after that Q)."""
-    from tessera.lower.kernels import flash_attention as fa
-    monkeypatch.setattr(fa, "_q_slots", lambda *_: 2)
+    from tessera.lower.kernels import flash_attention_fwd as fwd
+    monkeypatch.setattr(fwd, "_q_slots", lambda *_: 2)
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
     _check((1, 300, 300, 2, 2, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
 
