@@ -5,7 +5,6 @@ a Hugging Face load → save round trip with the padding active (byte-identical)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from tessera.lower import storage
 from tessera.lower.program import program_graph
 from tessera.lower.reference import mxfp4
 from tessera.lower.reference.mxfp4 import MXFP4
+from tests.cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HF_MXFP4 = ROOT / "tests" / "data" / "hf" / "gpt_oss_mxfp4"
@@ -180,7 +180,7 @@ def device_results(tmp_path_factory):
     cfg = {"tiny": {name: str(tiny_spec(tmp, mesh)) for name, mesh in MESHES.items()},
            "big": {"tp8": {"mesh.tp": 8}, "tp4_dp2": {"mesh.tp": 4, "mesh.dp": 2}, "ep8": {"mesh.tp": 1, "mesh.ep": 8}},
            "spec_120b": str(SPEC_120B), "hf": str(HF_MXFP4), "tiny_yaml": str(ROOT / "specs" / "gpt_oss_tiny.yaml")}
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "RESULT " in proc.stdout, proc.stderr[-4000:]

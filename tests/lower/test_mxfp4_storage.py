@@ -4,7 +4,6 @@ dequantised weights, HF load → save → load, sharding, the plan's bytes, and 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from tessera.lower.hf.mxfp4 import decode_mxfp4, encode_mxfp4, packed_from_hf, p
 from tessera.lower.reference import mxfp4
 from tessera.lower.reference.mxfp4 import MXFP4
 from tessera.spec.tasks import ForwardTask
+from tests.cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HF_MXFP4 = ROOT / "tests" / "data" / "hf" / "gpt_oss_mxfp4"
@@ -271,7 +271,7 @@ print("RESULT " + json.dumps(out))
 def test_sharded_forward_equals_one_device(tmp_path):
     specs = {"one": str(write_spec(tmp_path)),
              "fsdp2_ep2_tp2": str(write_spec(tmp_path, mesh="{fsdp: 2, ep: 2, tp: 2}"))}
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", SHARDED, json.dumps(specs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "RESULT " in proc.stdout, proc.stderr[-4000:]

@@ -11,6 +11,7 @@ import pytest
 import tessera
 from tessera.lower import select
 from tessera.lower.reference.attention import attention as attention_reference
+from tests.cpu_env import cpu_env
 
 SPEC = Path(__file__).resolve().parents[2] / "specs" / "gpt_oss_tiny.yaml"
 SMALL = {"model.args.d_model": 32, "model.args.heads": 2, "model.args.kv_heads": 1, "model.args.head_dim": 16,
@@ -129,7 +130,6 @@ def test_cli_after_lower_prints_the_choices(kernels, capsys):
 def test_report_of_a_sharded_fast_program_traces_the_sharded_step():
     """kernel_report follows the sharded step: on a (pretend) GPU mesh its train/forward ops say why not."""
     import json
-    import os
     import subprocess
     import sys
 
@@ -143,7 +143,7 @@ prog = tessera.compile(tessera.load({str(SPEC)!r}, overrides={{**{SMALL!r}, "mes
                        "parallel.deterministic": False, "kernels": "auto"}}))
 print("REPORT", json.dumps(prog.kernel_report()))
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = cpu_env(2)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.split("REPORT ", 1)[1])

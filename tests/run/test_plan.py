@@ -9,6 +9,7 @@ import pytest
 
 from tessera.cli import main
 from tessera.run import plan as plan_mod
+from tests.cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = ROOT / "specs"
@@ -136,7 +137,6 @@ def test_exit_codes(capsys, tiny_forward, monkeypatch):
 
 def test_sharded_compile_per_device_matches_ours(tmp_path):
     """On 8 (host) devices the sharded program compiles; its argument bytes are our per-device params + tokens."""
-    import os
     import subprocess
     import sys
 
@@ -144,7 +144,7 @@ def test_sharded_compile_per_device_matches_ours(tmp_path):
     path.write_text(TINY_FORWARD.format(root=ROOT).replace("heads: 2, kv_heads: 1", "heads: 4, kv_heads: 2")
                     .replace("[5, 6, 7, 8]]", "[5, 6, 7, 8], [1, 2, 3, 4], [5, 6, 7, 8]]")
                     + "mesh: {dp: 2, fsdp: 2, tp: 2}\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-m", "tessera.cli", "plan", str(path), "--json", "--device", "cpu"],
                           env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

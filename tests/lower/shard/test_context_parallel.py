@@ -8,7 +8,6 @@ runs the attention cases (the parent sets XLA_FLAGS first).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.lower.shard.conftest import DEVICES, ROOT, assert_trained_close, finish_jobs, start_jobs
+from tests.cpu_env import cpu_env
 
 GPT_OSS, LLAMA = "specs/gpt_oss_tiny.yaml", "specs/llama_tiny.yaml"
 # seq 16 against GPT-OSS's window of 4 (the worker's small model): on sp=2 a block holds 8 tokens, on sp=4 it
@@ -42,7 +42,7 @@ def _gen_jobs() -> list[dict]:
 
 
 def _start_attention_cases() -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+    env = cpu_env(DEVICES)
     return subprocess.Popen([sys.executable, "-m", "tests.lower.shard.test_context_parallel"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

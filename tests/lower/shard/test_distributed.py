@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 from tessera.diagnostics import RunError
 from tessera.run.distributed import membership
 from tests.lower.shard.conftest import ROOT, run_jobs
+from tests.cpu_env import cpu_env
 
 
 def test_membership_from_tessera_env_and_slurm():
@@ -48,8 +48,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight():
     port = _free_port()
     procs = []
     for pid in range(2):
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-                   TESSERA_COORDINATOR=f"127.0.0.1:{port}", TESSERA_NUM_PROCESSES="2", TESSERA_PROCESS_ID=str(pid))
+        env = cpu_env(4, TESSERA_COORDINATOR=f"127.0.0.1:{port}", TESSERA_NUM_PROCESSES="2", TESSERA_PROCESS_ID=str(pid))
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.lower.shard.worker", json.dumps(JOBS)], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=600) for p in procs]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.lower.shard.conftest import DEVICES, ROOT, assert_trained_close
+from tests.cpu_env import cpu_env
 
 GPT_OSS = "specs/gpt_oss_tiny.yaml"
 E, K, D, F = 8, 2, 16, 8  # experts, top_k, d_model, d_ff of the dispatch cases
@@ -205,7 +206,7 @@ def main(job: str) -> dict:
 # ---- test side -------------------------------------------------------------------------------------------------
 
 def _start(job: str) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+    env = cpu_env(DEVICES)
     return subprocess.Popen([sys.executable, "-m", "tests.lower.shard.test_expert_dispatch", job], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -7,7 +7,6 @@ The 8-device runs happen in two subprocesses side by side (`python -m tests.lowe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.lower.shard.conftest import DEVICES, ROOT, assert_trained_close
+from tests.cpu_env import cpu_env
 
 GPT_OSS, LLAMA = "specs/gpt_oss_tiny.yaml", "specs/llama_tiny.yaml"
 FAST = {"parallel.deterministic": False, "task.batch": 16}
@@ -94,7 +94,7 @@ def main() -> None:
 @pytest.fixture(scope="module")
 def results():
     """{(model, kind, name): result} from two 8-device subprocesses run side by side."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+    env = cpu_env(DEVICES)
     procs = {model: subprocess.Popen([sys.executable, "-m", "tests.lower.shard.test_pipeline_1f1b", json.dumps(jobs)],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for model, jobs in JOBS.items()}
@@ -158,7 +158,7 @@ for sched in ("gpipe", "1f1b"):
         "parallel.deterministic": False, "parallel.pipeline.schedule": sched, "parallel.pipeline.microbatches": 2}))
     print("C", json.dumps(prog.parallel_report()["collectives"]))
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
