@@ -230,7 +230,7 @@ class Program:
     def _ctx(self, **kw) -> LowerCtx:
         exp = self.exp
         kw.setdefault("report", self._report)
-        return LowerCtx(kernels=getattr(exp, "kernels", "reference"), backend=jax.default_backend(),
+        return LowerCtx(kernels=exp.kernels, backend=jax.default_backend(),
                         deterministic=exp.parallel.deterministic, **kw)
 
     def _forward(self, params, tokens, mode: str = "train", shard=None, aux=None):
