@@ -19,7 +19,7 @@ import numpy as np
 from bench.suites.moe import _routing_sizes, _torch_grouped_mm
 from bench.timing import ROWS, print_table, record, rel_err, time_jax
 from tessera.lower.kernels import grouped_matmul as gm
-from tessera.lower.kernels import grouped_swiglu as gsw
+from bench.experiments import grouped_swiglu as gsw
 
 M, G, D = 32768, 128, 2880
 

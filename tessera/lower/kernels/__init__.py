@@ -5,8 +5,8 @@
 | flash_attention | flash_attention(q, k, v, *, sinks, causal, window, scale, q_offset, config) | supported(...) |
 | decode_attention | decode_attention(q, k, v, *, kv_len, q_offset, sinks, causal, window, scale, config) | supported(...) |
 | grouped_matmul | grouped_matmul(lhs, rhs, group_sizes, *, config) | supported(...) |
-| grouped_swiglu (not selected yet) | grouped_swiglu(x, gate, up, group_sizes, *, gate_bias, up_bias, alpha, limit, config) | supported(...) |
-| mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config) | supported(...) |
+| mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
+| mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot at decode | (through pair_dot) |
 | rms_norm (Triton backend) | rms_norm(x, scale, *, eps, config), add_rms_norm(x, residual, scale, *, eps, config) | supported(...) -> (ok, why) |
 
 Each `supported()` is False without its GPU (unless a config asks for the CPU interpreter): Hopper

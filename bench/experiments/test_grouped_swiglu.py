@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tessera.lower.kernels.grouped_matmul import GroupedMatmulConfig
-from tessera.lower.kernels.grouped_swiglu import grouped_swiglu, grouped_swiglu_reference
+from bench.experiments.grouped_swiglu import grouped_swiglu, grouped_swiglu_reference
 from tessera.lower.reference.activations import clamped_swiglu
 from tests.lower.kernels._check import assert_close
 
