@@ -87,7 +87,7 @@ def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: 
 
 
 def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):
-    lowering = get_lowering(op.name, ctx.kernels)
+    lowering = get_lowering(op.name)
     attrs = resolve_attrs(op.attrs, layer)
     local = {name: params[path] for name, path in param_bindings(op)}
     if ctx.shard is not None:  # FSDP: gather what the op does not handle split, per layer inside the scan
@@ -235,7 +235,7 @@ def _init_layer(region: Region, ctx: LowerCtx, batch: int, max_len: int, layer: 
 
 
 def _init_op(op: Op, ctx: LowerCtx, batch: int, max_len: int, layer: int | None):
-    lowering = get_lowering(op.name, ctx.kernels)
+    lowering = get_lowering(op.name)
     if not lowering.stateful:
         return None
     return lowering.init_state(ctx, op, resolve_attrs(op.attrs, layer), batch, max_len)

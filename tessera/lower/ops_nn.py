@@ -21,7 +21,7 @@ from tessera.lower.reference import activations, moe as moe_ref, mxfp4, rope as 
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.shard import ops as shard_ops
-from tessera.lower import select
+from tessera.lower import table
 from tessera.lower.table import lowers
 
 BSE = ("batch", "seq", "embed")
@@ -228,13 +228,13 @@ def _attention(ctx, op, attrs, ins, params, cache):
         if ctx.shard is not None:  # context parallel: queries [b, s/sp] at their offset, K/V gathered [b, s]
             offset = ctx.shard.seq_start(x.shape[1])
             k, v = ctx.shard.context_gather(k), ctx.shard.context_gather(v)
-        out, new_cache = select.attention(ctx, label, q, k, v, q_offset=offset, **core), None
+        out, new_cache = table.dispatch(ctx, "attention", label, q, k, v, q_offset=offset, **core), None
     elif cache is None or ctx.mode == "prefill":
         out = attention_ref(q, k, v, q_offset=pos[:, 0], **core)
         new_cache = None if cache is None else _cache_write(cache, k, v, pos)
     else:  # decode: the new tokens join the cache, then attend over it
         new_cache = _cache_write(cache, k, v, pos)
-        out = select.decode(ctx, label, q, new_cache, pos[:, 0], **core)
+        out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
     y = jnp.einsum("bshd,hde->bse", out, p["o"], preferred_element_type=store)
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
@@ -276,7 +276,7 @@ def _moe(ctx, op, attrs, ins, params):
     if ctx.shard is not None:
         y = shard_ops.moe(ctx.shard, x, _cast(params, x.dtype, EXPERT_MATRICES), top_k=attrs["top_k"],
                           act=functools.partial(_act, attrs["act"]),  # packed experts go to ragged_dot as is
-                          ragged_dot=select.ragged_dot(ctx, f"{op_scope(op)} experts"), aux=ctx.aux)
+                          ragged_dot=table.bound(ctx, "ragged_dot", f"{op_scope(op)} experts"), aux=ctx.aux)
         return [align(y.astype(_dtype(op)), BSE, have)]
     b, s, e = x.shape
     p = _cast(params, x.dtype, EXPERT_MATRICES)
@@ -291,7 +291,7 @@ def _moe(ctx, op, attrs, ins, params):
     label = f"{op_scope(op)} experts"
     few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
     if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)
-        y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=select.pair_dot(ctx, label))
+        y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=table.bound(ctx, "pair_dot", label))
     else:
-        y = moe_ref.moe(x.reshape(b * s, e), **args, ragged_dot=select.ragged_dot(ctx, label))
+        y = moe_ref.moe(x.reshape(b * s, e), **args, ragged_dot=table.bound(ctx, "ragged_dot", label))
     return [align(y.reshape(b, s, e).astype(_dtype(op)), BSE, have)]

@@ -1,17 +1,20 @@
-"""The lowering table: one entry per (op, backend), filled where each lowering is defined.
+"""The lowering table: one lowering per IR op, and the kernels that may implement the primitives inside them.
 
 A lowering gets the small typed context, the op (its attrs already resolved for the current layer),
 its value operands as arrays (axes in the order of their IR types) and its parameters by local name
 (`q`, `experts/gate`), and returns its results. A stateful lowering (attention during decoding) also
 gets and returns its state; `init_state` builds the empty state for a batch and a cache length.
+
+Where a lowering computes a primitive that a kernel may run (attention, the experts' grouped products) it
+calls `dispatch(ctx, primitive, label, ...)`; kernels register for a (primitive, backend) below, from
+tessera/lower/kernels/__init__.py, and the kernel report (`tessera ir SPEC --after lower`) is what
+`dispatch` chose for each op.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
-
-REFERENCE = "reference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,27 +27,119 @@ class Lowering:
     init_state: Callable[..., Any] | None = None
 
 
-LOWERINGS: dict[tuple[str, str], Lowering] = {}
+LOWERINGS: dict[str, Lowering] = {}
 
 
-def lowers(op: str, *, backend: str = REFERENCE, stateful: bool = False, init_state=None):
-    """Decorator: register `fn` as the lowering of `op` on `backend`; a duplicate is an error."""
+def lowers(op: str, *, stateful: bool = False, init_state=None):
+    """Decorator: register `fn` as the lowering of `op`; a duplicate is an error."""
 
     def register(fn):
-        key = (op, backend)
-        if key in LOWERINGS:
-            raise ValueError(f"op `{op}` already has a lowering for backend `{backend}`")
-        LOWERINGS[key] = Lowering(op, fn, stateful, init_state)
+        if op in LOWERINGS:
+            raise ValueError(f"op `{op}` already has a lowering")
+        LOWERINGS[op] = Lowering(op, fn, stateful, init_state)
         return fn
 
     return register
 
 
-def get_lowering(op: str, backend: str = REFERENCE) -> Lowering:
-    """The lowering of `op` on `backend`, falling back to the reference."""
+def get_lowering(op: str) -> Lowering:
+    """The lowering of `op`."""
     from tessera.lower import ops_core, ops_nn  # noqa: F401  (registration happens on import)
 
-    found = LOWERINGS.get((op, backend)) or LOWERINGS.get((op, REFERENCE))
+    found = LOWERINGS.get(op)
     if found is None:
         raise NotImplementedError(f"no lowering for op `{op}`")
     return found
+
+
+# ----------------------------------------------------------------------------- kernels
+# Inside an op's lowering some primitives (attention over a sequence or a KV cache, the experts' grouped
+# products) may run as a Pallas kernel. Each primitive has a `jax.numpy` reference; kernels register for a
+# (primitive, backend) with `kernel(...)` (tessera/lower/kernels/__init__.py) and `dispatch` runs the first
+# that may run and takes the operands, recording the choice, or why none was taken, in the kernel report.
+
+REFERENCE_NAME = "reference (jax.numpy)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A kernel for one primitive on one backend.
+
+    `fn` has the reference's signature and semantics. `when(*args, **kw)` is True when the kernel takes
+    these operands, a string saying why not, or False when the operands are not its kind (said nowhere).
+    `in_shard_map`: verified on a GPU inside the sharded train and forward steps (`shard_map` with check_vma:
+    tests/lower/kernels/test_shard_map_gpu.py); until then those steps keep the reference.
+    """
+
+    primitive: str
+    name: str  # the kernel report's words for it
+    fn: Callable[..., Any]
+    when: Callable[..., bool | str]
+    backend: str = "gpu"
+    in_shard_map: bool = False
+
+    @property
+    def short(self) -> str:
+        return self.name.split(" (")[0]
+
+
+PRIMITIVES: dict[str, Callable[..., Any]] = {}  # primitive -> its reference
+KERNELS: dict[tuple[str, str], list[Kernel]] = {}
+
+
+def primitive(name: str, reference: Callable[..., Any]) -> None:
+    """Declare a primitive kernels may implement, with the reference that defines it."""
+    PRIMITIVES[name] = reference
+
+
+def kernel(primitive: str, *, name: str, when, backend: str = "gpu", in_shard_map: bool = False):
+    """Decorator: register `fn` as a kernel for `primitive` on `backend` (tried in registration order)."""
+
+    def register(fn):
+        KERNELS.setdefault((primitive, backend), []).append(Kernel(primitive, name, fn, when, backend, in_shard_map))
+        return fn
+
+    return register
+
+
+def _table():
+    from tessera.lower import kernels  # noqa: F401  (registration happens on import; kernel modules load lazily)
+    return PRIMITIVES, KERNELS
+
+
+def choose(ctx, primitive: str, *args, **kw) -> tuple[str, Callable[..., Any]]:
+    """(what runs, its function) for `primitive` on these operands under ctx's kernel policy and backend."""
+    prims, table = _table()
+    reference = prims[primitive]
+    if ctx.kernels != "auto":
+        return f"{REFERENCE_NAME}: kernels = {ctx.kernels}", reference
+    candidates = table.get((primitive, ctx.backend), [])
+    if not candidates:
+        return f"{REFERENCE_NAME}: no kernel for backend {ctx.backend}", reference
+    checked = ctx.shard is not None and ctx.mode not in ("prefill", "decode")  # generation runs without check_vma
+    why, unverified = [], []
+    for k in candidates:
+        if checked and not k.in_shard_map:
+            unverified.append(k.short)
+            continue
+        ok = k.when(*args, **kw)
+        if ok is True:
+            return k.name, k.fn
+        if isinstance(ok, str):
+            why.append(ok)
+    if unverified:
+        why.append(" / ".join(unverified) + " not yet verified inside the sharded step (shard_map with check_vma)")
+    return REFERENCE_NAME + (": " + "; ".join(why) if why else ""), reference
+
+
+def dispatch(ctx, primitive: str, label: str, *args, **kw):
+    """primitive(*args, **kw) by `choose`'s pick; the choice goes into ctx.report under `label`."""
+    choice, fn = choose(ctx, primitive, *args, **kw)
+    if ctx.report is not None:
+        ctx.report[label] = choice
+    return fn(*args, **kw)
+
+
+def bound(ctx, primitive: str, label: str) -> Callable[..., Any]:
+    """`dispatch` as a function of the operands (for references that take the primitive as an argument)."""
+    return lambda *args, **kw: dispatch(ctx, primitive, label, *args, **kw)

@@ -13,4 +13,113 @@ Each `supported()` is False without its GPU (unless a config asks for the CPU in
 for the Mosaic GPU kernels, compute capability 8.0+ for mxfp4_matmul, any CUDA GPU for rms_norm;
 the lowering keeps the `jax.numpy` reference there. Modules import Pallas lazily: import them only
 where a kernel may run.
+
+Below: what each kernel implements, as entries of the lowering table (tessera/lower/table.py), which is how
+a lowering reaches a kernel. rms_norm is not registered (`rms_norm.NOT_SELECTED` says why; docs/kernels-log.md, RMSNorm, has the
+latest numbers).
 """
+
+
+# ----------------------------------------------------------------------------- what each kernel implements
+# The lowering table's kernels (tessera/lower/table.py): each primitive with its reference, each kernel with
+# the test of its operands. Kernel modules are imported only when a kernel may run (auto, on its backend).
+
+from tessera.lower import table as _table  # noqa: E402
+from tessera.lower.reference import mxfp4 as _mxfp4  # noqa: E402
+from tessera.lower.reference.attention import attention as _attention_reference  # noqa: E402
+
+
+def _decode_reference(q, cache, q_pos, *, sinks, causal, window, scale):
+    """New tokens q [B, S, H, D] at absolute positions q_pos [B] against a KV cache that holds them."""
+    return _attention_reference(q, cache["k"], cache["v"], sinks=sinks, causal=causal, window=window, scale=scale,
+                                q_offset=q_pos, kv_positions=cache["pos"])
+
+
+_table.primitive("attention", _attention_reference)  # queries at q_offset + 0..S-1 over keys 0..T-1
+_table.primitive("decode_attention", _decode_reference)
+_table.primitive("ragged_dot", _mxfp4.any_ragged_dot)  # the experts' grouped products (rhs plain or MXFP4)
+_table.primitive("pair_dot", _mxfp4.pair_dot)  # row r times expert experts[r] (decode's few copies)
+
+
+def _flash_takes(q, k, v, *, sinks, causal, window, scale, q_offset=0):
+    from tessera.lower.kernels import flash_attention as fa
+
+    if not isinstance(q_offset, int):  # context parallel: the offset depends on the device, the kernel's is static
+        return "queries at a per-device offset (context parallel)"
+    return fa.supported(q, k, v, sinks=sinks, causal=causal, window=window, q_offset=q_offset) \
+        or "shapes or dtypes outside flash_attention"
+
+
+@_table.kernel("attention", name="flash_attention (Pallas, Mosaic GPU)", when=_flash_takes, in_shard_map=True)
+def _flash(q, k, v, *, sinks, causal, window, scale, q_offset=0):
+    from tessera.lower.kernels import flash_attention as fa
+
+    return fa.flash_attention(q, k, v, sinks=sinks, causal=causal, window=window, scale=scale, q_offset=q_offset)
+
+
+def _decode_takes(q, cache, q_pos, **_):
+    from tessera.lower.kernels import decode_attention as da
+
+    return (q.shape[1] == 1 and da.supported(q, cache["k"], cache["v"])) \
+        or "shapes or dtypes outside decode_attention"
+
+
+@_table.kernel("decode_attention", name="decode_attention (Pallas, Mosaic GPU)", when=_decode_takes)
+def _decode(q, cache, q_pos, *, sinks, causal, window, scale):
+    import jax.numpy as jnp
+
+    from tessera.lower.kernels import decode_attention as da
+
+    # the cache fills slots 0, 1, ... in order (a ring of `window` slots for sliding layers): the valid
+    # slots are a prefix, and every one of them is visible to the newest token
+    kv_len = jnp.minimum(q_pos + 1, cache["k"].shape[1]).astype(jnp.int32)
+    return da.decode_attention(q, cache["k"], cache["v"], kv_len=kv_len, sinks=sinks, causal=False, window=None,
+                               scale=scale)
+
+
+def _mxfp4_takes(lhs, rhs, group_sizes, preferred_element_type=None):
+    from tessera.lower.kernels import mxfp4_matmul as mk
+
+    if not isinstance(rhs, _mxfp4.MXFP4):
+        return False
+    return mk.supported(lhs, rhs, group_sizes) or "MXFP4 experts outside mxfp4_ragged_dot (dequantised)"
+
+
+@_table.kernel("ragged_dot", name="mxfp4_ragged_dot (Pallas, Triton: dequantised in registers)", when=_mxfp4_takes,
+               in_shard_map=True)  # verified with grouped_matmul
+def _mxfp4_ragged(lhs, rhs, group_sizes, preferred_element_type=None):
+    from tessera.lower.kernels import mxfp4_matmul as mk
+
+    return mk.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def _grouped_takes(lhs, rhs, group_sizes, preferred_element_type=None):
+    from tessera.lower.kernels import grouped_matmul as gm
+
+    if isinstance(rhs, _mxfp4.MXFP4):
+        return False
+    return gm.supported(lhs, rhs, group_sizes) or "shapes or dtypes outside grouped_matmul"
+
+
+@_table.kernel("ragged_dot", name="grouped_matmul (Pallas, Mosaic GPU)", when=_grouped_takes, in_shard_map=True)
+def _grouped(lhs, rhs, group_sizes, preferred_element_type=None):
+    from tessera.lower.kernels import grouped_matmul as gm
+
+    out = gm.grouped_matmul(lhs, rhs, group_sizes)
+    return out.astype(preferred_element_type or out.dtype)
+
+
+def _pairs_takes(lhs, rhs, experts, preferred_element_type=None):
+    from tessera.lower.kernels import mxfp4_matmul as mk
+
+    if not isinstance(rhs, _mxfp4.MXFP4):
+        return "plain experts: each (token, expert) pair gathers its expert"
+    return mk.supported_pairs(lhs, rhs, experts) or "MXFP4 experts outside mxfp4_pair_gemv (dequantised)"
+
+
+@_table.kernel("pair_dot", name="mxfp4_pair_gemv over (token, expert) pairs (Pallas, Triton)", when=_pairs_takes,
+               in_shard_map=True)  # verified with grouped_matmul
+def _pairs(lhs, rhs, experts, preferred_element_type=None):
+    from tessera.lower.kernels import mxfp4_matmul as mk
+
+    return mk.pair_dot(lhs, rhs, experts, preferred_element_type=preferred_element_type)

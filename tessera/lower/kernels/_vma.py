@@ -4,7 +4,7 @@ With `check_vma=True` (Tessera's fast mode) every value inside `shard_map` carri
 varies over, and `pallas_call` refuses an out_shape that does not state it. A kernel's output varies
 wherever any of its inputs does; where none varies the plain struct is kept. (A check_vma step whose kernel
 inputs are all replicated would still need the explicit empty set: Tessera's sharded steps do not call
-kernels until they are verified there, see select.SHARD_MAP_VERIFIED.)
+kernels until they are verified there: `Kernel.in_shard_map` in tessera/lower/table.py.)
 """
 
 from __future__ import annotations

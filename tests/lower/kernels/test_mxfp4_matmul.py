@@ -254,14 +254,14 @@ def test_gpu_pair_dot_default_matches_reference(r, g, n):
 
 @pytest.mark.gpu
 def test_gpu_select_picks_the_kernel():
-    """kernels: auto on a GPU: select.ragged_dot runs the kernel for packed experts, reports it, fp32 out."""
-    from tessera.lower import select
+    """kernels: auto on a GPU: the ragged_dot primitive runs the kernel for packed experts, reports it, fp32 out."""
+    from tessera.lower import table
     from tessera.lower.context import LowerCtx
 
     sizes = _routing(8, 4, 32, seed=1)
     lhs, rhs, gs = _inputs(1, 32, 2880, 5760, sizes)
     ctx = LowerCtx(kernels="auto", backend="gpu", report={})
-    out = jax.jit(lambda a, b, c: select.ragged_dot(ctx, "experts")(a, b, c, preferred_element_type=jnp.float32))(
+    out = jax.jit(lambda a, b, c: table.bound(ctx, "ragged_dot", "experts")(a, b, c, preferred_element_type=jnp.float32))(
         lhs, rhs, gs)
     assert ctx.report["experts"].startswith("mxfp4_ragged_dot")
     assert out.dtype == jnp.float32

@@ -102,10 +102,10 @@ def test_grouped_and_mxfp4_matmul_under_shard_map():
 @pytest.mark.gpu
 def test_sharded_loss_runs_the_verified_kernels():
     """The fast sharded loss (shard_map with check_vma, every mesh axis named) picks the kernels of
-    select.SHARD_MAP_VERIFIED and agrees with the one-device program that runs the same kernels."""
+    the lowering table (in_shard_map) and agrees with the one-device program that runs the same kernels."""
     import tessera
     from tessera.lower.program import Program
-    from tessera.lower.select import SHARD_MAP_VERIFIED
+    from tessera.lower import table
     from tessera.lower.shard.step import make_plan
     from tests.lower.conftest import GPT_OSS_TINY, GPU_BF16
 
@@ -114,7 +114,8 @@ def test_sharded_loss_runs_the_verified_kernels():
     sharded = Program(one.exp, one.graph, ir_hash=one.ir_hash, plan=plan)
     report = sharded.kernel_report()
     chosen = set(report.values())
-    assert {"flash_attention", "grouped_matmul"} <= SHARD_MAP_VERIFIED
+    verified = {k.short for ks in table._table()[1].values() for k in ks if k.in_shard_map}
+    assert {"flash_attention", "grouped_matmul"} <= verified
     assert any(c.startswith("flash_attention") for c in chosen), report
     assert any(c.startswith("grouped_matmul") for c in chosen), report
     params = one.init(0)

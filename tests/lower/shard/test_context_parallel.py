@@ -99,14 +99,14 @@ def test_offset_queries_fall_back_to_the_reference_attention():
     import jax
     import jax.numpy as jnp
 
-    from tessera.lower import select
+    from tessera.lower import table
     from tessera.lower.context import LowerCtx
     from tessera.lower.reference.attention import attention
 
     q, k, v = (jax.random.normal(jax.random.key(i), (1, s, 4, 64), jnp.float32) for i, s in enumerate((4, 8, 8)))
     ctx = LowerCtx(kernels="auto", backend="gpu", report={})
     core = dict(sinks=None, causal=True, window=3, scale=None)
-    out = jax.jit(lambda q, k, v, off: select.attention(ctx, "a", q, k, v, q_offset=off, **core))(q, k, v, 4)
+    out = jax.jit(lambda q, k, v, off: table.dispatch(ctx, "attention", "a", q, k, v, q_offset=off, **core))(q, k, v, 4)
     assert ctx.report["a"] == "reference (jax.numpy): queries at a per-device offset (context parallel)"
     np.testing.assert_allclose(out, attention(q, k, v, q_offset=4, **core), rtol=1e-6, atol=1e-6)
     assert not np.allclose(out, attention(q, k, v, q_offset=0, **core), atol=1e-3)  # the offset matters

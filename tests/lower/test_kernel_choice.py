@@ -1,4 +1,4 @@
-"""Kernel selection in the lowering: `kernels: auto|reference`, fallback, and the per-op report."""
+"""Kernels chosen through the lowering table: `kernels: auto|reference`, fallback, and the per-op report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tessera
-from tessera.lower import select
+from tessera.lower import table
 from tessera.lower.reference.attention import attention as attention_reference
 from tests.cpu_env import cpu_env
 
@@ -20,6 +20,14 @@ SMALL = {"model.args.d_model": 32, "model.args.heads": 2, "model.args.kv_heads":
 
 def _prog(**extra):
     return tessera.compile(tessera.load(SPEC, overrides={**SMALL, **extra}))
+
+
+def _gpu_kernels_on_the_cpu(monkeypatch):
+    """The table's GPU kernels registered for the CPU backend too (the test patches what they call)."""
+    kernels = table._table()[1]
+    for (prim, backend), entries in list(kernels.items()):
+        if backend == "gpu":
+            monkeypatch.setitem(kernels, (prim, "cpu"), entries)
 
 
 def test_report_on_cpu_names_every_attention_and_moe_op():
@@ -54,7 +62,7 @@ def test_auto_takes_the_kernel_where_supported_and_computes_the_same(monkeypatch
         calls["grouped"] += 1
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
-    monkeypatch.setattr(select, "_allowed", lambda ctx, kernel=None: ctx.kernels == "auto")
+    _gpu_kernels_on_the_cpu(monkeypatch)
     monkeypatch.setattr(fa, "supported", lambda *a, **k: True)
     monkeypatch.setattr(fa, "flash_attention", fake_flash)
     monkeypatch.setattr(gm, "supported", lambda *a, **k: True)
@@ -89,32 +97,38 @@ def test_decode_multiplies_unsorted_pairs_by_packed_experts(monkeypatch):
         calls.append(lhs.shape)
         return mxfp4.pair_dot(lhs, rhs, experts, preferred_element_type=kw.get("preferred_element_type"))
 
-    monkeypatch.setattr(select, "_allowed", lambda ctx, kernel=None: ctx.kernels == "auto")
+    _gpu_kernels_on_the_cpu(monkeypatch)
     monkeypatch.setattr(mk, "supported", lambda *a, **k: False)  # prefill: the reference ragged_dot
     monkeypatch.setattr(mk, "supported_pairs", lambda *a, **k: True)
     monkeypatch.setattr(mk, "pair_dot", fake_pairs)
     auto = compile_("auto")
     np.testing.assert_array_equal(np.asarray(auto.generate(params, prompts, max_new_tokens=4)), expected)
     assert calls and all(shape[0] == 2 * 2 for shape in calls)  # batch 2 x top-2: one row a (token, expert)
-    assert auto.kernel_report()["layers/moe experts (decode)"].startswith("mxfp4_ragged_dot over (token, expert)")
+    assert auto.kernel_report()["layers/moe experts (decode)"].startswith("mxfp4_pair_gemv over (token, expert)")
 
 
 def test_sharded_steps_take_only_kernels_verified_inside_shard_map(monkeypatch):
     from tessera.lower.context import LowerCtx
 
-    monkeypatch.setattr(select, "SHARD_MAP_VERIFIED", frozenset())  # a kernel not (yet) verified there
+    import dataclasses
+
+    kernels = table._table()[1]
+    for key, entries in list(kernels.items()):  # every kernel not (yet) verified there
+        monkeypatch.setitem(kernels, key, [dataclasses.replace(k, in_shard_map=False) for k in entries])
     gpu = LowerCtx(kernels="auto", backend="gpu", shard=object())
     report = {}
-    out = select.attention(gpu.replace(report=report), "attn", *[np.ones((1, 4, 2, 8), np.float32)] * 3,
-                           sinks=None, causal=True, window=None, scale=0.5)
+    qkv = [np.ones((1, 4, 2, 8), np.float32)] * 3
+    core = dict(sinks=None, causal=True, window=None, scale=0.5)
+    out = table.dispatch(gpu.replace(report=report), "attention", "attn", *qkv, **core)
     assert out.shape == (1, 4, 2, 8)
-    assert report == {"attn": "reference (jax.numpy): flash_attention not yet verified inside the sharded step "
-                              "(shard_map with check_vma)"}
-    assert not select._allowed(gpu, "flash_attention") and not select._allowed(gpu, "grouped_matmul")
-    assert select._allowed(gpu.replace(mode="decode"), "decode_attention")  # generation: no check_vma
-    assert select._allowed(gpu.replace(shard=None), "flash_attention")
-    monkeypatch.setattr(select, "SHARD_MAP_VERIFIED", frozenset({"flash_attention"}))
-    assert select._allowed(gpu, "flash_attention") and not select._allowed(gpu, "grouped_matmul")
+    unverified = "not yet verified inside the sharded step (shard_map with check_vma)"
+    assert report == {"attn": f"reference (jax.numpy): flash_attention {unverified}"}
+    # one device, and generation (no check_vma), ask the kernel itself: here, on the CPU, it declines
+    for ctx in (gpu.replace(shard=None), gpu.replace(mode="prefill")):
+        assert table.choose(ctx, "attention", *qkv, **core)[0] == \
+            "reference (jax.numpy): shapes or dtypes outside flash_attention"
+    kernels[("attention", "gpu")] = [dataclasses.replace(k, in_shard_map=True) for k in kernels[("attention", "gpu")]]
+    assert unverified not in table.choose(gpu, "attention", *qkv, **core)[0]
 
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
@@ -137,8 +151,11 @@ def test_report_of_a_sharded_fast_program_traces_the_sharded_step():
 import json, jax
 import tessera
 jax.default_backend = lambda: "gpu"   # choose as on a GPU; the kernels' own supported() still sees the CPU
-import tessera.lower.select as select
-select.SHARD_MAP_VERIFIED = frozenset()  # as for a kernel not (yet) verified inside shard_map
+import dataclasses
+from tessera.lower import table
+kernels = table._table()[1]
+for key, entries in list(kernels.items()):  # as for kernels not (yet) verified inside shard_map
+    kernels[key] = [dataclasses.replace(k, in_shard_map=False) for k in entries]
 prog = tessera.compile(tessera.load({str(SPEC)!r}, overrides={{**{SMALL!r}, "mesh.dp": 2,
                        "parallel.deterministic": False, "kernels": "auto"}}))
 print("REPORT", json.dumps(prog.kernel_report()))
@@ -149,5 +166,5 @@ print("REPORT", json.dumps(prog.kernel_report()))
     report = json.loads(proc.stdout.split("REPORT ", 1)[1])
     why = "not yet verified inside the sharded step (shard_map with check_vma)"
     assert report["layers/attention (window 16)"].endswith("flash_attention " + why)
-    assert report["layers/moe experts"].endswith("grouped_matmul / mxfp4_ragged_dot " + why)
+    assert report["layers/moe experts"].endswith("mxfp4_ragged_dot / grouped_matmul " + why)
     assert "decode_attention" in report["layers/attention (window 16) (decode)"]  # generation: one-device choice
