@@ -299,16 +299,30 @@ def _q_slots(cfg: FlashConfig, d: int, dtype) -> int:
     return 3 if 3 * _WGS * cfg.block_q * (d * size + 4) + ring <= 200 * 1024 else 2
 
 
+def _schedule(bsz: int, s: int, hq: int, t: int, d: int, *, causal, window, q_offset,
+              cfg: FlashConfig) -> tuple[_Work, int]:
+    """(the persistent schedule of a forward call over q [B, S, Hq, D] and T keys, the number of
+    padding query rows in front of the first)."""
+    rows = _WGS * cfg.block_q
+    s_pad, t_pad = _round_up(s, rows), _round_up(t, cfg.block_kv)
+    # Causal: the query padding goes in front, where its rows see no keys and their blocks are
+    # skipped or cheap; at the end each padded row would see every key.
+    front = s_pad - s if causal else 0
+    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t,
+                    keys_padded=t_pad > t, diff_tile=d <= 64)  # see MaskSpec.diff_tile
+    n_items = (s_pad // rows) * bsz * hq
+    grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
+    return _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask), front
+
+
 def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfig, has_sinks: bool,
              want_lse: bool = True):
     """(out [B, S, Hq, D], lse [B, Hq, S] log2 units, or None unless `want_lse`) of the forward kernel."""
     bsz, s, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
-    n, rows = _WGS, _WGS * cfg.block_q
-    s_pad, t_pad = _round_up(s, rows), _round_up(t, cfg.block_kv)
-    # Causal: the query padding goes in front, where its rows see no keys and their blocks are
-    # skipped or cheap; at the end each padded row would see every key.
-    front = s_pad - s if causal else 0
+    work, front = _schedule(bsz, s, hq, t, d, causal=causal, window=window, q_offset=q_offset, cfg=cfg)
+    n, grid = _WGS, work.grid
+    s_pad, t_pad = work.n_tiles * work.rows, _round_up(t, cfg.block_kv)
     qp, kp, vp = _pad_seq(q, s_pad, front), _pad_seq(k, t_pad), _pad_seq(v, t_pad)
     sink_rows = sinks.astype(jnp.float32) * _mgpu.LOG2E if has_sinks else jnp.full((hq,), _mgpu.NEG_BIG)
     sink_rows = jnp.broadcast_to(sink_rows[:, None], (hq, cfg.block_q)).astype(jnp.float32)
@@ -325,11 +339,6 @@ def _forward(q, k, v, sinks, *, causal, window, scale, q_offset, cfg: FlashConfi
             plgpu.Barrier(num_arrivals=n, num_barriers=stages),
             plgpu.Barrier(num_arrivals=n, num_barriers=stages), plgpu.Barrier(num_arrivals=n),
             plgpu.Barrier(num_barriers=n_buf * n))  # a warpgroup's half of a Q slot released
-    mask = MaskSpec(causal=causal, window=window, q_offset=q_offset - front, kv_len=t,
-                    keys_padded=t_pad > t, diff_tile=d <= 64)  # see MaskSpec.diff_tile
-    n_items = (s_pad // rows) * bsz * hq
-    grid = min(n_items, cfg.num_ctas or _mgpu.num_sms(cfg.interpret))
-    work = _Work(s_pad // rows, bsz, hq, grid, rows, cfg.block_kv, mask)
     body = functools.partial(_forward_kernel, cfg=cfg, work=work, has_sinks=has_sinks,
                              group=hq // hkv, qk_scale=scale * _mgpu.LOG2E)
     out_type = (jax.ShapeDtypeStruct((bsz, s_pad, hq, d), q.dtype),)

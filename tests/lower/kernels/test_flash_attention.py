@@ -1,14 +1,23 @@
-"""Flash attention kernel vs reference attention: forward and gradients (q, k, v, sinks)."""
+"""Flash attention kernel vs reference attention: forward and gradients (q, k, v, sinks).
+
+The interpreter tests are sized to the case each names, no larger: the Mosaic GPU interpreter runs
+a kernel's grid points one after another, and the backward's grid (not persistent) has a CTA per
+head and 128-row or 128-key tile. Gradients are checked once per kind of mask; cases that concern
+only the forward (its Q slots) check its output and statistics alone. Where a case needs a
+property of the schedule (items per CTA, KV blocks per item, half-width blocks), the test asserts
+it first.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tessera.lower.kernels.attention_mask import MaskSpec
 from tessera.lower.kernels.flash_attention import FlashConfig, flash_attention, supported
-from tessera.lower.kernels.flash_attention_fwd import _forward, _Work
+from tessera.lower.kernels.flash_attention_fwd import _forward, _schedule, _Work
 from tessera.lower.reference.attention import attention, attention_mask
 from tests.lower.kernels._check import assert_close
 
@@ -52,9 +61,44 @@ def _check(shape, dtype, *, causal, window, with_sinks, config=None, seed=0, q_o
         assert_close(gs, rs, tol, "dsinks")
 
 
+def _reference_lse(q, k, sinks, *, causal, window, q_offset=0, scale=None):
+    """log2 of the sum of exp(score) over each row's visible keys and its sink: the statistics
+    the forward stores for the backward ([B, Hq, S], -inf for a row that sees nothing)."""
+    f32 = lambda x: x.astype(jnp.float32)
+    (b, s, hq, d), t = q.shape, k.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    scores = jnp.einsum("bshd,bthd->bhst", f32(q), jnp.repeat(f32(k), hq // k.shape[2], axis=2)) * scale
+    scores = jnp.where(attention_mask(s, t, causal=causal, window=window, q_offset=q_offset), scores, -jnp.inf)
+    if sinks is not None:
+        scores = jnp.concatenate([scores, jnp.broadcast_to(sinks[None, :, None, None], (b, hq, s, 1))], -1)
+    return jax.nn.logsumexp(scores, axis=-1) / jnp.log(2.0)
+
+
+def _check_forward(shape, dtype, *, causal, window, with_sinks, config, seed=0, q_offset=0):
+    """The forward alone (no backward kernels to interpret) against the fp32 reference: its output
+    and the log-sum-exp it hands the backward."""
+    q, k, v, sinks, _ = _inputs(seed, *shape, dtype, with_sinks)
+    kw = dict(causal=causal, window=window, q_offset=q_offset)
+    out, lse = _forward(q, k, v, sinks, **kw, scale=shape[-1] ** -0.5, cfg=config,
+                        has_sinks=with_sinks)
+    up = tuple(None if x is None else x.astype(jnp.float32) for x in (q, k, v, sinks))
+    assert_close(out, attention(*up[:3], sinks=up[3], **kw), 2e-2, "out")
+    assert_close(lse, _reference_lse(q, k, sinks, **kw), 1e-3, "lse")
+
+
+def _items(shape, cfg, *, causal, window, q_offset=0):
+    """Each CTA's items in the forward's schedule: [[(batch, head, row tile, lo, hi), ...], ...],
+    lo / hi the item's first / last + 1 KV block; the schedule; the query rows padded in front."""
+    b, s, t, hq, _, d = shape
+    work, front = _schedule(b, s, hq, t, d, causal=causal, window=window, q_offset=q_offset, cfg=cfg)
+    locate = jax.jit(work.locate)  # one dispatch an item
+    return [[tuple(int(x) for x in locate(jnp.int32(c), jnp.int32(i)))
+             for i in range(int(work.count(jnp.int32(c))))] for c in range(work.grid)], work, front
+
+
 def test_interpret_causal_window_sinks_gqa():
     """CPU interpreter: GQA 2:1, causal, window 48 < block, sinks, S not a multiple of the block;
-    one persistent CTA runs both heads (Q double buffer, K/V ring carried across items)."""
+    one persistent CTA runs both heads (3 Q slots, K/V ring carried across items)."""
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
     _check((1, 100, 100, 2, 1, 64), jnp.bfloat16, causal=True, window=48, with_sinks=True, config=cfg)
 
@@ -70,41 +114,55 @@ def test_interpret_forward_alone_skips_the_statistics():
     alone, none = _forward(q, k, v, sinks, **kw, want_lse=False)
     assert none is None
     assert bool(jnp.all(alone == out))
-    scores = jnp.einsum("bshd,bthd->bhst", q.astype(jnp.float32),
-                        jnp.repeat(k, 2, axis=2).astype(jnp.float32)) * 0.125
-    scores = jnp.where(attention_mask(100, 100, causal=True, window=48), scores, -jnp.inf)
-    with_sink = jnp.concatenate([scores, jnp.broadcast_to(sinks[None, :, None, None], (1, 2, 100, 1))], -1)
-    want = jax.nn.logsumexp(with_sink, axis=-1) / jnp.log(2.0)
-    assert_close(lse, want, 1e-3, "lse")
+    assert_close(lse, _reference_lse(q, k, sinks, causal=True, window=48), 1e-3, "lse")
 
 
 def test_interpret_causal_front_padding():
-    """CPU interpreter: causal without a window, S = 300 (not a multiple of a 128-row item), so
-    the first item starts 84 rows before position 0 (the padding goes in front); one CTA runs
-    all 6 items of both heads."""
+    """CPU interpreter: causal without a window, forward and gradients, S = 190 (not a multiple of a
+    128-row item), so the first item starts 66 rows before position 0 (the padding goes in front);
+    one CTA runs all 4 items of both heads. The backward's loops split into masked and fully
+    visible stretches (causal), over 2 query tiles, 2 key tiles and 2 KV heads."""
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
-    _check((1, 300, 300, 2, 2, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
+    shape = (1, 190, 190, 2, 2, 64)
+    (items,), _, front = _items(shape, cfg, causal=True, window=None)
+    assert front == 66 and len(items) == 4
+    _check(shape, jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
 
 
 def test_interpret_half_width_edge_blocks_and_snake_schedule():
     """CPU interpreter, the GPU's tiles (128-key blocks, 64-row warpgroups): causal, window 128,
-    sinks, S = 300. The upper warpgroup runs the diagonal block at half width, the lower one the
-    window's first block; 15 items over 4 CTAs end on a reversed partial round."""
-    cfg = FlashConfig(block_q=64, block_kv=128, num_ctas=4, interpret=True)
-    _check((1, 300, 300, 5, 1, 64), jnp.bfloat16, causal=True, window=128, with_sinks=True, config=cfg)
+    sinks, GQA 2:1, S = 255, forward and gradients. The lower warpgroup runs the window's first
+    block at half width, the upper one the causal diagonal's; 4 items over 3 CTAs end on a
+    reversed partial round (the second item of the last CTA)."""
+    cfg = FlashConfig(block_q=64, block_kv=128, num_ctas=3, interpret=True)
+    shape = (1, 255, 255, 2, 1, 64)
+    items, work, front = _items(shape, cfg, causal=True, window=128)
+    assert [[(tile, h) for _, h, tile, _, _ in cta] for cta in items] == [[(1, 0)], [(1, 1)], [(0, 0), (0, 1)]]
+    mask, halves = work.mask, set()
+    for _, _, tile, lo, hi in sum(items, []):
+        for wg in range(2):
+            p0 = tile * 128 + wg * 64 - front
+            full = mask.full_range(p0, p0 + 63, 128, lo, hi)
+            halves.add((wg, *(int(x) for x in mask.half_edges(p0, p0 + 63, 128, lo, *full, hi))))
+    assert {(1, 1, 0), (0, 0, 1)} <= halves  # (warpgroup, up, down), as `_attend` works them out
+    _check(shape, jnp.bfloat16, causal=True, window=128, with_sinks=True, config=cfg)
 
 
 def test_interpret_two_q_slots(monkeypatch):
     """CPU interpreter, the Q / output double buffer that head dim 128 gets on the GPU (2 slots,
     not 3): the producer loads the next item's Q into the slot of the item before once each
     compute warpgroup has released its half, in its first step, after that item's output left.
-    One CTA runs all 6 items of both heads; the last two have one KV block each, where a release
+    One CTA runs all 4 items of both heads; the last two have one KV block each, where a release
     after the step's turn wait would deadlock (the turn waits for the other warpgroup's next
-    Q K^T, whose K the producer loads only after that Q)."""
+    Q K^T, whose K the producer loads only after that Q). Forward only: the Q slots are the
+    forward's, and test_interpret_causal_front_padding runs this shape's backward."""
     from tessera.lower.kernels import flash_attention_fwd as fwd
     monkeypatch.setattr(fwd, "_q_slots", lambda *_: 2)
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
-    _check((1, 300, 300, 2, 2, 64), jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
+    shape = (1, 190, 190, 2, 2, 64)
+    (items,), _, _ = _items(shape, cfg, causal=True, window=None)
+    assert [hi - lo for *_, lo, hi in items] == [3, 3, 1, 1]
+    _check_forward(shape, jnp.bfloat16, causal=True, window=None, with_sinks=True, config=cfg)
 
 
 @pytest.mark.parametrize("n_tiles,bsz,hq,grid", [(32, 4, 64, 132), (3, 1, 5, 4), (5, 2, 3, 7), (2, 1, 1, 2)])
@@ -113,17 +171,14 @@ def test_snake_schedule_runs_each_item_once_and_balances_causal_work(n_tiles, bs
     t + 1 key blocks) no CTA gets more than one item's weight above another."""
     mask = MaskSpec(causal=True, window=None, q_offset=0, kv_len=n_tiles * 128)
     work = _Work(n_tiles, bsz, hq, grid, 128, 128, mask)
-    count_of, item = jax.jit(work.count), jax.jit(work.item)  # one dispatch per call, not one per jnp op
-    seen, loads = [], []
-    for cta in range(grid):
-        count = int(count_of(jnp.int32(cta)))
-        load = 0
-        for i in range(count):
-            b, h, row, lo, hi = (int(x) for x in jax.device_get(item(jnp.int32(cta), jnp.int32(i))))
-            seen.append((row // 128, b, h))
-            load += hi - lo
-        loads.append(load)
-    assert sorted(seen) == [(t, b, h) for t in range(n_tiles) for b in range(bsz) for h in range(hq)]
+    ctas, slots = jnp.arange(grid, dtype=jnp.int32), jnp.arange(-(-n_tiles * bsz * hq // grid), dtype=jnp.int32)
+    # every (CTA, list position) at once: one dispatch, not one per item
+    counts, (b, h, row, lo, hi) = jax.device_get(jax.jit(lambda c, i: (
+        jax.vmap(work.count)(c), jax.vmap(jax.vmap(work.item, (None, 0)), (0, None))(c, i)))(ctas, slots))
+    mine = np.arange(slots.shape[0])[None, :] < counts[:, None]  # [grid, slots]: the CTA's own items
+    seen = sorted(zip(row[mine] // 128, b[mine], h[mine]))
+    loads = np.where(mine, hi - lo, 0).sum(axis=1)
+    assert seen == [(t, b, h) for t in range(n_tiles) for b in range(bsz) for h in range(hq)]
     assert max(loads) - min(loads) <= n_tiles
     if (n_tiles, bsz, hq, grid) == (32, 4, 64, 132):
         assert max(loads) == min(loads) == 1024  # in CTA order every round: 1040 and 1008
@@ -140,8 +195,10 @@ def test_interpret_query_offset_chunked_prefill():
     """CPU interpreter: 64 queries at positions 128..191 of 192 keys (a prefill chunk), window 100;
     one CTA runs both heads, so the 2-slot K/V ring wraps within and across items."""
     cfg = FlashConfig(block_q=64, block_kv=64, num_ctas=1, interpret=True)
-    _check((1, 64, 192, 2, 1, 64), jnp.bfloat16, causal=True, window=100, with_sinks=True,
-           config=cfg, seed=2, q_offset=128)
+    shape = (1, 64, 192, 2, 1, 64)
+    (items,), _, _ = _items(shape, cfg, causal=True, window=100, q_offset=128)
+    assert [hi - lo for *_, lo, hi in items] == [3, 3]  # blocks an item > the ring's 2 stages
+    _check(shape, jnp.bfloat16, causal=True, window=100, with_sinks=True, config=cfg, seed=2, q_offset=128)
 
 
 def test_interpret_window_split_into_masked_and_full_runs(monkeypatch):
