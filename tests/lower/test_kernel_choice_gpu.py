@@ -34,7 +34,9 @@ def test_auto_uses_kernels_and_matches_reference():
     far = np.max(diff, axis=-1) > 5e-2  # tokens whose logits moved far: a flipped routing moves a whole token
     print("tokens moved far:", int(far.sum()), "of", far.size)
     assert np.median(diff) < 5e-3 and np.mean(far) < 1e-2
-    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones(tokens.shape, np.float32)}
+    # gradients over the tokens whose routing held: a flipped top-k hands a token's gradient to other experts, a
+    # discrete change (19 of these 2048 tokens on an H200 moved experts/gate's gradient by 6 %, at 632b0e9 too)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": (~far).astype(np.float32)}
     ga = jax.grad(auto._loss)(params, batch)
     gr = jax.grad(ref._loss)(params, batch)
     for path in ("layers/attention/q", "layers/attention/sinks", "layers/moe/experts/gate"):
