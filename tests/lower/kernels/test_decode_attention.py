@@ -10,6 +10,7 @@ from tessera.lower.kernels.decode_attention import (DecodeConfig, _persistent_pl
                                                     decode_attention, decode_attention_reference,
                                                     supported)
 from tests.lower.kernels._check import assert_close
+from tests.lower.kernels._interpret import share_compiles  # noqa: F401 (autouse: one compile per kernel)
 
 
 def _check(b, sq, hq, hkv, d, t, kv_len, window, with_sinks, config=None, seed=0):

@@ -20,6 +20,7 @@ from tessera.lower.kernels.flash_attention import FlashConfig, flash_attention, 
 from tessera.lower.kernels.flash_attention_fwd import _forward, _schedule, _Work
 from tessera.lower.reference.attention import attention, attention_mask
 from tests.lower.kernels._check import assert_close
+from tests.lower.kernels._interpret import share_compiles  # noqa: F401 (autouse: one compile per kernel)
 
 
 def _inputs(seed, b, s, t, hq, hkv, d, dtype, with_sinks):

@@ -10,6 +10,7 @@ import pytest
 from tessera.lower.kernels import grouped_matmul as gm
 from tessera.lower.kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_reference
 from tests.lower.kernels._check import assert_close
+from tests.lower.kernels._interpret import share_compiles  # noqa: F401 (autouse: one compile per kernel)
 
 SIZES = [40, 0, 70, 0, 10]  # empty experts, groups straddling 8-row and 64-row boundaries, 16 tail rows
 INTERPRET = GroupedMatmulConfig(block_n=64, stages=2, band=2, drhs_groups=2, interpret=True)
