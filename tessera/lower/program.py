@@ -54,6 +54,11 @@ class Program:
     last_key: Any = dataclasses.field(default=None, repr=False)  # the jitted function called last (lower)
 
     @property
+    def vocab(self) -> int:
+        """Token ids run over 0 .. vocab - 1: the size of the last axis of the model's output (its logits)."""
+        return int(self.graph.outputs[0].type.dims[-1].size)
+
+    @property
     def deterministic(self) -> bool:
         """Whether cross-device reductions run in a fixed, mesh-independent order (the manifest records it)."""
         return bool(self.exp.parallel.deterministic)

@@ -49,7 +49,7 @@ def _job(prog, exp) -> Job:
     from tessera.ir.cost import task_dims
 
     task, sizes = exp.task, task_dims(exp)
-    vocab = int(exp.model.args["vocab"])
+    vocab = prog.vocab
     rng = np.random.default_rng(int(getattr(task, "seed", 0)))
     if task.kind == "generate":
         from tessera.run.tasks.generate import sampling_kwargs

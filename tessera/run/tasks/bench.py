@@ -52,7 +52,7 @@ class Bench:
         self.b, self.s = int(task.batch), int(task.seq_len)
         self.warmup, self.iters = int(task.warmup), int(task.iters)
         self.decode_tokens = max(int(task.decode_tokens), 2)
-        vocab = int(ctx.exp.model.args["vocab"])
+        vocab = self.prog.vocab
         self.tokens = np.random.default_rng(int(task.seed)).integers(0, vocab, (self.b, self.s), dtype=np.int32)
         self.params = ctx.initial_params()
         self.flops, self.peak = self.prog.flops_per_token(), peak_flops()

@@ -25,7 +25,7 @@ def _tokens(ctx: RunContext) -> np.ndarray:
     arr = np.asarray(arr)
     if arr.ndim == 1:
         arr = arr[None, :]
-    vocab = int(ctx.exp.model.args["vocab"])
+    vocab = ctx.prog.vocab
     if arr.ndim != 2 or arr.dtype.kind not in "iu" or arr.size == 0:
         raise RunError(f"forward tokens must be a non-empty [batch, seq] integer array, "
                        f"got {arr.dtype}{list(arr.shape)}")

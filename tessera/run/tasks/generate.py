@@ -87,7 +87,7 @@ def run(ctx: RunContext) -> int:
     """Generate, print completions and tokens/s, record them (and a digest of the output) in the manifest."""
     task, prog = ctx.exp.task, ctx.prog
     tokenizer = getattr(task, "tokenizer", None)
-    ids, lengths = encode_prompts(task.prompts, tokenizer, int(ctx.exp.model.args["vocab"]))
+    ids, lengths = encode_prompts(task.prompts, tokenizer, prog.vocab)
     params, kw, n = ctx.initial_params(split_layers=True), sampling_kwargs(task), int(task.max_new_tokens)
     gen = lambda k: generate_all(prog, params, ids, lengths, k, kw)
     _, first_s = _timed(lambda: gen(n))  # the first call compiles

@@ -48,7 +48,7 @@ class Trainer:
 
     def __init__(self, ctx: RunContext):
         self.ctx, self.exp, self.prog, self.task = ctx, ctx.exp, ctx.prog, ctx.exp.task
-        vocab = int(self.exp.model.args["vocab"])
+        vocab = self.prog.vocab
         self.source = build_source(self.task, vocab, base_dir=ctx.spec_dir)
         ck = getattr(self.exp, "checkpoint", None)
         self.every = int(getattr(ck, "every", 0) or 0)
