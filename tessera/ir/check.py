@@ -7,40 +7,52 @@ and the model-source op that owns the tensor it is wrong about.
 from __future__ import annotations
 
 import fnmatch
-import math
 
 from tessera.diagnostics import Diagnostic, TesseraError
 from tessera.ir.types import Graph
 
 
-def _mesh_axes(rule) -> list[str]:
-    return [] if rule is None else [rule] if isinstance(rule, str) else list(rule)
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _divisors(n: int) -> str:
-    ds = [d for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(map(str, ds[:6])) + (" ..." if len(ds) > 6 else "")
+def check_params_divide(exp, params, rules=None) -> list[Diagnostic]:
+    """Every parameter dim that mesh axes split is divisible by their product.
 
+    The split is `AxisRules`' (the spec's rules, size-1 axes dropped, the stacked layers over pp), the one the
+    shard pass annotates and the lowering shards by. One error per (dim, axes), at the mesh axis that does not
+    fit, with notes at the spec's rule (where the spec wrote one) and at the parameter's declaration.
+    """
+    from tessera.ir.passes.shard import AxisRules
 
-def check_mesh_divides(exp, graph: Graph) -> list[Diagnostic]:
-    """Every mesh axis product that shards a param dim divides the dim's size."""
-    sizes, rules, out, seen = exp.mesh.axes, exp.parallel.rules, [], set()
-    for p in graph.params.values():
-        for d in p.type.dims:
-            axes = _mesh_axes(rules.get(d.name))
-            shards = math.prod(sizes[a] for a in axes)
-            if d.size is None or shards <= 1 or d.size % shards == 0 or (d.name, shards) in seen:
+    rules = AxisRules.from_experiment(exp) if rules is None else rules
+    sizes, out, seen = dict(rules.sizes), [], set()
+    for p in params.values():
+        for d, axes in zip(p.type.dims, rules.dims(p.type.names)):
+            n = rules.size(axes)
+            if d.size is None or n <= 1 or d.size % n == 0 or (d.name, axes) in seen:
                 continue
-            seen.add((d.name, shards))
-            where = " × ".join(f"{a}={sizes[a]}" for a in axes if sizes[a] > 1)
-            key = f"parallel.rules.{d.name}"
-            span = exp.span(key) or next((exp.span(f"mesh.{a}") for a in axes if exp.span(f"mesh.{a}")), None)
-            out.append(Diagnostic(f"{where} does not divide `{d.name}` = {d.size} (param `{p.path}`)", span=span,
-                                  key=key, hint=f"use a mesh size that divides {d.size}: {_divisors(d.size)}"))
+            seen.add((d.name, axes))
+            where = " × ".join(f"{a}={sizes[a]}" for a in axes)
+            ok = ", ".join(str(k) for k in divisors(d.size)[:6]) + (" ..." if len(divisors(d.size)) > 6 else "")
+            key = f"mesh.{axes[-1]}"
+            out.append(Diagnostic(f"{where} does not divide `{d.name}` = {d.size} (param `{p.path}`)",
+                                  span=exp.span(key), key=key,
+                                  hint=f"use a mesh whose {' × '.join(axes)} divides {d.size}: {ok}"))
+            rule = exp.span(f"parallel.rules.{d.name}")
+            if rule is not None:
+                out.append(Diagnostic(f"`{d.name}` is split over {' × '.join(axes)} by this rule", span=rule,
+                                      severity="note"))
             if p.span is not None:
                 out.append(Diagnostic(f"`{p.path}` is declared here with `{d.name}` = {d.size}", span=p.span,
                                       severity="note"))
     return out
+
+
+def check_mesh_divides(exp, graph: Graph) -> list[Diagnostic]:
+    """`check_params_divide` over the model's parameters (what `tessera check` runs)."""
+    return check_params_divide(exp, graph.params)
 
 
 def check_numeric_rules(exp, graph: Graph) -> list[Diagnostic]:
@@ -50,7 +62,7 @@ def check_numeric_rules(exp, graph: Graph) -> list[Diagnostic]:
         if not any(fnmatch.fnmatchcase(path, glob) for path in graph.params):
             out.append(Diagnostic(f"numeric rule `{glob}` matches no parameter of model `{graph.name}`",
                                   span=exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules"),
-                                  key=f"numerics.rules", hint="parameter paths look like " +
+                                  key="numerics.rules", hint="parameter paths look like " +
                                   ", ".join(list(graph.params)[:3])))
     return out
 

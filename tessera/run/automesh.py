@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from tessera.diagnostics import RunError, TesseraError
+from tessera.ir.check import divisors
 
 MODEL_AXES = ("tp", "ep")  # tried in this order at each model-parallel size
 
@@ -67,15 +68,11 @@ def _planned(exp) -> float | None:
         return None
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def choose_mesh(exp, devices: int, memory: float) -> MeshChoice:
     """exp on the mesh `mesh: auto` picks among `devices` devices of `memory` usable bytes each; RunError when
     no mesh fits (the message gives the smallest plan found)."""
     best: tuple[float, str] | None = None
-    for m in _divisors(devices):
+    for m in divisors(devices):
         for axis in MODEL_AXES if m > 1 else ("tp",):
             model = _on(exp, **{axis: m})
             if model is None:
@@ -88,7 +85,7 @@ def choose_mesh(exp, devices: int, memory: float) -> MeshChoice:
             if planned > memory:
                 continue
             rows, rest = _batch(exp), devices // m
-            dp = max(d for d in _divisors(rest) if rows % d == 0 and _on(exp, **{axis: m, "dp": d}) is not None)
+            dp = max(d for d in divisors(rest) if rows % d == 0 and _on(exp, **{axis: m, "dp": d}) is not None)
             chosen = _on(exp, **{axis: m, "dp": dp})
             planned = _planned(chosen) or planned
             why = (f"fewest model-parallel devices that fit: {axis}={m}" if m > 1 else

@@ -59,13 +59,16 @@ def test_check_accepts_the_shipped_specs(capsys):
 def test_mesh_axis_must_divide_the_dims_it_shards():
     graph = build_graph(MODELS / "llama.tsl", {**LLAMA, "d_ff": 96})
     spans = {"parallel.rules.mlp": Span("s.yaml", 7, 12)}
+    spans["mesh.tp"] = Span("s.yaml", 3, 9)
     exp = types.SimpleNamespace(mesh=types.SimpleNamespace(axes={"tp": 5, "fsdp": 1}),
-                                parallel=types.SimpleNamespace(rules={"mlp": "tp", "embed": "fsdp"}),
+                                parallel=types.SimpleNamespace(rules={"mlp": "tp", "embed": "fsdp"},
+                                                               sequence_parallel=False),
                                 span=spans.get)
     problems = check_mesh_divides(exp, graph)
     assert [p.render().splitlines()[0] for p in problems] == [
-        "s.yaml:7:12: error: parallel.rules.mlp: tp=5 does not divide `mlp` = 96 (param `layers/mlp/gate`); "
-        "use a mesh size that divides 96: 1, 2, 3, 4, 6, 8 ...",
+        "s.yaml:3:9: error: mesh.tp: tp=5 does not divide `mlp` = 96 (param `layers/mlp/gate`); "
+        "use a mesh whose tp divides 96: 1, 2, 3, 4, 6, 8 ...",
+        "s.yaml:7:12: note: `mlp` is split over tp by this rule",
         f"{relpath(MODELS / 'llama.tsl')}:11:16: note: `layers/mlp/gate` is declared here with `mlp` = 96"]
 
 

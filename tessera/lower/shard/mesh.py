@@ -1,7 +1,8 @@
 """The device mesh of an experiment: `mesh:` sizes over the available devices, checked before compiling.
 
 Every failure here is the user's (a mesh that does not fit the devices, an axis that does not divide
-the dimension it splits) and is a TesseraError pointing at the spec's `mesh.<axis>` value.
+the dimension it splits: `tessera.ir.check.check_params_divide`, the check `tessera check` runs) and is a
+TesseraError pointing at the spec's `mesh.<axis>` value.
 """
 
 from __future__ import annotations
@@ -11,11 +12,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tessera.diagnostics import Diagnostic, TesseraError
+from tessera.ir.check import check_params_divide
 from tessera.lower.shard.rules import AxisRules
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _mesh_key(exp, axis: str) -> tuple[str, object]:
@@ -37,30 +35,13 @@ def check_devices(exp, n_devices: int) -> list[Diagnostic]:
                        hint=f"make the product of mesh axes {n_devices}, e.g. dp={n_devices}")]
 
 
-def check_params_divide(exp, rules: AxisRules, params) -> list[Diagnostic]:
-    """Every parameter dim split over mesh axes is divisible by their product (named: dim, sizes, divisors)."""
-    problems: dict[tuple, Diagnostic] = {}
-    for p in params.values():
-        for d, axes in zip(p.type.dims, rules.dims(p.type.names)):
-            n = rules.size(axes)
-            if n > 1 and d.size is not None and d.size % n:
-                axis = axes[-1]
-                key, span = _mesh_key(exp, axis)
-                ok = [str(k) for k in _divisors(d.size) if k > 1][:4] or ["1"]
-                shown = "×".join(f"{a}={dict(rules.sizes)[a]}" for a in axes)
-                problems.setdefault((d.name, axes), Diagnostic(
-                    f"{shown} does not divide dimension `{d.name}`={d.size} (of parameter `{p.path}`)",
-                    span=span, key=key, hint=f"use a mesh whose {'×'.join(axes)} divides {d.size}: {', '.join(ok)}"))
-    return list(problems.values())
-
-
 def build_mesh(exp, params, devices=None) -> Mesh:
     """A Mesh over `devices` (default: all) with exp.mesh's axes in order pp, dp, fsdp, ep, sp, tp."""
     devices = list(jax.devices() if devices is None else devices)
     if exp.mesh.auto:  # `mesh: auto` chose these axes and may leave devices idle (a batch that splits no further)
         devices = devices[:exp.mesh.size]
     rules = AxisRules.from_experiment(exp)
-    problems = check_devices(exp, len(devices)) + check_params_divide(exp, rules, params)
+    problems = check_devices(exp, len(devices)) + check_params_divide(exp, params, rules)
     if problems:
         raise TesseraError(problems)
     sizes = exp.mesh.axes

@@ -85,9 +85,9 @@ def test_axis_that_does_not_divide_a_parameter_dim_names_it():
     with pytest.raises(TesseraError) as e:
         build_mesh(exp, graph.params, devices=[object()] * 4)
     msgs = [d.message for d in e.value.diagnostics]
-    assert any("ep=4 does not divide dimension `head_dim`=30 (of parameter `layers/attention/q`)" in m for m in msgs)
+    assert any("ep=4 does not divide `head_dim` = 30 (param `layers/attention/q`)" in m for m in msgs)
     d = e.value.diagnostics[0]
-    assert d.key == "mesh.ep" and d.hint.endswith("2, 3, 5, 6")
+    assert d.key == "mesh.ep" and d.hint.endswith("divides 30: 1, 2, 3, 5, 6, 10 ...")
 
 
 def test_pipeline_stages_must_start_on_the_layer_pattern():
