@@ -78,7 +78,13 @@ def _resolve_files(root: Node) -> list[Diagnostic]:
         node = _node_at(root, key)
         if node is None or not isinstance(node.value, str) or not node.value:
             continue
-        written, from_set = Path(node.value).expanduser(), node.span.file.startswith("<")
+        from_set = node.span.file.startswith("<")
+        try:
+            written = Path(node.value).expanduser()
+        except RuntimeError:  # `~name/...` for a user this machine does not know (or no home directory)
+            problems.append(Diagnostic(f"cannot expand `{node.value.split('/')[0]}`: no such user or home directory",
+                                       node.span, errors.key_path(key), "write the path out, or relative to the spec"))
+            continue
         base = Path.cwd() if from_set else Path(node.span.file).parent
         resolved = (base / written).resolve() if not written.is_absolute() else written
         if not resolved.is_file():

@@ -143,6 +143,9 @@ CASES = [
     ("python-tag", MINI + "mesh: !!python/object:os.system {}\n", [], {}, [("s.yaml:8:7", None, "unsupported YAML tag")]),
     ("two-documents", MINI + "---\nname: u\n", [], {}, [("s.yaml:8:1", None, "single document")]),
     ("deep-nesting", "a: " + "[" * 500 + "]" * 500 + "\n", [], {}, [("s.yaml:1:103", None, "nesting deeper than 100")]),
+    # a path under a home directory this machine does not have (found by test_property's mutations)
+    ("unknown-user-home", MINI.replace("file: model.tsl", "file: ~no-such-user-x/model.tsl"), [], {},
+     [("s.yaml:3:9", "model.file", "cannot expand `~no-such-user-x`: no such user or home directory")]),
     ("alias-bomb", "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
         f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdef", "bcdefg")), [], {},
      [("s.yaml:", None, "expands to more than 100000 values")]),
