@@ -35,7 +35,8 @@ def check_params_divide(exp, params, rules=None) -> list[Diagnostic]:
                 continue
             seen.add((d.name, axes))
             where = " × ".join(f"{a}={sizes[a]}" for a in axes)
-            ok = ", ".join(str(k) for k in divisors(d.size)[:6]) + (" ..." if len(divisors(d.size)) > 6 else "")
+            ds = divisors(d.size)
+            ok = ", ".join(map(str, ds[:6])) + (" ..." if len(ds) > 6 else "")
             key = f"mesh.{axes[-1]}"
             out.append(Diagnostic(f"{where} does not divide `{d.name}` = {d.size} (param `{p.path}`)",
                                   span=exp.span(key), key=key,
