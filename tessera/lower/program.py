@@ -305,15 +305,22 @@ class Program:
             state, metrics = self._det().train_step(state, batch)
             return state, {**metrics, **self._counters({})}
         m = int(getattr(self.exp.task, "microbatches", 1) or 1)
-        micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
+        grad_fn = jax.value_and_grad(self._loss_and_counts, has_aux=True)
+        if m == 1:  # no accumulator: the gradients are the backward pass's own buffers
+            (loss, counts), grads = grad_fn(state.params, batch)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # as the accumulator holds them
+            counts = jax.tree.map(lambda c: c[None], counts)
+        else:
+            micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
 
-        def accumulate(carry, mb):  # microbatches summed in a fixed order
-            (loss, counts), grads = jax.value_and_grad(self._loss_and_counts, has_aux=True)(state.params, mb)
-            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), counts
+            def accumulate(carry, mb):  # microbatches summed in a fixed order
+                (loss, counts), grads = grad_fn(state.params, mb)
+                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), counts
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
-        (loss, grads), counts = jax.lax.scan(accumulate, zero, micro)
-        grads = jax.tree.map(lambda g: g / m, grads)
+            zero = (jnp.zeros((), jnp.float32),
+                    jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+            (loss, grads), counts = jax.lax.scan(accumulate, zero, micro)
+            grads = jax.tree.map(lambda g: g / m, grads)
         with jax.named_scope("optimizer"):
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
@@ -324,8 +331,14 @@ class Program:
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def train_step(self, state: TrainState, batch: dict):
-        """One optimizer step over the batch (gradient accumulation over task.microbatches)."""
-        return self._jit("train_step", lambda: jax.jit(self._train_step))(state, self._global(batch))
+        """One optimizer step over the batch (gradient accumulation over task.microbatches).
+
+        `state` is consumed: its buffers are donated to the new state (parameters and optimizer moments
+        are held once, not twice, across the step), so pass each call the state the last one returned."""
+        return self._jit("train_step", self._make_train_step)(state, self._global(batch))
+
+    def _make_train_step(self):
+        return jax.jit(self._train_step, donate_argnums=0)
 
     def _global(self, batch: dict) -> dict:
         """With several processes, every process passes the same host batch: make it one global array."""
@@ -430,7 +443,10 @@ class Program:
 
     def lower(self, key, *args) -> jax.stages.Lowered:
         """The cached jitted function `key` (`last_key`: the one called last) lowered for these arguments; its
-        `.compile()` after a call with the same arguments is JAX's cached executable (no compile)."""
+        `.compile()` after a call with the same arguments is JAX's cached executable (no compile).
+        "train_step" may be lowered before any call (`tessera plan` compiles it for abstract arguments)."""
+        if key == "train_step":
+            self._jit(key, self._make_train_step)
         fn = self._cache[key].__wrapped__
         with jax.default_matmul_precision(self.matmul_precision):
             return fn.lower(*args)

@@ -285,7 +285,7 @@ def _lowered(exp, train: bool):
     if train:
         state = _abstract(jax.eval_shape(prog.init_train_state, params), shardings)
         batch = {"tokens": tokens, "targets": tokens, "mask": sds(tokens.shape, jnp.float32)}
-        return jax.jit(prog._train_step).lower(state, batch)
+        return prog.lower("train_step", state, batch)  # as `tessera run` compiles it: state donated
     if exp.task.kind == "generate":
         t, new = exp.task, exp.task.max_new_tokens
         rule = SamplingRule(float(t.sampling.temperature), int(t.sampling.top_k) or None,

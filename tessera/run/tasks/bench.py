@@ -73,6 +73,7 @@ class Bench:
             return m["loss"]
 
         t = time_calls(step, self.warmup, self.iters)
+        self.params = holder[0].params  # the step consumed the state it was given, whose params these were
         return self._rate(t, self.b * self.s, t["median_s"], "train_step")
 
     def decode(self) -> dict:
