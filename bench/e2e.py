@@ -44,6 +44,8 @@ ROWS = {
                          "-"),
     "llama-1b train": ("train", "specs/bench/llama_1b_train.yaml", {},
                        "torch.compile same run: 40.6 % MFU; MaxText ~50 %; torchtitan 33-39 %"),
+    "llama-1b train deterministic": ("train", "specs/bench/llama_1b_train.yaml", {"parallel.deterministic": True},
+                                     "-"),
     "20b-layers train": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml", {},
                          "NeMo AutoModel 20B: 28 %; torchtitan 20B: 16.5-19.5 %"),
 }

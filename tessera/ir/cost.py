@@ -211,8 +211,9 @@ def _attention_saved(x: TensorType, attrs: dict) -> list[tuple[TensorType, bool]
     return [(_t(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), True),        # q projection
             (_t(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # k projection
             (_t(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # v projection
-            (_t(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), False),       # attention output before o
-            (_t("f32", batch=b, seq=s, heads=h), False)]                      # softmax log-sum-exp
+            # the attention kernel's residuals: kept under remat `dots` too (named, lower/context.py REMAT_SAVED)
+            (_t(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), True),        # attention output before o
+            (_t("f32", batch=b, seq=s, heads=h), True)]                       # softmax log-sum-exp
 
 
 def _mlp_saved(x: TensorType, attrs: dict, k: int | None = None) -> list[tuple[TensorType, bool]]:

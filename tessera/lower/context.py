@@ -20,6 +20,11 @@ def jnp_dtype(name: str):
         raise NotImplementedError(f"element type `{name}` has no jax array type yet") from None
 
 
+# Values a lowering names with `jax.ad_checkpoint.checkpoint_name` for remat `dots` to keep besides the
+# contraction outputs: a kernel's residuals that would otherwise cost a second forward in the backward pass.
+REMAT_SAVED = ("attention_out", "attention_lse")
+
+
 @dataclasses.dataclass(frozen=True)
 class LowerCtx:
     """What a lowering may read besides its op: numerics, mode, positions, kernel policy.

@@ -25,13 +25,15 @@ import jax.numpy as jnp
 
 from tessera.ir.registry import get_op
 from tessera.ir.types import Op, ParamRef, PerLayer, Region
-from tessera.lower.context import LowerCtx
+from tessera.lower.context import REMAT_SAVED, LowerCtx
 from tessera.lower.table import get_lowering
 
 State = dict[str, Any]
 
 _REMAT_POLICIES = {
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED)),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 

@@ -13,7 +13,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from tessera.lower.context import REMAT_SAVED
 from tessera.lower.kernels import _mgpu
 from tessera.lower.kernels._vma import common, like
 from tessera.lower.kernels.flash_attention_fwd import _forward
@@ -92,6 +94,8 @@ def _flash(q, k, v, sinks, st: _Static):
 def _flash_fwd(q, k, v, sinks, st: _Static):
     out, lse = _forward(q, k, v, sinks, causal=st.causal, window=st.window, scale=st.scale,
                         q_offset=st.q_offset, cfg=st.cfg, has_sinks=st.has_sinks)
+    # named so that remat `dots` keeps them (interpret.py): the backward then needs no second forward
+    out, lse = checkpoint_name(out, REMAT_SAVED[0]), checkpoint_name(lse, REMAT_SAVED[1])
     return out, (q, k, v, sinks, out, lse)
 
 
