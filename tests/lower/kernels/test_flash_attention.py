@@ -241,17 +241,22 @@ def test_backward_lowers_for_hopper(d, window):
 
 
 def test_remat_dots_keeps_the_forward_residuals():
-    """Under the layers' remat `dots`, the backward reads the forward's output and statistics (named
-    residuals) instead of running the forward kernel a second time: still three kernels, not four."""
+    """In the layer scan under remat `dots` (as `repeat` lowers it), the backward reads the forward's
+    output and statistics (named residuals) instead of running the forward kernel a second time: three
+    kernels, not four."""
     from tessera.lower.interpret import _REMAT_POLICIES
 
     cfg = FlashConfig(block_kv=128, stages=2, block_q_bwd=128, num_ctas=132)
-    q = jax.ShapeDtypeStruct((1, 512, 8, 64), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 512, 1, 64), jnp.bfloat16)
-    layer = jax.checkpoint(lambda q, k, v: flash_attention(q, k, v, causal=True, config=cfg) * 2,
-                           policy=_REMAT_POLICIES["dots"])
-    text = jax.jit(jax.grad(lambda q, k, v: layer(q, k, v).sum(), argnums=(0, 1, 2))).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",)).as_text()
+
+    def layer(h, w):
+        q = jnp.sin(h @ w)
+        kv = q[:, :, :1]
+        return flash_attention(q, kv, kv, causal=True, config=cfg) @ w + h, None
+
+    body = jax.checkpoint(layer, policy=_REMAT_POLICIES["dots"], prevent_cse=False)
+    loss = lambda h, ws: jax.lax.scan(body, h, ws)[0].astype(jnp.float32).sum()
+    h, ws = jax.ShapeDtypeStruct((1, 512, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(h, ws).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3  # forward, dQ, dK/dV
 
 
