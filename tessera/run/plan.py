@@ -85,6 +85,28 @@ def _trains(exp) -> bool:
     return task.kind == "train" or (task.kind == "bench" and "train_step" in task.what)
 
 
+def _canonical_per_device(exp) -> int:
+    """Deterministic mode: the canonical batch shards each device runs one at a time (their gradients kept
+    until the fixed-order tree sums them)."""
+    from tessera.lower.shard.deterministic import canonical_shards
+
+    return max(1, canonical_shards(cost.task_dims(exp)["batch"]) // exp.mesh.size)
+
+
+def gradient_bytes(exp, dtype: str) -> float:
+    """Bytes of gradient buffers the train step holds per parameter element of storage type `dtype`.
+
+    Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
+    is fp32 already. Several microbatches: one microbatch's gradient plus the fp32 accumulator.
+    Deterministic mode: an fp32 gradient per canonical shard of the device, plus their tree sum."""
+    held = array_bits(dtype) / 8
+    if exp.parallel.deterministic:
+        return 4.0 * (_canonical_per_device(exp) + 1)
+    if (getattr(exp.task, "microbatches", 1) or 1) == 1:
+        return 4.0 if held == 4 else 4.0 + held
+    return 4.0 + held
+
+
 def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
     """Per-device bytes of parameters (storage types), gradients and optimizer state."""
     params = grads = opt = 0.0
@@ -92,8 +114,8 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
     for t in _held(exp, graph).values():
         n = layout.per_device(t)
         params += n * cost.bits_per_element(t.dtype) / 8
-        if train:  # fp32 accumulation over microbatches + one microbatch's gradient as the program holds it
-            grads += n * (4 + array_bits(t.dtype) / 8)
+        if train:
+            grads += n * gradient_bytes(exp, t.dtype)
             opt += states * n * array_bits(t.dtype) / 8
     return {"params": params, "gradients": grads, "optimizer": opt}
 
@@ -128,10 +150,13 @@ def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool
     logits = next(v.type for v in graph.outputs)
     if train:
         cut, in_flight = _microbatching(exp)
+        if exp.parallel.deterministic:  # canonical shards, one at a time on each device
+            cut, in_flight = _canonical_per_device(exp) * exp.mesh.size, 1
         mb = {**sizes, "batch": max(1, sizes["batch"] // cut)}
         acts = cost.activation_bytes(graph, mb, exp.parallel.remat, layout.activations)
         stage_layers = -(-acts["layers"] // exp.mesh.pp)
-        loss = cost.concrete(logits, mb).with_dtype("f32")  # log-softmax of the logits in fp32
+        # the logits' cotangent, as the logits are typed (the fp32 log-softmax stays inside fusions: measured)
+        loss = cost.concrete(logits, mb)
         per_mb = stage_layers * acts["per_layer"] + acts["total"] - acts["layers"] * acts["per_layer"]
         total = in_flight * per_mb + cost.nbytes(loss, layout.activations(loss))
         return {"activations": total, "kv_cache": 0.0}
@@ -325,8 +350,8 @@ def _ours_as_compiled(exp, train: bool) -> float:
     memory = _activation_memory(graph, exp, sizes, layout, train)
     for path, t in _held(exp, graph).items():
         n = layout.per_device(t)
-        memory[path] = n * array_bits(t.dtype) / 8 * (1 + (1 + optimizer_states(exp) if train else 0))
-        memory[path] += 4 * n if train else 0
+        memory[path] = n * array_bits(t.dtype) / 8 * (1 + (optimizer_states(exp) if train else 0))
+        memory[path] += n * gradient_bytes(exp, t.dtype) if train else 0
     return sum(memory.values())
 
 
