@@ -16,6 +16,7 @@ shapes, and print it under the row with its MFU counted with Tessera's FLOPs per
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import subprocess
@@ -177,6 +178,8 @@ def measure(names: list[str], peers: dict[str, list[dict]] | None = None) -> lis
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
+            gc.collect()  # the last row's arrays go before this row allocates (a row alone is what a user runs)
+            jax.clear_caches()
             try:
                 rows.append(run_row(name, bandwidth, device, Path(tmp)))
                 print(show(rows[-1]), flush=True)
