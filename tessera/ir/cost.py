@@ -5,12 +5,12 @@ Everything here walks a graph; nothing is a per-model formula. Ops inside `repea
 a `per_device(type) -> elements` function: a `Layout`, the shard pass's AxisRules counted per device.
 Assumptions:
 
-- active parameters: what one token's forward pass multiplies by. The embedding table is a lookup (one
-  row), norm scales are per-channel scales (the published GPT-OSS counts leave both out), a MoE reads
-  top_k of its experts plus its router; every other parameter is read whole.
-- a training step is forward + backward; backward costs 2x forward for contractions (a gradient for the
-  input and one for the weight) and 1x forward for everything else. Rematerialisation recomputes the
-  forward of the repeated block: all of it (`full`) or its non-contraction ops (`dots`).
+- active parameters: what one token's forward pass multiplies by, each op's `OpDef.active_fraction`. The
+  embedding table is a lookup (one row), norm scales are per-channel scales (the published GPT-OSS counts
+  leave both out), a MoE reads top_k of its experts plus its router; every other parameter is read whole.
+- a training step is forward + backward; backward costs 2x forward for contractions (`OpDef.contraction`: a
+  gradient for the input and one for the weight) and 1x forward for everything else. Rematerialisation
+  recomputes the forward of the repeated block: all of it (`full`) or its non-contraction ops (`dots`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ from tessera.grammar.numerics import BASE_TYPES, NumericType
 from tessera.ir.flops import op_flops
 from tessera.ir.passes.shard import AxisRules
 from tessera.ir.registry import get_op
-from tessera.ir.types import Dim, Graph, Op, ParamRef, PerLayer, Region, TensorType
+from tessera.ir.types import Dim, Graph, Op, ParamRef, PerLayer, Region, TensorType, sized_type
 from tessera.ir.verify import owns_params, split_operands
-
-# Ops whose work is contractions with weights or keys (backward = 2x forward; saved under remat `dots`).
-CONTRACTIONS = frozenset({"dot", "linear", "attention", "sdpa", "mlp", "moe", "unembed"})
 
 # ---- element sizes ----------------------------------------------------------------------------------
 
@@ -117,19 +114,6 @@ def param_uses(op: Op) -> list[tuple[str, str | None]]:
 
 # ---- parameters ---------------------------------------------------------------------------------------
 
-def _moe_active(attrs: dict, name: str | None) -> float:
-    return attrs["top_k"] / attrs["experts"] if name and name.startswith("experts/") else 1.0
-
-
-# op name -> fraction of a param (by local name) one token reads; ops not listed read all of it.
-ACTIVE_FRACTION = {
-    "embed": lambda attrs, name: 0.0,      # a lookup: one row of [vocab, embed]
-    "rmsnorm": lambda attrs, name: 0.0,    # a per-channel scale
-    "layernorm": lambda attrs, name: 0.0,
-    "moe": _moe_active,                    # top_k of the experts, the whole router
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class ParamCount:
     """One parameter: its type (stacked), numel, the fraction a token reads, bytes in its storage type."""
@@ -148,7 +132,7 @@ def param_counts(graph: Graph) -> list[ParamCount]:
     """Every parameter with its active fraction (the largest over the ops that read it)."""
     fraction: dict[str, float] = {}
     for op, _, _ in walk_counted(graph.body):
-        rule = ACTIVE_FRACTION.get(op.name, lambda attrs, name: 1.0)
+        rule = get_op(op.name).active_fraction
         for path, name in param_uses(op):
             fraction[path] = max(fraction.get(path, 0.0), rule(op.attrs, name))
     return [ParamCount(p.path, p.type, p.type.numel(), fraction.get(p.path, 0.0)) for p in graph.params.values()]
@@ -171,7 +155,7 @@ def flop_counts(graph: Graph, sizes: dict) -> dict[str, float]:
     out = {"contraction": 0.0, "other": 0.0, "block_contraction": 0.0, "block_other": 0.0}
     for op, axes, times in walk_counted(graph.body):
         f = times * op_flops(op, graph, sizes, list(axes))
-        kind = "contraction" if op.name in CONTRACTIONS else "other"
+        kind = "contraction" if get_op(op.name).contraction else "other"
         out[kind] += f
         if axes:
             out["block_" + kind] += f
@@ -201,48 +185,12 @@ def graph_flops_per_token(graph: Graph, exp) -> float:
 
 # ---- activations saved for backward ---------------------------------------------------------------------
 
-def _t(dtype: str, **dims: int) -> TensorType:
-    return TensorType(dtype, tuple(Dim(n, s) for n, s in dims.items()))
-
-
-def _attention_saved(x: TensorType, attrs: dict) -> list[tuple[TensorType, bool]]:
-    b, s, hd = x.dim("batch").size, x.dim("seq").size, attrs["head_dim"]
-    h, kv = attrs["heads"], attrs["kv_heads"]
-    return [(_t(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), True),        # q projection
-            (_t(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # k projection
-            (_t(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # v projection
-            # the attention kernel's residuals: kept under remat `dots` too (named, lower/context.py REMAT_SAVED)
-            (_t(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), True),        # attention output before o
-            (_t("f32", batch=b, seq=s, heads=h), True)]                       # softmax log-sum-exp
-
-
-def _mlp_saved(x: TensorType, attrs: dict, k: int | None = None) -> list[tuple[TensorType, bool]]:
-    b, s, f = x.dim("batch").size, x.dim("seq").size, attrs["d_ff"]
-    per = dict(batch=b, seq=s) if k is None else dict(batch=b, seq=s, top_k=k)
-    saved = [(_t(x.dtype, **per, mlp=f), True), (_t(x.dtype, **per, mlp=f), True),  # gate, up
-             (_t(x.dtype, **per, mlp=f), False)]                                       # activation
-    if k is not None:  # routing logits, weights and each expert's output before the weighted sum
-        experts = attrs["experts"]
-        saved += [(_t("f32", batch=b, seq=s, experts=experts), True), (_t("f32", batch=b, seq=s, top_k=k), False),
-                  (_t(x.dtype, **per, embed=x.dim("embed").size), True)]
-    return saved
-
-
-# composite op -> tensors it keeps for its backward besides its result: (type, is a contraction output)
-INTERNAL_SAVED = {
-    "attention": _attention_saved,
-    "mlp": _mlp_saved,
-    "moe": lambda x, attrs: _mlp_saved(x, attrs, attrs["top_k"]),
-}
-
-
 def saved_tensors(op: Op, sizes: dict) -> list[tuple[TensorType, bool]]:
-    """Tensors `op` keeps for backward at `sizes`: its results plus a composite's internals."""
-    contraction = op.name in CONTRACTIONS
-    out = [(concrete(r.type, sizes), contraction) for r in op.results]
-    rule = INTERNAL_SAVED.get(op.name)
-    if rule is not None:
-        out += rule(concrete(op.values[0].type, sizes), op.attrs)
+    """Tensors `op` keeps for backward at `sizes`: its results plus a composite's internals (`OpDef.saved`)."""
+    opdef = get_op(op.name)
+    out = [(concrete(r.type, sizes), opdef.contraction) for r in op.results]
+    if opdef.saved is not None:
+        out += opdef.saved(concrete(op.values[0].type, sizes), op.attrs)
     return out
 
 
@@ -319,8 +267,8 @@ def op_kv_cache_bytes(op: Op, times: int, batch: int, max_len: int, per_device=l
     windows = _windows(a["window"])  # one per layer when they differ
     for w in windows:
         c = cache_len(max_len, w)
-        kv = _t(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
-        pos = _t("i32", batch=batch, seq=c)
+        kv = sized_type(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
+        pos = sized_type("i32", batch=batch, seq=c)
         total += (2 * nbytes(kv, per_device(kv)) + nbytes(pos, per_device(pos))) * times / len(windows)
     return total
 
@@ -417,7 +365,7 @@ def _op_collectives(op: Op, axes, times: int, graph: Graph, sizes: dict, layout:
     if op.name in ("attention", "sdpa"):  # keys and values of the whole sequence, gathered over seq shards
         x = concrete(op.values[0].type, sizes)
         for a in layout.split(x, activation=True).get("seq", ()):
-            kv = _t(out.dtype, batch=x.dim("batch").size, seq=x.dim("seq").size,
+            kv = sized_type(out.dtype, batch=x.dim("batch").size, seq=x.dim("seq").size,
                     kv_heads=op.attrs.get("kv_heads", 1), head_dim=op.attrs.get("head_dim", 1))
             rows.append((a, "all-gather", f"{op.name} keys, values",
                          passes * times * 2 * _ring("all-gather", layout.mesh[a], nbytes(kv, layout.activations(kv)))))

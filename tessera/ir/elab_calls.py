@@ -11,11 +11,10 @@ import re
 from tessera.diagnostics import Span, did_you_mean
 from tessera.grammar import model_ast as A
 from tessera.ir.elaborate import Elaborator, LayerIndex, PTensor, Tensor, _Frame, _kind
-from tessera.ir.registry import OPS, STRUCTS, OpError, check_value, get_op
+from tessera.ir.registry import OPS, OpError, check_value, get_op, struct_family_of
 from tessera.ir.types import Dim, DimName, Init, Op, Param, ParamRef, PerLayer, Region, Struct, TensorType, Value
 
 _INITS = {"normal": Init("normal", 0.02), "ones": Init("ones"), "zeros": Init("zeros")}
-_STRUCT_KINDS = {k: fam for fam, kinds in STRUCTS.items() for k in kinds}
 
 
 def call(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
@@ -26,9 +25,10 @@ def call(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
         return _param(el, e, env, frame)
     if e.func in el.model.blocks:
         return _inline(el, e, env, frame)
-    if get_op(e.func) is not None and (e.args or e.func not in _STRUCT_KINDS):
+    family = struct_family_of(e.func)
+    if get_op(e.func) is not None and (e.args or family is None):
         return _op_call(el, e, env, frame)
-    if e.func in _STRUCT_KINDS:
+    if family is not None:
         return _struct(el, e, env)
     if e.func in _INITS:
         return _init(el, e, env)
@@ -43,7 +43,7 @@ def _struct(el: Elaborator, e: A.Call, env: dict) -> Struct:
         raise el.error(f"`{e.func}(...)` takes named fields only, like {e.func}(theta = 10000)", e.args[0].span)
     fields = tuple((k.name, el.eval(k.value, env)) for k in e.kwargs)
     try:
-        return check_value(f"struct:{_STRUCT_KINDS[e.func]}", Struct(e.func, fields))
+        return check_value(f"struct:{struct_family_of(e.func)}", Struct(e.func, fields))
     except OpError as exc:
         raise el.error(str(exc), e.span) from None
 
@@ -239,7 +239,7 @@ def _attr_value(el: Elaborator, kind: str, x: A.Expr, env: dict):
         if not isinstance(x, A.ListExpr):
             raise el.error("expected a shape like [heads = 8, head_dim = 64]", x.span)
         return _shape(el, x, env)
-    if base.startswith("struct:") and isinstance(x, A.Call) and x.func in _STRUCT_KINDS:
+    if base.startswith("struct:") and isinstance(x, A.Call) and struct_family_of(x.func) is not None:
         return _struct(el, x, env)
     value = el.eval(x, env)
     if isinstance(value, LayerIndex):

@@ -103,7 +103,7 @@ def _dot_flops(ins, outs, attrs):
     return 2.0 * _numel(outs[0]) * over
 
 
-register(OpDef("dot", (2, 2), (AttrDef("over", "dims"),), _dot_rule, flops=_dot_flops,
+register(OpDef("dot", (2, 2), (AttrDef("over", "dims"),), _dot_rule, flops=_dot_flops, contraction=True,
                doc="sum over `over` of a * b; dims shared but not contracted are batch dims"))
 
 

@@ -1,7 +1,11 @@
 """Neural-network ops: embeddings, norms, rope, swiglu, attention, mlp, moe, repeat.
 
 Ops that own parameters declare them here (names and layouts are the contract in docs/contracts.md).
-Composite ops (attention, mlp, moe) have decompositions into primitives in passes/decompose.py.
+Each op's facts sit in its `OpDef`: composite ops (attention, mlp, moe) and sdpa carry their
+decomposition into primitives, their saved tensors and the splits their sharded lowering handles. The
+struct families are registered beside the op that reads them: rope kinds beside `rope`, act kinds beside
+`swiglu` (each act kind is also the primitive op of the same name, its fields the op's attributes, which
+`decompose` writes and `fuse` reads back).
 """
 
 from __future__ import annotations
@@ -9,10 +13,27 @@ from __future__ import annotations
 import math
 
 from tessera.ir.ops_core import need_dim, need_float, same_size, tokens
-from tessera.ir.registry import AttrDef, OpDef, OpError, ParamDecl, layer_values, register
-from tessera.ir.types import Dim, DimName, Init, PerLayer, Struct, TensorType, is_float
+from tessera.ir.registry import AttrDef, OpDef, OpError, ParamDecl, StructKind, layer_values, register, register_struct
+from tessera.ir.types import Dim, DimName, Init, Op, PerLayer, Struct, TensorType, is_float, sized_type
 
 NORMAL, ONES, ZEROS = Init("normal", 0.02), Init("ones"), Init("zeros")
+D = DimName
+
+
+def _reads_none(attrs, name) -> float:
+    """Active fraction of a lookup table (one row per token) or a per-channel scale: the published
+    parameter counts leave both out."""
+    return 0.0
+
+
+def _dims(*names: str) -> tuple[DimName, ...]:
+    return tuple(DimName(n) for n in names)
+
+
+def _proj(b, x, w, bias, over: tuple[str, ...]):
+    """x contracted with w over `over`, plus bias when given (decompositions' projections)."""
+    y = b("dot", x, w, over=_dims(*over))
+    return b("add", y, bias) if bias is not None else y
 
 
 def _sized(t: TensorType, name: str) -> Dim:
@@ -33,6 +54,7 @@ def _embed_rule(ins, attrs):
 register(OpDef("embed", (1, 1), (AttrDef("vocab", "int"), AttrDef("dim", "int"), AttrDef("dtype", "str", "f32")),
                _embed_rule,
                params=lambda a, t: [ParamDecl("table", (Dim("vocab", a["vocab"]), Dim("embed", a["dim"])), NORMAL)],
+               active_fraction=_reads_none, native_split=(("*", ("vocab",)),),
                doc="table[tokens]; results have element type `dtype` (set by the numerics pass)"))
 
 
@@ -53,6 +75,7 @@ def _unembed_params(a, types):
 register(OpDef("unembed", (1, 1), (AttrDef("vocab", "int"), AttrDef("tied", "bool", False)), _unembed_rule,
                params=_unembed_params,
                flops=lambda i, o, a: 2.0 * tokens(i[0], "embed") * i[0].dim("embed").size * a["vocab"],
+               contraction=True, native_split=(("*", ("vocab",)),),
                doc="logits = x @ weight [embed, vocab], or x @ embed/table^T when tied"))
 
 
@@ -71,10 +94,12 @@ def _norm_flops(ins, outs, attrs):
 _NORM_ATTRS = (AttrDef("eps", "float", 1e-5), AttrDef("dim", "dim", DimName("embed")))
 register(OpDef("rmsnorm", (1, 1), _NORM_ATTRS, _norm_rule,
                params=lambda a, t: [ParamDecl("scale", (t[0].dim(a["dim"].name),), ONES)], flops=_norm_flops,
+               active_fraction=_reads_none,
                doc="x * rsqrt(mean(x^2 over dim) + eps) * scale, computed in fp32, cast back to x's type"))
 register(OpDef("layernorm", (1, 1), _NORM_ATTRS, _norm_rule,
                params=lambda a, t: [ParamDecl("scale", (t[0].dim(a["dim"].name),), ONES),
                                     ParamDecl("bias", (t[0].dim(a["dim"].name),), ZEROS)], flops=_norm_flops,
+               active_fraction=_reads_none,
                doc="(x - mean) * rsqrt(var + eps) * scale + bias over dim, in fp32"))
 
 
@@ -95,11 +120,24 @@ register(OpDef("linear", (1, 1), (AttrDef("out", "shape"), AttrDef("over", "dims
                                   AttrDef("bias", "bool", False)),
                _linear_rule, params=_linear_params,
                flops=lambda i, o, a: 2.0 * math.prod(d.size for d in o[0].dims)
-               * math.prod(i[0].dim(d.name).size for d in a["over"]),
+               * math.prod(i[0].dim(d.name).size for d in a["over"]), contraction=True,
                doc="x contracted over `over` with weight [over..., out...] (+ bias [out...])"))
 
 
 # ---- rope, swiglu --------------------------------------------------------------------------------
+
+# The rope family; yarn's defaults are GPT-OSS's, llama3's Llama 3.1's (a model file may leave them out).
+register_struct(StructKind("rope", "rotary", (AttrDef("theta", "float", 10000.0),),
+                           doc="inv_freq = theta^(-2j/head_dim)"))
+register_struct(StructKind("rope", "yarn", (
+    AttrDef("theta", "float", 150000.0), AttrDef("factor", "float", 32.0), AttrDef("original", "int", 4096),
+    AttrDef("beta_fast", "float", 32.0), AttrDef("beta_slow", "float", 1.0), AttrDef("truncate", "bool", True)),
+    doc="HF `_compute_yarn_parameters` inv_freq; cos and sin times the concentration 0.1 * ln(factor) + 1"))
+register_struct(StructKind("rope", "llama3", (
+    AttrDef("theta", "float", 500000.0), AttrDef("factor", "float", 8.0), AttrDef("original", "int", 8192),
+    AttrDef("low_freq_factor", "float", 1.0), AttrDef("high_freq_factor", "float", 4.0)),
+    doc="HF `_compute_llama3_parameters`: long wavelengths divided by factor, short kept, a blend between"))
+
 
 def _rope_rule(ins, attrs):
     x = ins[0]
@@ -112,11 +150,8 @@ def _rope_rule(ins, attrs):
 
 
 register(OpDef("rope", (1, 1), (AttrDef("rope", "struct:rope"),), _rope_rule,
-               doc="rotate-half rotary embedding over head_dim at positions 0..seq-1 (absolute when decoding). "
-                   "rotary{theta}: inv_freq = theta^(-2j/head_dim). yarn{theta, factor, original, beta_fast, "
-                   "beta_slow, truncate}: HF `_compute_yarn_parameters` inv_freq, and cos/sin multiplied "
-                   "by the concentration 0.1 * ln(factor) + 1. llama3{...}: HF llama3 scaling. "
-                   "= tessera/lower/reference/rope.py"))
+               doc="rotate-half rotary embedding over head_dim at positions 0..seq-1 (absolute when decoding), "
+                   "inv_freq and scaling by the rope kind = tessera/lower/reference/rope.py"))
 
 
 def _swiglu_rule(ins, attrs):
@@ -129,10 +164,18 @@ def _swiglu_rule(ins, attrs):
     return [gate]
 
 
-register(OpDef("swiglu", (2, 2), (AttrDef("alpha", "float?", None), AttrDef("limit", "float?", None)),
-               _swiglu_rule, flops=lambda i, o, a: 6.0 * math.prod(d.size for d in o[0].dims),
-               doc="alpha none: silu(gate) * up. alpha set (GPT-OSS): g = min(gate, limit), "
-                   "u = clip(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha * g)"))
+# The act family: mlp and moe apply act(gate, up); each kind is also the primitive op of its name.
+SWIGLU = register_struct(StructKind("act", "swiglu", (AttrDef("alpha", "float?", None),
+                                                     AttrDef("limit", "float?", None)),
+                                    doc="alpha none: silu(gate) * up. alpha set (GPT-OSS): g = min(gate, limit), "
+                                        "u = clip(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha * g)"))
+register(OpDef(SWIGLU.name, (2, 2), SWIGLU.fields, _swiglu_rule,
+               flops=lambda i, o, a: 6.0 * math.prod(d.size for d in o[0].dims), doc=SWIGLU.doc))
+
+
+def _act(b, act: Struct, gate, up):
+    """act(gate, up) as its kind's primitive op."""
+    return b(act.kind, gate, up, **dict(act.fields))
 
 
 # ---- attention -----------------------------------------------------------------------------------
@@ -173,9 +216,30 @@ def _sdpa_flops(ins, outs, attrs):
     return 4.0 * per_query * attention_pairs(q.dim("seq").size, attrs["window"], attrs["causal"])
 
 
+def _sdpa_primitives(b, q, k, v, sinks, *, causal, window, scale, heads: int):
+    """Attention core in primitives: scores → scale → mask → softmax (with sink) → values."""
+    k2 = b("repeat_kv", b("rename", k, **{"from": D("seq"), "to": D("kv_seq")}), heads=heads)  # [b, kv_seq, heads, hd]
+    v2 = b("repeat_kv", b("rename", v, **{"from": D("seq"), "to": D("kv_seq")}), heads=heads)
+    s = b("dot", q, k2, over=_dims("head_dim"))  # [b, seq, heads, kv_seq]
+    s = b("scale", s, by=scale)
+    if causal or window is not None:
+        s = b("mask", s, causal=causal, window=window)
+    p = b("softmax", *([s] if sinks is None else [s, sinks]), dim=D("kv_seq"))
+    return b("dot", p, v2, over=_dims("kv_seq"))  # [b, seq, heads, head_dim]
+
+
+def _sdpa_decompose(b, op: Op, data, params):
+    """softmax(mask(scale(q·k))) · v"""
+    q, k, v = data[:3]
+    scale = op.attrs["scale"] if op.attrs["scale"] is not None else b.type_of(q).dim("head_dim").size ** -0.5
+    return [_sdpa_primitives(b, q, k, v, data[3] if len(data) == 4 else None, causal=op.attrs["causal"],
+                             window=op.attrs["window"], scale=scale, heads=b.type_of(q).dim("heads").size)]
+
+
 _CORE_ATTRS = (AttrDef("causal", "bool", True), AttrDef("window", "int?", None, per_layer=True),
                AttrDef("scale", "float?", None), AttrDef("sinks", "bool", False))
-register(OpDef("sdpa", (3, 4), _CORE_ATTRS, _sdpa_rule, flops=_sdpa_flops,
+register(OpDef("sdpa", (3, 4), _CORE_ATTRS, _sdpa_rule, flops=_sdpa_flops, contraction=True,
+               decompose=_sdpa_decompose,
                doc="scaled dot-product attention core = tessera/lower/reference/attention.py; scale none "
                    "means head_dim^-0.5"))
 
@@ -223,10 +287,35 @@ def _attention_flops(ins, outs, attrs):
     return proj + core
 
 
+def _attention_saved(x: TensorType, attrs: dict) -> list[tuple[TensorType, bool]]:
+    """The q, k, v projections and the attention kernel's residuals (all contraction outputs)."""
+    b, s, hd = x.dim("batch").size, x.dim("seq").size, attrs["head_dim"]
+    h, kv = attrs["heads"], attrs["kv_heads"]
+    return [(sized_type(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), True),        # q projection
+            (sized_type(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # k projection
+            (sized_type(x.dtype, batch=b, seq=s, kv_heads=kv, head_dim=hd), True),    # v projection
+            # the attention kernel's residuals: kept under remat `dots` too (named, lower/context.py REMAT_SAVED)
+            (sized_type(x.dtype, batch=b, seq=s, heads=h, head_dim=hd), True),        # attention output before o
+            (sized_type("f32", batch=b, seq=s, heads=h), True)]                       # softmax log-sum-exp
+
+
+def _attention_decompose(b, op: Op, data, p):
+    """o(sdpa(rope(q(x)), rope(k(x)), v(x)))"""
+    a, x = op.attrs, data[0]
+    q, k, v = (_proj(b, x, p[n], p.get(f"{n}_bias"), ("embed",)) for n in ("q", "k", "v"))
+    if a["rope"] is not None:  # rope on q and k only
+        q, k = b("rope", q, rope=a["rope"]), b("rope", k, rope=a["rope"])
+    scale = a["scale"] if a["scale"] is not None else a["head_dim"] ** -0.5
+    o = _sdpa_primitives(b, q, k, v, p.get("sinks"), causal=a["causal"], window=a["window"], scale=scale,
+                         heads=a["heads"])
+    return [_proj(b, o, p["o"], p.get("o_bias"), ("heads", "head_dim"))]
+
+
 register(OpDef("attention", (1, 1), (AttrDef("heads", "int"), AttrDef("kv_heads", "int"),
                                      AttrDef("head_dim", "int"), AttrDef("rope", "struct:rope?", None))
                + _CORE_ATTRS + (AttrDef("bias", "bool", False),),
-               _attention_rule, params=_attention_params, flops=_attention_flops, composite=True,
+               _attention_rule, params=_attention_params, flops=_attention_flops, contraction=True,
+               saved=_attention_saved, native_split=(("*", ("heads", "kv_heads")),), decompose=_attention_decompose,
                doc="q/k/v projections (+bias) → rope on q, k → sdpa (GQA, causal, window, sinks) → o (+bias)"))
 
 
@@ -248,10 +337,32 @@ def _mlp_params(a, types):
     return decls
 
 
-_ACT = AttrDef("act", "struct:act", Struct("swiglu", ()))
+def _mlp_saved(x: TensorType, attrs: dict, k: int | None = None) -> list[tuple[TensorType, bool]]:
+    """gate, up and the activation per token (per token and chosen expert when `k` is the MoE's top_k)."""
+    b, s, f = x.dim("batch").size, x.dim("seq").size, attrs["d_ff"]
+    per = dict(batch=b, seq=s) if k is None else dict(batch=b, seq=s, top_k=k)
+    saved = [(sized_type(x.dtype, **per, mlp=f), True), (sized_type(x.dtype, **per, mlp=f), True),  # gate, up
+             (sized_type(x.dtype, **per, mlp=f), False)]                                             # activation
+    if k is not None:  # routing logits, weights and each expert's output before the weighted sum
+        experts = attrs["experts"]
+        saved += [(sized_type("f32", batch=b, seq=s, experts=experts), True),
+                  (sized_type("f32", batch=b, seq=s, top_k=k), False),
+                  (sized_type(x.dtype, **per, embed=x.dim("embed").size), True)]
+    return saved
+
+
+def _mlp_decompose(b, op: Op, data, p):
+    """down(act(gate(x), up(x)))"""
+    x = data[0]
+    g, u = (_proj(b, x, p[n], p.get(f"{n}_bias"), ("embed",)) for n in ("gate", "up"))
+    return [_proj(b, _act(b, op.attrs["act"], g, u), p["down"], p.get("down_bias"), ("mlp",))]
+
+
+_ACT = AttrDef("act", "struct:act", Struct(SWIGLU.name, ()))
 register(OpDef("mlp", (1, 1), (AttrDef("d_ff", "int"), _ACT, AttrDef("bias", "bool", False)), _ffn_rule,
-               params=_mlp_params, composite=True,
+               params=_mlp_params,
                flops=lambda i, o, a: 6.0 * tokens(i[0], "embed") * i[0].dim("embed").size * a["d_ff"],
+               contraction=True, saved=_mlp_saved, native_split=(("*", ("mlp",)),), decompose=_mlp_decompose,
                doc="down(act(gate(x), up(x))): gate, up [embed, mlp], down [mlp, embed] (+ biases)"))
 
 
@@ -276,9 +387,28 @@ def _moe_flops(ins, outs, attrs):  # router + top_k experts per token
     return 2.0 * n * d * attrs["experts"] + attrs["top_k"] * 6.0 * n * d * attrs["d_ff"]
 
 
+def _moe_active(attrs: dict, name: str | None) -> float:
+    """A token reads top_k of the experts and the whole router."""
+    return attrs["top_k"] / attrs["experts"] if name and name.startswith("experts/") else 1.0
+
+
+def _moe_decompose(b, op: Op, data, p):
+    """Σ_experts scatter(softmax(top_k(router(x)))) * down(act(gate(x), up(x))): the dense form, every
+    expert on every token, weighted by the scattered top-k softmax (zeros elsewhere)."""
+    a, x = op.attrs, data[0]
+    logits = _proj(b, x, p["router"], p.get("router_bias"), ("embed",))  # [b, s, experts]
+    vals, idx = b.emit("top_k", [logits], k=a["top_k"], dim=D("experts"))
+    weights = b("scatter", b("softmax", vals, dim=D("top_k")), idx, dim=D("experts"), size=a["experts"])
+    g, u = (_proj(b, x, p[f"experts/{n}"], p.get(f"experts/{n}_bias"), ("embed",)) for n in ("gate", "up"))
+    y = _proj(b, _act(b, a["act"], g, u), p["experts/down"], p.get("experts/down_bias"), ("mlp",))
+    return [b("sum", b("mul", y, weights), over=_dims("experts"))]  # [b, s, embed]
+
+
 register(OpDef("moe", (1, 1), (AttrDef("experts", "int"), AttrDef("top_k", "int"), AttrDef("d_ff", "int"), _ACT,
                                AttrDef("bias", "bool", True)),
-               _moe_rule, params=_moe_params, flops=_moe_flops, composite=True,
+               _moe_rule, params=_moe_params, flops=_moe_flops, contraction=True, active_fraction=_moe_active,
+               saved=lambda x, attrs: _mlp_saved(x, attrs, attrs["top_k"]),
+               native_split=(("experts/*", ("experts", "mlp")), ("router*", ())), decompose=_moe_decompose,
                doc="router logits = x @ router + bias → top_k → softmax over the k chosen → "
                    "sum_k w_k * expert_k(x), each expert an mlp with biases"))
 

@@ -1,8 +1,15 @@
-"""The op registry: one `OpDef` per op — attributes, type rule, owned params, FLOPs — filled where ops are defined.
+"""The op registry: one `OpDef` per op holding every fact the compiler knows about it, filled where ops are defined.
 
 A type rule gets the types of the op's value operands and its (checked) attributes and returns the result
 types; it raises `OpError` with a precise message (the caller adds the op and its position). `params`
 returns the `ParamDecl`s an op owns, in operand order; their paths are the op's scope + the decl's name.
+The remaining slots are what the passes, the cost model and the sharded lowering read about the op
+(FLOPs, contraction, active fraction, saved tensors, native splits, decomposition); none of them is kept
+in a table keyed by op name elsewhere.
+
+Structured attributes (`rope = yarn{...}`, `act = swiglu{...}`) come in families; each kind is a
+`StructKind`, registered beside the op that reads it, and the lowering registers one implementation per
+kind (`tessera.lower.table.lowers_kind`).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from tessera.ir.types import Dim, DimName, Init, PerLayer, Struct, TensorType
+from tessera.ir.types import Dim, DimName, Init, Op, PerLayer, Struct, TensorType
 
 
 class OpError(Exception):
@@ -44,6 +51,12 @@ class ParamDecl:
 TypeRule = Callable[[list[TensorType], dict], list[TensorType]]
 ParamsRule = Callable[[dict, list[TensorType]], list[ParamDecl]]
 FlopsRule = Callable[[list[TensorType], list[TensorType], dict], float]
+# (attrs, local name of a param the op owns, or None for a param read as data) -> fraction one token reads
+ActiveRule = Callable[[dict, str | None], float]
+# (first operand at run-time sizes, attrs) -> [(type, is a contraction output)] kept for backward
+SavedRule = Callable[[TensorType, dict], list[tuple[TensorType, bool]]]
+# (a rewrite Builder, the op, its data operands, its params by local name) -> values replacing its results
+DecomposeRule = Callable[[Any, Op, list, dict], list]
 
 
 def _no_params(attrs, types):
@@ -54,9 +67,22 @@ def _no_flops(ins, outs, attrs):
     return 0.0
 
 
+def _reads_all(attrs, name):
+    return 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class OpDef:
-    """Everything the compiler knows about one op."""
+    """Everything the compiler knows about one op.
+
+    contraction: its work is products with weights or keys (backward costs 2x forward; its output is kept
+    under remat `dots`). active_fraction: the fraction of each param one token reads (a lookup reads one
+    row, a MoE top_k of its experts). saved: tensors the op keeps for its backward besides its results (a
+    composite's internals; None: only its results). native_split: (param-name glob, logical axes) whose
+    splits the sharded lowering handles itself with its own collectives; every other split dim of a param
+    is all-gathered before use. decompose: expands the op into primitives (`tessera ir --after
+    decompose`); None for a primitive.
+    """
 
     name: str
     arity: tuple[int, int]  # min and max number of value operands
@@ -64,7 +90,11 @@ class OpDef:
     type_rule: TypeRule
     params: ParamsRule = _no_params
     flops: FlopsRule = _no_flops
-    composite: bool = False  # expressible from primitives; `decompose` expands it
+    contraction: bool = False
+    active_fraction: ActiveRule = _reads_all
+    saved: SavedRule | None = None
+    native_split: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    decompose: DecomposeRule | None = None
     region: bool = False  # holds a region (repeat)
     doc: str = ""
 
@@ -93,21 +123,48 @@ def _load_library() -> None:
     from tessera.ir import ops_core, ops_nn  # noqa: F401  (registration happens on import)
 
 
-# ---- structured attribute families: kind → {field: (attr kind, default)} ------------------------
+# ---- structured attribute families -----------------------------------------------------------------
 
-STRUCTS: dict[str, dict[str, dict[str, tuple[str, Any]]]] = {
-    "rope": {
-        "rotary": {"theta": ("float", 10000.0)},
-        "yarn": {"theta": ("float", 150000.0), "factor": ("float", 32.0), "original": ("int", 4096),
-                 "beta_fast": ("float", 32.0), "beta_slow": ("float", 1.0), "truncate": ("bool", True)},
-        "llama3": {"theta": ("float", 500000.0), "factor": ("float", 8.0), "original": ("int", 8192),
-                   "low_freq_factor": ("float", 1.0), "high_freq_factor": ("float", 4.0)},
-    },
-    "act": {
-        # alpha/limit none: silu(gate) * up; set: GPT-OSS clamped variant (see ops_nn.swiglu)
-        "swiglu": {"alpha": ("float?", None), "limit": ("float?", None)},
-    },
-}
+@dataclasses.dataclass(frozen=True)
+class StructKind:
+    """One kind of a structured attribute family (`yarn` of `rope`): its fields, each an AttrDef with its default.
+
+    Kind names are unique over all families, since the model language writes a kind by name alone
+    (`rope = yarn(factor = 32.0)`).
+    """
+
+    family: str
+    name: str
+    fields: tuple[AttrDef, ...]
+    doc: str = ""
+
+
+STRUCTS: dict[str, dict[str, StructKind]] = {}  # family -> kind name -> kind
+
+
+def register_struct(kind: StructKind) -> StructKind:
+    """Add a kind to its family; a kind name registered twice (in any family) is an error."""
+    if any(kind.name in kinds for kinds in STRUCTS.values()):
+        raise ValueError(f"struct kind `{kind.name}` is registered twice")
+    STRUCTS.setdefault(kind.family, {})[kind.name] = kind
+    return kind
+
+
+def struct_families() -> dict[str, dict[str, StructKind]]:
+    """Every struct family with its kinds (loading the op library on first use)."""
+    _load_library()
+    return STRUCTS
+
+
+def struct_family_of(kind: str) -> str | None:
+    """The family a kind name belongs to, or None when it names no kind."""
+    return next((f for f, kinds in struct_families().items() if kind in kinds), None)
+
+
+def struct_fields(value: Struct) -> dict[str, Any]:
+    """A struct's fields by name, with its kind's defaults for the fields it leaves out."""
+    kind = struct_families()[struct_family_of(value.kind)][value.kind]
+    return {f.name: f.default for f in kind.fields} | dict(value.fields)
 
 
 def check_value(kind: str, value: Any) -> Any:
@@ -139,23 +196,23 @@ def check_value(kind: str, value: Any) -> Any:
 
 
 def _check_struct(family: str, value: Struct) -> Struct:
-    kinds = STRUCTS[family]
+    kinds = struct_families()[family]
     if value.kind not in kinds:
         raise OpError(f"expected one of {', '.join(f'`{k}(...)`' for k in kinds)}, got `{value.kind}(...)`")
-    schema = kinds[value.kind]
+    schema = kinds[value.kind].fields
     given = dict(value.fields)
     for name in given:
-        if name not in schema:
-            raise OpError(f"`{value.kind}` has no field `{name}` (fields: {', '.join(schema)})")
+        if not any(f.name == name for f in schema):
+            raise OpError(f"`{value.kind}` has no field `{name}` (fields: {', '.join(f.name for f in schema)})")
     fields = []
-    for name, (kind, default) in schema.items():
+    for field in schema:
         try:
-            v = check_value(kind, given.get(name, default))
-            if kind.rstrip("?") in ("int", "float") and v is not None and not v > 0:  # NaN too
+            v = check_value(field.kind, given.get(field.name, field.default))
+            if field.kind.rstrip("?") in ("int", "float") and v is not None and not v > 0:  # NaN too
                 raise OpError(f"must be greater than 0, got {v}")
-            fields.append((name, v))
+            fields.append((field.name, v))
         except OpError as exc:
-            raise OpError(f"`{value.kind}` field `{name}`: {exc}") from None
+            raise OpError(f"`{value.kind}` field `{field.name}`: {exc}") from None
     return Struct(value.kind, tuple(fields))
 
 
@@ -164,7 +221,7 @@ def _describe(kind: str) -> str:
              "dim": "a dimension name", "dims": "a list of dimension names",
              "shape": "a list of sized dimensions like [heads = 8, head_dim = 64]"}
     if kind.startswith("struct:"):
-        return " or ".join(f"`{k}(...)`" for k in STRUCTS[kind.split(':', 1)[1]])
+        return " or ".join(f"`{k}(...)`" for k in struct_families()[kind.split(':', 1)[1]])
     return names.get(kind, kind)
 
 

@@ -79,6 +79,11 @@ class TensorType:
         return text
 
 
+def sized_type(dtype: str, **sizes: int) -> TensorType:
+    """A tensor type with the named, sized dims given in order: `sized_type("f32", batch=2, seq=8)`."""
+    return TensorType(dtype, tuple(Dim(n, s) for n, s in sizes.items()))
+
+
 @dataclasses.dataclass(frozen=True)
 class Init:
     """A parameter initializer: normal(std) | ones | zeros."""

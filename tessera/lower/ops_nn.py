@@ -2,7 +2,8 @@
 
 Parameters arrive in their storage type and are cast to the op's compute type at use (fp32 master
 weights, bf16 compute). Attention is stateful: while generating, each attention op keeps a KV cache
-(a ring buffer of its window for sliding-window layers) and positions are absolute.
+(a ring buffer of its window for sliding-window layers) and positions are absolute. Each kind of the
+struct families the ops read (rope, act) has its implementation here, registered by kind.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.ir.cost import cache_len
+from tessera.ir.registry import struct_families, struct_fields
 from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
@@ -22,7 +24,7 @@ from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.shard import ops as shard_ops
 from tessera.lower import table
-from tessera.lower.table import lowers
+from tessera.lower.table import get_kind_lowering, lowers, lowers_kind
 
 BSE = ("batch", "seq", "embed")
 
@@ -103,27 +105,30 @@ def _plus_bias(y, bias):
     return y.astype(jnp.float32) + bias.astype(jnp.float32)
 
 
-# rope kind (tessera.ir.registry.STRUCTS["rope"]) -> (inv_freq, scaling) from head_dim and the struct's fields
-ROPE_TABLES = {
-    "rotary": lambda d, f: (rope_ref.rope_inv_freq(head_dim=d, theta=f["theta"]), 1.0),
-    "yarn": lambda d, f: rope_ref.yarn_inv_freq(head_dim=d, theta=f["theta"], factor=f["factor"],
-                                                original=f["original"], beta_fast=f["beta_fast"],
-                                                beta_slow=f["beta_slow"], truncate=f["truncate"]),
-    "llama3": lambda d, f: (rope_ref.llama3_inv_freq(head_dim=d, theta=f["theta"], factor=f["factor"],
-                                                     original=f["original"], low_freq_factor=f["low_freq_factor"],
-                                                     high_freq_factor=f["high_freq_factor"]), 1.0),
-}
+# ---- rope kinds: (head_dim, fields) -> (inv_freq, scaling of cos and sin) -----------------------------------
+
+@lowers_kind("rope", "rotary")
+def _rotary(head_dim: int, f: dict):
+    return rope_ref.rope_inv_freq(head_dim=head_dim, theta=f["theta"]), 1.0
+
+
+@lowers_kind("rope", "yarn")
+def _yarn(head_dim: int, f: dict):
+    return rope_ref.yarn_inv_freq(head_dim=head_dim, theta=f["theta"], factor=f["factor"], original=f["original"],
+                                  beta_fast=f["beta_fast"], beta_slow=f["beta_slow"], truncate=f["truncate"])
+
+
+@lowers_kind("rope", "llama3")
+def _llama3(head_dim: int, f: dict):
+    return rope_ref.llama3_inv_freq(head_dim=head_dim, theta=f["theta"], factor=f["factor"], original=f["original"],
+                                    low_freq_factor=f["low_freq_factor"], high_freq_factor=f["high_freq_factor"]), 1.0
 
 
 @functools.lru_cache(maxsize=64)
 def _rope_tables(rope, head_dim: int):
-    """(inv_freq, scaling) of a rope attribute (`rotary{theta}`, `yarn{...}`, `llama3{...}`); fields the
-    model left out take the registry's defaults."""
-    from tessera.ir.registry import STRUCTS
-
-    fields = {name: default for name, (_, default) in STRUCTS["rope"][rope.kind].items()}
-    fields.update(rope.fields)
-    return ROPE_TABLES[rope.kind](head_dim, fields)
+    """(inv_freq, scaling) of a rope attribute (`rotary{theta}`, `yarn{...}`, `llama3{...}`) by its kind's
+    lowering; fields the model left out take the kind's defaults."""
+    return get_kind_lowering("rope", rope.kind)(head_dim, struct_fields(rope))
 
 
 def _positions(ctx, batch: int, seq: int):
@@ -150,19 +155,28 @@ def _rope(ctx, op, attrs, ins, params):
     return [align(y, want, have).astype(_dtype(op))]
 
 
-def _act(act, gate, up):
-    f = dict(act.fields)
-    if f.get("alpha") is None:
+# ---- act kinds: (fields, gate, up) -> the activation ----------------------------------------------------------
+
+@lowers_kind("act", "swiglu")
+def _swiglu(f: dict, gate, up):
+    if f["alpha"] is None:
         return activations.swiglu(gate, up)
-    return activations.clamped_swiglu(gate, up, alpha=f["alpha"], limit=f.get("limit"))
+    return activations.clamped_swiglu(gate, up, alpha=f["alpha"], limit=f["limit"])
 
 
-@lowers("swiglu")
-def _swiglu(ctx, op, attrs, ins, params):
+def _act(act, gate, up):
+    """act(gate, up) for an `act` attribute of mlp or moe, by its kind's lowering."""
+    return get_kind_lowering("act", act.kind)(struct_fields(act), gate, up)
+
+
+def _act_op(ctx, op, attrs, ins, params):
+    """The primitive op of an act kind (`swiglu(gate, up)`): its attributes are the kind's fields."""
     gate, up = ins[0], align(ins[1], names(op.values[1]), names(op.values[0]))
-    if attrs["alpha"] is None:
-        return [activations.swiglu(gate, up).astype(_dtype(op))]
-    return [activations.clamped_swiglu(gate, up, alpha=attrs["alpha"], limit=attrs["limit"]).astype(_dtype(op))]
+    return [get_kind_lowering("act", op.name)(attrs, gate, up).astype(_dtype(op))]
+
+
+for _kind in struct_families()["act"]:  # each act kind is also an op (tessera/ir/ops_nn.py)
+    lowers(_kind)(_act_op)
 
 
 @lowers("sdpa")

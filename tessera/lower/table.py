@@ -1,9 +1,15 @@
-"""The lowering table: one lowering per IR op, and the kernels that may implement the primitives inside them.
+"""The lowering table: one lowering per IR op and per kind of a struct family, and the kernels that may implement
+the primitives inside them.
 
 A lowering gets the small typed context, the op (its attrs already resolved for the current layer),
 its value operands as arrays (axes in the order of their IR types) and its parameters by local name
 (`q`, `experts/gate`), and returns its results. A stateful lowering (attention during decoding) also
 gets and returns its state; `init_state` builds the empty state for a batch and a cache length.
+
+A struct attribute's kind (`rope = yarn{...}`, `act = swiglu{...}`, registered in tessera/ir/ops_nn.py)
+has one implementation here, registered with `lowers_kind(family, kind)`; the lowerings of the ops that
+read the family call it through `get_kind_lowering`. Its signature is the family's: a rope kind maps
+(head_dim, fields) to (inv_freq, scaling), an act kind (fields, gate, up) to the activation.
 
 Where a lowering computes a primitive that a kernel may run (attention, the experts' grouped products) it
 calls `dispatch(ctx, primitive, label, ...)`; kernels register for a (primitive, backend) below, from
@@ -49,6 +55,31 @@ def get_lowering(op: str) -> Lowering:
     found = LOWERINGS.get(op)
     if found is None:
         raise NotImplementedError(f"no lowering for op `{op}`")
+    return found
+
+
+KIND_LOWERINGS: dict[tuple[str, str], Callable[..., Any]] = {}  # (struct family, kind) -> implementation
+
+
+def lowers_kind(family: str, kind: str):
+    """Decorator: register `fn` as the implementation of struct `kind` of `family`; a duplicate is an error."""
+
+    def register(fn):
+        if (family, kind) in KIND_LOWERINGS:
+            raise ValueError(f"`{kind}` of struct family `{family}` already has a lowering")
+        KIND_LOWERINGS[(family, kind)] = fn
+        return fn
+
+    return register
+
+
+def get_kind_lowering(family: str, kind: str) -> Callable[..., Any]:
+    """The implementation of struct `kind` of `family`."""
+    from tessera.lower import ops_core, ops_nn  # noqa: F401  (registration happens on import)
+
+    found = KIND_LOWERINGS.get((family, kind))
+    if found is None:
+        raise NotImplementedError(f"no lowering for `{kind}` of struct family `{family}`")
     return found
 
 

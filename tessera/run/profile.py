@@ -128,6 +128,7 @@ def predicted(exp, graph, train: bool, device) -> dict[tuple[str, str], float]:
     bandwidth is unknown (the CPU)."""
     from tessera.ir import cost
     from tessera.ir.flops import op_flops
+    from tessera.ir.registry import get_op
     from tessera.run.plan import optimizer_states
 
     if not (device.peak_flops and device.bandwidth):
@@ -139,14 +140,15 @@ def predicted(exp, graph, train: bool, device) -> dict[tuple[str, str], float]:
     max_len = cost.task_dims(exp)["seq"]
     for phase, sizes, times in _phases(exp, train):
         for label, op, axes, reps in cost.walk_labeled(graph.body):
+            opdef = get_op(op.name)
             flops = reps * op_flops(op, graph, sizes, list(axes)) / n
-            rule = cost.ACTIVE_FRACTION.get(op.name, lambda attrs, name: 1.0)
             touched = (lambda a: 1.0 - (1.0 - a) ** sizes["batch"]) if phase == "decode" else (lambda a: 1.0)
-            read = sum(param_bytes[path] * touched(rule(op.attrs, name)) for path, name in cost.param_uses(op))
+            read = sum(param_bytes[path] * touched(opdef.active_fraction(op.attrs, name))
+                       for path, name in cost.param_uses(op))
             if phase == "decode":
                 read += cost.op_kv_cache_bytes(op, reps, sizes["batch"], max_len, layout.activations)
             if phase == "backward":
-                flops *= 2.0 if op.name in cost.CONTRACTIONS else 1.0
+                flops *= 2.0 if opdef.contraction else 1.0
                 read *= 2.0
             key = (phase, label)
             out[key] = out.get(key, 0.0) + times * max(flops / device.peak_flops, read / device.bandwidth)

@@ -81,15 +81,15 @@ def test_apply_rope_gradient():
 def test_every_registered_rope_kind_lowers_to_its_reference_tables():
     """Each kind the model language accepts has a lowering (a llama3 rope once passed the checks and then
     failed in the lowering), and its tables are the reference's."""
-    from tessera.ir.registry import STRUCTS
+    from tessera.ir.registry import struct_families
     from tessera.ir.types import Struct
     from tessera.lower.ops_nn import _rope_tables
 
     want = {"rotary": (rope.rope_inv_freq(head_dim=64, theta=10000.0), 1.0),
             "yarn": rope.yarn_inv_freq(head_dim=64, theta=150000.0, factor=32.0, original=4096, truncate=True),
             "llama3": (rope.llama3_inv_freq(head_dim=64, theta=500000.0, factor=8.0, original=8192), 1.0)}
-    assert set(STRUCTS["rope"]) == set(want)
-    for kind in STRUCTS["rope"]:
+    assert set(struct_families()["rope"]) == set(want)
+    for kind in struct_families()["rope"]:
         inv_freq, scaling = _rope_tables(Struct(kind, ()), 64)  # every field left to its default
         np.testing.assert_array_equal(inv_freq, want[kind][0])
         assert scaling == want[kind][1]

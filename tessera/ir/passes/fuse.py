@@ -4,15 +4,17 @@ from the root through single-use values and returns the fused op's (name, operan
 The patterns are exactly what `decompose` writes (and what a person writes by hand in primitives):
   sdpa:      dot(softmax(mask(scale(dot(q, repeat_kv(rename(k))))) [, sinks]), repeat_kv(rename(v)))
   attention: [add(] dot(sdpa(rope?(q(x)), rope?(k(x)), v(x) [, @s/sinks]), @s/o) [, @s/o_bias)]
-  mlp:       [add(] dot(swiglu(gate(x), up(x)), @s/down) [, @s/down_bias)]
-  moe:       sum(mul(down(swiglu(gate(x), up(x))), scatter(softmax(top_k(router(x))))), over=[experts])
-where f(x) means dot(x, @s/f) optionally followed by add(·, @s/f_bias).
+  mlp:       [add(] dot(act(gate(x), up(x)), @s/down) [, @s/down_bias)]
+  moe:       sum(mul(down(act(gate(x), up(x))), scatter(softmax(top_k(router(x))))), over=[experts])
+where f(x) means dot(x, @s/f) optionally followed by add(·, @s/f_bias), and act is the op of an `act` kind
+(swiglu), whose attributes become the kind's fields.
 """
 
 from __future__ import annotations
 
 from tessera.ir.passes import register_pass
 from tessera.ir.passes.rewrite import Builder, dce, definitions, regions, replace_uses, use_counts
+from tessera.ir.registry import struct_families
 from tessera.ir.types import Graph, Op, ParamRef, Struct, Value
 
 
@@ -116,14 +118,14 @@ def match_attention(m: _Match, root: Op):
 
 
 def _mlp_like(m: _Match, h, prefix: str, over_in: tuple[str, ...]):
-    act = m.op(h, "swiglu")
+    act = next(filter(None, (m.op(h, kind) for kind in struct_families()["act"])), None)
     if act is None:
         return None
     g, u = m.proj(act.operands[0], over_in), m.proj(act.operands[1], over_in)
     if g is None or u is None or g[0] is not u[0] or not g[1].path.endswith(f"{prefix}gate") \
             or u[1].path != g[1].path[:-4] + "up":
         return None
-    return g, u, Struct("swiglu", (("alpha", act.attrs["alpha"]), ("limit", act.attrs["limit"])))
+    return g, u, Struct(act.name, tuple(act.attrs.items()))
 
 
 def match_mlp(m: _Match, root: Op):
@@ -172,7 +174,7 @@ FUSE = [
     ("dot", match_sdpa),        # softmax(mask(scale(q·k))) · v → sdpa(q, k, v)
     ("dot", match_attention),   # o(sdpa(rope(q(x)), rope(k(x)), v(x))) → attention(x)
     ("add", match_attention),   #   ... with biases
-    ("dot", match_mlp),         # down(swiglu(gate(x), up(x))) → mlp(x)
+    ("dot", match_mlp),         # down(act(gate(x), up(x))) → mlp(x)
     ("add", match_mlp),         #   ... with biases
     ("sum", match_moe),         # Σ_experts weights * experts(x) → moe(x)
 ]

@@ -2,9 +2,10 @@
 
 Inside `shard_map` each lowering sees its local block. `ShardEnv` answers which mesh axes split a
 logical axis and performs the collectives: parameters are all-gathered along the dims their op does
-not handle natively (FSDP's embed: gathered per layer inside the scan; the transpose reduce-scatters
-the gradients), contractions over a split axis are psum'd (psum_scatter along seq with sequence
-parallelism), and sequence-parallel activations are all-gathered along seq before a block.
+not handle natively (`OpDef.native_split`; FSDP's embed: gathered per layer inside the scan; the
+transpose reduce-scatters the gradients), contractions over a split axis are psum'd (psum_scatter
+along seq with sequence parallelism), and sequence-parallel activations are all-gathered along seq
+before a block.
 Under context parallelism (seq over `sp`) every activation is a block of the sequence; attention
 all-gathers K and V over sp and places its queries at their global positions.
 """
@@ -17,17 +18,9 @@ import fnmatch
 import jax
 import jax.numpy as jnp
 
+from tessera.ir.registry import get_op
 from tessera.lower.shard.context import context_axes
 from tessera.lower.shard.rules import AxisRules
-
-# op -> [(param-name glob, logical axes the lowering handles split)]; every other split dim is gathered at use
-NATIVE: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "attention": [("*", ("heads", "kv_heads"))],
-    "mlp": [("*", ("mlp",))],
-    "moe": [("experts/*", ("experts", "mlp")), ("router*", ())],
-    "embed": [("*", ("vocab",))],
-    "unembed": [("*", ("vocab",))],
-}
 
 
 def vma(x) -> tuple[str, ...]:
@@ -47,8 +40,9 @@ def varying(x, axes: tuple[str, ...]):
 
 
 def native_axes(op: str, name: str) -> tuple[str, ...]:
-    """The logical axes op's lowering handles split for its parameter `name`."""
-    for glob, axes in NATIVE.get(op, []):
+    """The logical axes op's lowering handles split for its parameter `name` (its `OpDef.native_split`);
+    every other split dim is gathered at use."""
+    for glob, axes in get_op(op).native_split:
         if fnmatch.fnmatch(name, glob):
             return axes
     return ()
