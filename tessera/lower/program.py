@@ -509,13 +509,14 @@ def _flatten(d, prefix=""):
     return out
 
 
-def program_graph(exp, dims: dict | None = None) -> Graph:
-    """The graph a program runs: elaborated, numeric policy applied, canonicalized; composites kept whole."""
-    from tessera.ir.elaborate import build_graph
-    from tessera.ir.passes import PassContext, run_pass
+def program_graph(exp) -> Graph:
+    """The graph a program runs: the compiler's one pipeline (`tessera.ir.passes.PIPELINE`: verify,
+    canonicalize, decompose, fuse, numerics, shard) over the elaborated model, after the spec's checks:
+    what `tessera check` passes and `tessera ir --after shard` prints. Parameters are placed by its shard
+    annotations."""
+    from tessera.ir.check import check_experiment
 
-    graph = build_graph(exp.model.file, dict(exp.model.args), numerics=exp.numerics, dims=dims)
-    return run_pass("canonicalize", graph, PassContext(numerics=exp.numerics, experiment=exp))
+    return check_experiment(exp)
 
 
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
