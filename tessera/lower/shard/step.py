@@ -114,9 +114,9 @@ def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
 def _logits(prog, plan: ShardPlan, params, tokens, mode: str, aux: dict | None = None):
     """(logits, is-last-stage or None): through the pipeline stages when pp > 1; counters into `aux` (no pp)."""
     if dict(plan.rules.sizes).get("pp", 1) == 1:
-        return prog._forward(params, tokens, mode, shard=plan.env, aux=aux), None
+        return prog.logits(params, tokens, mode, shard=plan.env, aux=aux), None
     from tessera.lower.shard.pipeline import pipeline_logits
-    ctx = prog._ctx(mode=mode, shard=plan.env)
+    ctx = prog.lower_ctx(mode=mode, shard=plan.env)
     return pipeline_logits(prog, plan.env, params, tokens, prog.exp.parallel.pipeline.microbatches, ctx)
 
 
