@@ -232,27 +232,34 @@ class Program:
         return out if specs is None else jax.device_put(out, specs)
 
     # ---- forward and loss ----------------------------------------------------------------------
-    def _ctx(self, **kw) -> LowerCtx:
-        exp = self.exp
+    # The model functions: traced, not jitted, for the step builders (shard/step.py, shard/deterministic.py,
+    # shard/pipeline_1f1b.py) and `tessera plan` to compose; the jitted entry points follow each.
+    def lower_ctx(self, **kw) -> LowerCtx:
+        """The context this program's lowerings get (its kernel policy, backend, determinism) with `kw`
+        (mode, shard, positions, aux, ...)."""
         kw.setdefault("report", self._report)
-        return LowerCtx(kernels=exp.kernels, backend=jax.default_backend(),
-                        deterministic=exp.parallel.deterministic, **kw)
+        return LowerCtx(kernels=self.exp.kernels, backend=jax.default_backend(),
+                        deterministic=self.exp.parallel.deterministic, **kw)
 
-    def _forward(self, params, tokens, mode: str = "train", shard=None, aux=None):
-        ctx = self._ctx(mode=mode, shard=shard, aux=aux)  # aux: a dict the lowerings add step counters to
+    def logits(self, params, tokens, mode: str = "train", *, shard=None, aux=None):
+        """Logits [batch, seq, vocab] of int32 tokens [batch, seq], traced under `mode` ("train", "forward");
+        `shard`: inside shard_map, the ShardEnv the lowerings see local blocks by; `aux`: a dict the
+        lowerings add step counters to."""
+        ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux)
         (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.exp.parallel.remat)
         return logits
 
-    def forward(self, params: Params, tokens) -> jax.Array:
-        """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
-        fn = self._jit("forward", lambda: jax.jit(self._forward_fn("forward")))
-        return fn(params, jnp.asarray(tokens, jnp.int32))
-
-    def _forward_fn(self, mode: str):
+    def forward_fn(self, mode: str = "forward"):
+        """(params, tokens) -> logits over the program's whole mesh (sharded where it has a plan)."""
         if self.plan is None:
-            return lambda p, t: self._forward(p, t, mode)
+            return lambda p, t: self.logits(p, t, mode)
         from tessera.lower.shard.step import sharded_forward
         return sharded_forward(self, self.plan, mode)
+
+    def forward(self, params: Params, tokens) -> jax.Array:
+        """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
+        fn = self._jit("forward", lambda: jax.jit(self.forward_fn("forward")))
+        return fn(params, jnp.asarray(tokens, jnp.int32))
 
     def _loss(self, params, batch):
         if self.deterministic:
@@ -260,7 +267,7 @@ class Program:
         if self.plan is not None:
             from tessera.lower.shard.step import sharded_loss
             return sharded_loss(self, self.plan)(params, batch)
-        logits = self._forward(params, batch["tokens"])
+        logits = self.logits(params, batch["tokens"])
         return cross_entropy(logits, batch["targets"], mask=batch.get("mask"))
 
     def loss(self, params: Params, batch: dict) -> jax.Array:
@@ -335,12 +342,12 @@ class Program:
 
         `state` is consumed: its buffers are donated to the new state (parameters and optimizer moments
         are held once, not twice, across the step), so pass each call the state the last one returned."""
-        return self._jit("train_step", self._make_train_step)(state, self._global(batch))
+        return self._jit("train_step", self._make_train_step)(state, self.global_batch(batch))
 
     def _make_train_step(self):
         return jax.jit(self._train_step, donate_argnums=0)
 
-    def _global(self, batch: dict) -> dict:
+    def global_batch(self, batch: dict) -> dict:
         """With several processes, every process passes the same host batch: make it one global array."""
         if self.plan is None or jax.process_count() == 1:
             return batch
@@ -359,13 +366,20 @@ class Program:
             return prompts
         rule = sampling.SamplingRule(temperature=float(temperature), top_k=top_k, top_p=top_p)
         split = any(isinstance(v, list) for v in params.values())
-        key = ("generate", max_new_tokens, rule, tuple(int(t) for t in stop_tokens), prompts.shape[0], split)
-        run = lambda p, x, s, shard=None: self._generate(p, x, s, max_new_tokens, rule, tuple(stop_tokens), shard)
-        if self.plan is not None:
-            from tessera.lower.shard.step import sharded_generate
-            run = sharded_generate(self.plan, run, prompts.shape[0], self.param_specs(params))
-        fn = self._jit(key, lambda: jax.jit(run))
+        stop = tuple(int(t) for t in stop_tokens)
+        key = ("generate", max_new_tokens, rule, stop, prompts.shape[0], split)
+        fn = self._jit(key, lambda: jax.jit(self.generate_fn(params, prompts.shape[0], max_new_tokens, rule, stop)))
         return fn(params, prompts, jnp.asarray(seed, jnp.uint32))
+
+    def generate_fn(self, params: Params, batch: int, max_new_tokens: int, rule: sampling.SamplingRule,
+                    stop_tokens: tuple[int, ...] = ()):
+        """(params, prompts [batch, P], seed) -> tokens: the generation program `generate` jits, unjitted; on
+        a mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)."""
+        run = lambda p, x, s, shard=None: self._generate(p, x, s, max_new_tokens, rule, stop_tokens, shard)
+        if self.plan is None:
+            return run
+        from tessera.lower.shard.step import sharded_generate
+        return sharded_generate(self.plan, run, batch, self.param_specs(params))
 
     def _generate(self, params, prompts, seed, max_new: int, rule, stop_tokens, shard=None):
         b, p = prompts.shape
@@ -373,7 +387,7 @@ class Program:
         # layers unrolled over their own weights and caches (interpret.py: a scan would copy them per token);
         # stacked weights are split here, copied once per call (held twice meanwhile); split ones pass as they are
         params = split_layers(body, params)
-        ctx = functools.partial(self._ctx, shard=shard, unroll=True)
+        ctx = functools.partial(self.lower_ctx, shard=shard, unroll=True)
         state = init_state(body, ctx(mode="prefill"), b, p + max_new)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
@@ -415,12 +429,12 @@ class Program:
                     return sharded_forward(self, self.plan, "forward")(p, t)
                 finally:
                     self._report = None
-            return eval_region(body, [t], p, self._ctx(mode="forward", report=report))[0]
+            return eval_region(body, [t], p, self.lower_ctx(mode="forward", report=report))[0]
 
         def decode(p, t):
-            state = init_state(body, self._ctx(mode="prefill"), b, s)
+            state = init_state(body, self.lower_ctx(mode="prefill"), b, s)
             pos = jnp.zeros((b, 1), jnp.int32)
-            return eval_region(body, [t], p, self._ctx(mode="decode", positions=pos, report=decoding), state)[0]
+            return eval_region(body, [t], p, self.lower_ctx(mode="decode", positions=pos, report=decoding), state)[0]
 
         with jax.default_matmul_precision(self.matmul_precision):
             jax.eval_shape(forward, params, sds((b, s), jnp.int32))
@@ -509,13 +523,14 @@ def _flatten(d, prefix=""):
     return out
 
 
-def program_graph(exp, dims: dict | None = None) -> Graph:
-    """The graph a program runs: elaborated, numeric policy applied, canonicalized; composites kept whole."""
-    from tessera.ir.elaborate import build_graph
-    from tessera.ir.passes import PassContext, run_pass
+def program_graph(exp) -> Graph:
+    """The graph a program runs: the compiler's one pipeline (`tessera.ir.passes.PIPELINE`: verify,
+    canonicalize, decompose, fuse, numerics, shard) over the elaborated model, after the spec's checks:
+    what `tessera check` passes and `tessera ir --after shard` prints. Parameters are placed by its shard
+    annotations."""
+    from tessera.ir.check import check_experiment
 
-    graph = build_graph(exp.model.file, dict(exp.model.args), numerics=exp.numerics, dims=dims)
-    return run_pass("canonicalize", graph, PassContext(numerics=exp.numerics, experiment=exp))
+    return check_experiment(exp)
 
 
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:

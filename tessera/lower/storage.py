@@ -67,7 +67,7 @@ def _trains(exp) -> bool:
 
 def check_packed(exp, graph) -> None:
     """Packed parameters fit their task, shape and mesh; a TesseraError naming each one that does not."""
-    from tessera.lower.shard.rules import AxisRules
+    from tessera.lower.shard.rules import AxisRules, annotated_axes
 
     rules = AxisRules.from_experiment(exp) if exp.mesh.size > 1 else None
     held = held_types(exp, graph) if rules is not None else {}
@@ -89,15 +89,16 @@ def check_packed(exp, graph) -> None:
                 f"`{path}` has {got}", span=span, key=key,
                 hint="give this parameter a plain type, e.g. add a later rule `\"*_bias\": bf16`"))
         elif rules is not None:
-            problems += _check_split(exp, rules, path, held[path])  # K as held: a padded d_ff fits
+            k_axes = annotated_axes(p.type)[-2]  # how the program places it
+            problems += _check_split(exp, rules, path, held[path], k_axes)  # K as held: a padded d_ff fits
     if problems:
         raise TesseraError(problems)
 
 
-def _check_split(exp, rules, path: str, t) -> list[Diagnostic]:
-    """The mesh axes splitting K (of held type `t`) split its K/32 scale groups too (none straddles devices)."""
+def _check_split(exp, rules, path: str, t, axes: tuple[str, ...]) -> list[Diagnostic]:
+    """The mesh axes splitting K (`axes`, of held type `t`) split its K/32 scale groups too (none straddles
+    devices)."""
     k = t.dims[-2]
-    axes = rules.dims(t.names)[-2]
     n = rules.size(axes) if axes else 1
     if n <= 1 or (k.size // MX_BLOCK) % n == 0:
         return []
@@ -143,7 +144,7 @@ def padding(exp, graph) -> dict[str, dict[str, int]]:
     splitting it would cut a 32-element scale group: then every param of that op with the dim is padded."""
     if exp.mesh.size <= 1:
         return {}
-    from tessera.lower.shard.rules import AxisRules
+    from tessera.lower.shard.rules import AxisRules, annotated_axes
 
     rules, owned = AxisRules.from_experiment(exp), _moe_d_ff(graph)
     held: dict[str, int] = {}  # d_ff dim name -> held size (moe ops naming the same dim share it)
@@ -151,7 +152,7 @@ def padding(exp, graph) -> dict[str, dict[str, int]]:
         dims = graph.params[path].type.dims
         if not is_packed(graph.params[path].type.dtype) or len(dims) < 2 or dims[-2].name != name:
             continue
-        k, n = dims[-2].size, rules.size(rules.dims(graph.params[path].type.names)[-2])  # ways K is split
+        k, n = dims[-2].size, rules.size(annotated_axes(graph.params[path].type)[-2])  # ways K is split
         step = MX_BLOCK * n
         if k % MX_BLOCK == 0 and (k // MX_BLOCK) % n:
             held[name] = max(held.get(name, 0), -(-k // step) * step)

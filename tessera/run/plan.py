@@ -316,13 +316,11 @@ def _lowered(exp, train: bool):
         rule = SamplingRule(float(t.sampling.temperature), int(t.sampling.top_k) or None,
                             float(t.sampling.top_p) if t.sampling.top_p < 1.0 else None)
         stop = tuple(int(x) for x in t.stop_tokens)
-        fn = jax.jit(lambda p, x, s: prog._generate(p, x, s, new, rule, stop))
         prompts = sds((sizes["batch"], sizes["seq"] - new), jnp.int32)
         split = _abstract(prog.param_shapes(split_layers=True), {})  # as the generate task holds them
+        fn = jax.jit(prog.generate_fn(split, sizes["batch"], new, rule, stop))
         return fn.lower(split, prompts, sds((), jnp.uint32))
-    forward = getattr(prog, "_forward_fn", None)  # the sharded forward where the program has one
-    fn = forward("forward") if forward else (lambda p, x: prog._forward(p, x, "forward"))
-    return jax.jit(fn).lower(params, tokens)
+    return jax.jit(prog.forward_fn("forward")).lower(params, tokens)
 
 
 _STATS = ("argument", "output", "alias", "temp")

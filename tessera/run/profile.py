@@ -66,7 +66,7 @@ def _job(prog, exp) -> Job:
     tokens = rng.integers(0, vocab, (b, s), dtype=np.int32)
     params = prog.init(int(getattr(task, "seed", 0)))
     if prog.optimizer is not None and (task.kind == "train" or "train_step" in task.what):
-        batch = prog._global({"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+        batch = prog.global_batch({"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
                               "mask": np.ones((b, s), np.float32)})
         holder = [prog.init_train_state(params)]
 

@@ -21,6 +21,8 @@ from tessera.lower.reference import mxfp4
 from tessera.lower.reference.mxfp4 import MXFP4
 from tests.cpu_env import cpu_env
 
+pytestmark = pytest.mark.slow  # compiles on 8 devices: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 HF_MXFP4 = ROOT / "tests" / "data" / "hf" / "gpt_oss_mxfp4"
 SPEC_120B = ROOT / "specs" / "gpt_oss_120b.yaml"

@@ -53,8 +53,8 @@ def test_split_init_peak_is_params_plus_one_layer(prog):
 
 
 def _temp(prog, params, new: int) -> float:
-    fn = jax.jit(lambda p, x, s: prog._generate(p, x, s, new, prog_rule(), ()))
     prompts = jax.ShapeDtypeStruct((1, 3), jnp.int32)
+    fn = jax.jit(prog.generate_fn(params, prompts.shape[0], new, prog_rule()))
     return fn.lower(params, prompts, jax.ShapeDtypeStruct((), jnp.uint32)).compile().memory_analysis().temp_size_in_bytes
 
 

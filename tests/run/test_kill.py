@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from runfake import train_spec
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 SCRIPT = Path(__file__).with_name("runfake.py")
 SPEC = train_spec(steps=40, schedule={"kind": "warmup_cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},
                   sample=None, log_every=5)

@@ -58,11 +58,12 @@ def block_index(axes: tuple[str, ...]):
 
 @dataclasses.dataclass(frozen=True)
 class ShardEnv:
-    """The rules, each parameter's dims, and a record of the collectives the program uses."""
+    """The rules, each parameter's dims and annotated mesh axes, and the expert capacity."""
 
     rules: AxisRules
     param_dims: tuple[tuple[str, tuple[str, ...]], ...]
     expert_capacity: float | None = None  # parallel.expert_capacity (expert.py); None: dropless
+    param_axes: tuple = ()  # (path, mesh axes per dim): the IR's shard annotations, where the params are placed
 
     def axes(self, logical: str) -> tuple[str, ...]:
         """Mesh axes splitting `logical` (empty: replicated)."""
@@ -105,7 +106,7 @@ class ShardEnv:
         """`w` (local block of param `path`) all-gathered along every split dim op does not handle natively."""
         dims = dict(self.param_dims)[path]
         dims = dims[len(dims) - w.ndim:]  # inside a repeat the leading `layers` dim is gone
-        split = self.rules.dims(dict(self.param_dims)[path])[-w.ndim:] if w.ndim else ()
+        split = dict(self.param_axes)[path][-w.ndim:] if w.ndim else ()
         keep = native_axes(op, name)
         for i, (dim, axes) in enumerate(zip(dims, split)):
             if axes and dim not in keep:  # an MXFP4 pytree: codes and scales split (and gathered) alike

@@ -115,7 +115,7 @@ class Deterministic:
 
     def _shard_sums(self, params, shard: dict):
         """(loss sum, token count) of one canonical shard: the same function on the same shapes everywhere."""
-        logits = self.prog._forward(params, shard["tokens"], "train")
+        logits = self.prog.logits(params, shard["tokens"], "train")
         per_token = token_cross_entropy(logits, shard["targets"])
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
         return jnp.sum(per_token * w), jnp.sum(w)

@@ -41,7 +41,7 @@ def _stage_fns(prog, plan, count):
     """(embed, layers, loss) of one stage: pre-ops on tokens, this stage's layers, post-ops + mean-loss share."""
     body = prog.graph.body
     pre, rep, post = split_body(body)
-    ctx = prog._ctx(mode="train", shard=plan.env)
+    ctx = prog.lower_ctx(mode="train", shard=plan.env)
     rep_local = dataclasses.replace(rep, attrs={**rep.attrs, "n": rep.attrs["n"] // jax.lax.axis_size(PP)})
     pre_region = Region(list(body.args), list(pre), list(rep.values))
     post_region = Region(list(rep.results), list(post), list(body.outputs))

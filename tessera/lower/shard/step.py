@@ -9,6 +9,7 @@ broadcast of replicated parameters over dp → psum).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from tessera.lower.shard.collectives import ShardEnv, vocab_cross_entropy_sums
 from tessera.lower.shard.expert import step_count
 from tessera.lower.shard.context import check_context, context_axes, token_spec
 from tessera.lower.shard.mesh import build_mesh
-from tessera.lower.shard.rules import AxisRules, partition_spec
+from tessera.lower.shard.rules import AxisRules, annotated_axes, spec_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +83,27 @@ def make_plan(exp, graph, devices=None) -> ShardPlan:
         from tessera.lower.shard.pipeline import check_stages
         check_stages(exp, graph)
     dims = tuple((path, p.type.names) for path, p in graph.params.items())
-    specs = {path: partition_spec(rules, p.type.names) for path, p in graph.params.items()}
-    return ShardPlan(mesh, ShardEnv(rules, dims, exp.parallel.expert_capacity), specs)
+    axes = {path: annotated_axes(p.type) for path, p in graph.params.items()}  # as `--after shard` prints
+    _check_annotations(graph, rules, axes)
+    specs = {path: spec_of(a) for path, a in axes.items()}
+    return ShardPlan(mesh, ShardEnv(rules, dims, exp.parallel.expert_capacity, tuple(axes.items())), specs)
+
+
+def _check_annotations(graph, rules: AxisRules, axes: dict) -> None:
+    """Each parameter's annotated mesh axes divide its dims, and agree with the rules on every logical axis the
+    activations are split along too (heads, mlp, vocab, experts, layers: the ops compute on those blocks).
+    Elsewhere (embed, head_dim: ZeRO splits, gathered before use) an annotation may differ from the rules."""
+    sizes = dict(rules.sizes)
+    for path, p in graph.params.items():
+        for dim, got, want in zip(p.type.dims, axes[path], rules.dims(p.type.names)):
+            ways = math.prod(sizes[a] for a in got)
+            if dim.size % ways:
+                raise ValueError(f"@{path}: `{dim.name}` = {dim.size} is annotated `{'*'.join(got)}`, "
+                                 f"{ways} ways, which does not divide it")
+            if got != want and rules.dims((dim.name,), activation=True)[0]:
+                raise ValueError(f"@{path}: `{dim.name}` is annotated `{'*'.join(got) or '-'}`, but activations "
+                                 f"split `{dim.name}` by `{'*'.join(want) or '-'}` (parallel.rules); only dims "
+                                 "activations keep whole (embed, head_dim) may be placed otherwise")
 
 
 def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
@@ -94,9 +114,9 @@ def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
 def _logits(prog, plan: ShardPlan, params, tokens, mode: str, aux: dict | None = None):
     """(logits, is-last-stage or None): through the pipeline stages when pp > 1; counters into `aux` (no pp)."""
     if dict(plan.rules.sizes).get("pp", 1) == 1:
-        return prog._forward(params, tokens, mode, shard=plan.env, aux=aux), None
+        return prog.logits(params, tokens, mode, shard=plan.env, aux=aux), None
     from tessera.lower.shard.pipeline import pipeline_logits
-    ctx = prog._ctx(mode=mode, shard=plan.env)
+    ctx = prog.lower_ctx(mode=mode, shard=plan.env)
     return pipeline_logits(prog, plan.env, params, tokens, prog.exp.parallel.pipeline.microbatches, ctx)
 
 

@@ -17,6 +17,8 @@ import pytest
 from tests.lower.shard.conftest import DEVICES, ROOT, assert_trained_close, finish_jobs, start_jobs
 from tests.cpu_env import cpu_env
 
+pytestmark = pytest.mark.slow  # compiles on 8 devices: scheduled first (tests/conftest.py)
+
 GPT_OSS, LLAMA = "specs/gpt_oss_tiny.yaml", "specs/llama_tiny.yaml"
 # seq 16 against GPT-OSS's window of 4 (the worker's small model): on sp=2 a block holds 8 tokens, on sp=4 it
 # holds 4, so the windowed layers read keys across block boundaries either way; 2 layers (one windowed, one

@@ -14,6 +14,8 @@ from tessera.run.distributed import membership
 from tests.lower.shard.conftest import ROOT, run_jobs
 from tests.cpu_env import cpu_env
 
+pytestmark = pytest.mark.slow  # compiles on 8 devices: scheduled first (tests/conftest.py)
+
 
 def test_membership_from_tessera_env_and_slurm():
     assert membership(env={}) is None

@@ -22,6 +22,8 @@ import pytest
 from tests.lower.shard.conftest import DEVICES, ROOT, assert_trained_close
 from tests.cpu_env import cpu_env
 
+pytestmark = pytest.mark.slow  # compiles on 8 devices: scheduled first (tests/conftest.py)
+
 GPT_OSS = "specs/gpt_oss_tiny.yaml"
 E, K, D, F = 8, 2, 16, 8  # experts, top_k, d_model, d_ff of the dispatch cases
 CAPACITY = 0.5

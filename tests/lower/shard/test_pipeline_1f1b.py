@@ -17,6 +17,8 @@ import pytest
 from tests.lower.shard.conftest import DEVICES, ROOT, assert_trained_close
 from tests.cpu_env import cpu_env
 
+pytestmark = pytest.mark.slow  # compiles on 8 devices: scheduled first (tests/conftest.py)
+
 GPT_OSS, LLAMA = "specs/gpt_oss_tiny.yaml", "specs/llama_tiny.yaml"
 FAST = {"parallel.deterministic": False, "task.batch": 16}
 PP2 = {"mesh.pp": 2, "mesh.tp": 2, "mesh.dp": 2, "parallel.pipeline.microbatches": 8}

@@ -80,14 +80,18 @@ def test_mesh_product_must_match_devices():
 
 def test_axis_that_does_not_divide_a_parameter_dim_names_it():
     # the spec's own checks know the model arguments; the mesh check covers every parameter dim a rule splits
+    # (one check: compiling runs it first, and building the mesh of an unchecked graph runs it again)
+    from tessera.ir.check import experiment_graph
+
     exp = _exp(mesh__ep=4, model__args__head_dim=30, parallel__rules__head_dim="ep")
-    graph = program_graph(exp)
-    with pytest.raises(TesseraError) as e:
-        build_mesh(exp, graph.params, devices=[object()] * 4)
-    msgs = [d.message for d in e.value.diagnostics]
-    assert any("ep=4 does not divide `head_dim` = 30 (param `layers/attention/q`)" in m for m in msgs)
-    d = e.value.diagnostics[0]
-    assert d.key == "mesh.ep" and d.hint.endswith("divides 30: 1, 2, 3, 5, 6, 10 ...")
+    for fails in (lambda: program_graph(exp),
+                  lambda: build_mesh(exp, experiment_graph(exp).params, devices=[object()] * 4)):
+        with pytest.raises(TesseraError) as e:
+            fails()
+        msgs = [d.message for d in e.value.diagnostics]
+        assert any("ep=4 does not divide `head_dim` = 30 (param `layers/attention/q`)" in m for m in msgs)
+        d = e.value.diagnostics[0]
+        assert d.key == "mesh.ep" and d.hint.endswith("divides 30: 1, 2, 3, 5, 6, 10 ...")
 
 
 def test_pipeline_stages_must_start_on_the_layer_pattern():

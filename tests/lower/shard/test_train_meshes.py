@@ -8,6 +8,8 @@ import pytest
 
 from tests.lower.shard.conftest import assert_trained_close, finish_jobs, start_jobs
 
+pytestmark = pytest.mark.slow  # compiles on 8 devices: scheduled first (tests/conftest.py)
+
 GPT_OSS, LLAMA = "specs/gpt_oss_tiny.yaml", "specs/llama_tiny.yaml"
 MESHES = {
     "dp=8": {"mesh.dp": 8},
