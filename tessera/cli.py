@@ -34,13 +34,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Validate a spec (and its model); print a summary or the resolved spec."""
     from tessera.spec import load_experiment, summary
 
+    from tessera.ir.check import check_experiment
+    from tessera.lower.storage import check_packed
+
     exp = load_experiment(args.spec, overrides=args.overrides)
-    try:
-        from tessera.ir.elaborate import check_experiment
-    except ImportError:  # the model language is not built yet
-        check_experiment = None
-    if check_experiment is not None:
-        check_experiment(exp)
+    check_packed(exp, check_experiment(exp))  # packed storage's own limits (inference only, whole K groups)
     print(exp.to_yaml() if args.print_resolved else summary(exp), end="")
     return EXIT_OK
 

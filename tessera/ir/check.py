@@ -83,7 +83,49 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
                             f"held in `{base}` with numerics.rules")]
 
 
-CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type]
+# Element types a parameter may be held in as written: plain arrays of their own dtype, or mxfp4's packed
+# codes + per-32 scales. fp8/fp6/fp4_e2m1 would be held widened to bf16 (values off their grid) and int8 has
+# no scale to map weights onto its integers, so a rule giving them is refused until they are stored for real.
+STORAGE_TYPES = ("fp32", "bf16", "fp16", "mxfp4")
+
+
+def _numeric_problems(t, where: str, span, key: str, *, compute: bool) -> list[Diagnostic]:
+    """What in numeric type `t` no lowering would honour: each a positioned error (message prefixed `where`)."""
+    out = []
+    if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)"):
+        out.append(Diagnostic(f"{where}`@scale({t.scale})` is parsed but no lowering scales tensors yet, so "
+                              f"`{t}` would not be the arithmetic done", span=span, key=key,
+                              hint="drop @scale (mxfp4 carries its own per_block(32) scales)"))
+    if t.loss_scale is not None:
+        out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` is parsed but the train step does not scale "
+                              "the loss yet", span=span, key=key,
+                              hint="drop @loss_scale; train in bf16 or fp32, which need no loss scaling"))
+    if t.accum is not None and t.accum != "fp32":
+        out.append(Diagnostic(f"{where}matmuls and reductions accumulate in fp32; `@accum({t.accum})` would not "
+                              "be honoured", span=span, key=key, hint="write @accum(fp32), or leave @accum out"))
+    if not compute and t.base not in STORAGE_TYPES:
+        out.append(Diagnostic(f"{where}parameters cannot be held in `{t.base}` yet (it would be held as bf16, "
+                              f"values off the {t.base} grid)", span=span, key=key,
+                              hint=f"hold them in {', '.join(STORAGE_TYPES)} (mxfp4: packed, for inference)"))
+    return out
+
+
+def check_numerics_take_effect(exp, graph: Graph) -> list[Diagnostic]:
+    """Every numeric type and modifier the spec writes is one the program honours; the rest are refused here
+    (not ignored, and not failing later in the lowering)."""
+    num = exp.numerics
+    out = _numeric_problems(num.default, "", exp.span("numerics.default"), "numerics.default", compute=True)
+    for glob, t in (num.rules or {}).items():
+        span = exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules")
+        out += _numeric_problems(t, f"rule `{glob}`: ", span, "numerics.rules", compute=False)
+    if str(num.loss_scale) != "none":
+        out.append(Diagnostic(f"numerics.loss_scale: `{num.loss_scale}` is parsed but the train step does not "
+                              "scale the loss yet", span=exp.span("numerics.loss_scale"), key="numerics.loss_scale",
+                              hint="use none; train in bf16 or fp32, which need no loss scaling"))
+    return out
+
+
+CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type, check_numerics_take_effect]
 
 
 def experiment_graph(exp) -> Graph:

@@ -1,0 +1,112 @@
+"""Every numeric type of the grammar, with each modifier, as numerics.default, numerics.params and a rule, on a
+training and a generation task: `tessera check` refuses it with a positioned error, or the program it passes
+lowers (traced at the task's shapes). Nothing parsed is silently ignored, and nothing fails in the lowering."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+import yaml
+
+from tessera.cli import main
+from tessera.diagnostics import TesseraError
+from tessera.ir.check import check_experiment
+from tessera.grammar.numerics import BASE_TYPES
+from tessera.lower.program import compile_experiment
+from tessera.lower.sampling import SamplingRule
+from tessera.lower.storage import check_packed
+from tessera.run.optim import build_optimizer
+from tessera.spec import load_experiment
+from tests.lower.shard.make_snapshots import ROOT
+
+SPEC = str(ROOT / "specs" / "gpt_oss_tiny.yaml")
+MODIFIERS = ["", " @accum(fp32)", " @accum(bf16)", " @scale(per_tensor)", " @scale(per_block(32))",
+             " @scale(delayed)", " @loss_scale(1024.0)", " @loss_scale(dynamic)"]
+GENERATE = {"kind": "generate", "seed": 0, "prompts": [[1, 2, 3]], "max_new_tokens": 2}
+RULE = "*/experts/gate"  # [experts, embed, mlp]: K = embed, whole 32-element groups for mxfp4
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory) -> dict:
+    """{task: spec path}: the tiny GPT-OSS as shipped (train), and resolved with a generate task instead."""
+    spec = load_experiment(SPEC).resolved()
+    spec["model"]["file"], spec["task"] = str(ROOT / "models" / "gpt_oss.tsl"), GENERATE
+    path = tmp_path_factory.mktemp("numerics") / "generate.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return {"train": SPEC, "generate": str(path)}
+
+
+def _overrides(numeric: str, where: str) -> dict:
+    key = {"default": "numerics.default", "params": "numerics.params", "rule": "numerics.rules"}[where]
+    return {key: {RULE: numeric} if where == "rule" else numeric}
+
+
+def _check(spec: str, over: dict) -> list:
+    """`tessera check`'s checks (its cmd_check): the diagnostics of the refusal, or [] when it passes."""
+    try:
+        exp = load_experiment(spec, overrides=over)
+        check_packed(exp, check_experiment(exp))
+    except TesseraError as e:
+        return e.diagnostics
+    return []
+
+
+def _lowers(spec: str, over: dict, task: str) -> None:
+    exp = load_experiment(spec, overrides=over)
+    if task == "train":
+        prog = compile_experiment(exp, optimizer=build_optimizer(exp))
+        state = jax.eval_shape(prog.init_train_state, jax.eval_shape(lambda: prog.init(0)))
+        tokens = jax.ShapeDtypeStruct((16, 64), jnp.int32)
+        batch = {"tokens": tokens, "targets": tokens, "mask": jax.ShapeDtypeStruct((16, 64), jnp.float32)}
+        prog.lower("train_step", state, batch)  # traced and lowered: every op of the step has a lowering
+    else:
+        prog = compile_experiment(exp)
+        params = jax.eval_shape(lambda: prog.init(0, split_layers=True))
+        fn = prog.generate_fn(params, 1, 2, SamplingRule(0.0, None, None))
+        jax.eval_shape(fn, params, jax.ShapeDtypeStruct((1, 3), jnp.int32), jax.ShapeDtypeStruct((), jnp.uint32))
+
+
+@pytest.mark.parametrize("task", ["train", "generate"])
+@pytest.mark.parametrize("where", ["default", "params", "rule"])
+def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
+    accepted, spec = [], specs[task]
+    for base in BASE_TYPES:
+        for mod in MODIFIERS:
+            over = _overrides(base + mod, where)
+            refused = _check(spec, over)
+            if refused:  # at the value written, under its key
+                assert all(d.span is not None and d.key.startswith("numerics.") for d in refused), refused
+                continue
+            accepted.append(base + mod)
+            _lowers(spec, over, task)
+    # what is honoured today: fp32 / bf16 / fp16 compute accumulating in fp32; mxfp4 weights for inference
+    if where == "default":
+        assert accepted == ["fp32", "fp32 @accum(fp32)", "bf16", "bf16 @accum(fp32)", "fp16", "fp16 @accum(fp32)"]
+    elif where == "params":
+        assert accepted == ["fp32", "bf16", "fp16"]
+    else:
+        plain = ["fp32", "fp32 @accum(fp32)", "bf16", "bf16 @accum(fp32)", "fp16", "fp16 @accum(fp32)"]
+        packed = ["mxfp4", "mxfp4 @accum(fp32)", "mxfp4 @scale(per_block(32))"]
+        assert accepted == plain + (packed if task == "generate" else [])
+
+
+@pytest.mark.parametrize("numeric,says", [
+    ("bf16 @scale(per_tensor)", "`@scale(per_tensor)` is parsed but no lowering scales tensors yet"),
+    ("fp16 @loss_scale(dynamic)", "`@loss_scale(dynamic)` is parsed but the train step does not scale the loss"),
+    ("bf16 @accum(bf16)", "matmuls and reductions accumulate in fp32; `@accum(bf16)` would not be honoured"),
+])
+def test_an_ignored_modifier_is_refused_where_it_is_written(capsys, numeric, says):
+    assert main(["check", SPEC, "--set", f"numerics.default={numeric}"]) == 2
+    assert f"<--set>:1:18: error: numerics.default: {says}" in capsys.readouterr().err
+
+
+def test_a_rule_storing_a_type_the_program_would_widen_is_refused(capsys):
+    assert main(["check", SPEC, "--set", f"numerics.rules={json.dumps({RULE: 'fp8_e4m3'})}"]) == 2
+    assert f"error: numerics.rules: rule `{RULE}`: parameters cannot be held in `fp8_e4m3` yet (it would be held as bf16, values off the fp8_e4m3 grid)" \
+        in capsys.readouterr().err
+    assert main(["check", SPEC, "--set", "numerics.loss_scale=dynamic"]) == 2
+    assert "numerics.loss_scale: `dynamic` is parsed but the train step does not scale the loss" in \
+        capsys.readouterr().err
