@@ -61,7 +61,8 @@ def _run(spec: Path, kind: str, extra: dict, out: Path) -> str | None:
     of several devices runs in a process with that many CPU devices (this one has one)."""
     sets = [_setting(k, v) for k, v in {**SHORT[kind], **extra}.items()]
     argv = ["run", str(spec), "--out", str(out)] + [a for s in sets for a in ("--set", s)]
-    devices = math.prod(v for k, v in extra.items() if k.startswith("mesh.") and isinstance(v, int))
+    devices = math.prod(v for k, v in extra.items()
+                        if k.startswith("mesh.") and isinstance(v, int) and not isinstance(v, bool))  # not auto
     if devices > 1:
         done = subprocess.run([sys.executable, "-m", "tessera.cli", *argv], env=cpu_env(devices), cwd=ROOT,
                               capture_output=True, text=True, timeout=900)
