@@ -151,7 +151,9 @@ def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool
     if train:
         cut, in_flight = _microbatching(exp)
         if exp.parallel.deterministic:  # canonical shards, one at a time on each device
-            cut, in_flight = _canonical_per_device(exp) * exp.mesh.size, 1
+            from tessera.lower.shard.deterministic import canonical_shards
+
+            cut, in_flight = canonical_shards(sizes["batch"]), 1
         mb = {**sizes, "batch": max(1, sizes["batch"] // cut)}
         acts = cost.activation_bytes(graph, mb, exp.parallel.remat, layout.activations)
         stage_layers = -(-acts["layers"] // exp.mesh.pp)

@@ -28,7 +28,7 @@ from tessera.cli import main
 from tessera.spec.schema import Experiment
 from tests.cpu_env import cpu_env
 from tests.lower.shard.make_snapshots import ROOT
-from tests.spec.test_sweep import CASES, TASKS, _check, _fields, _model_args, _spec_file, _task_fields
+from tests.spec.test_sweep import CASES, TASKS, _fields, _model_args, _spec_file, _task_fields
 
 # one step of each task at the tiny specs' sizes, with no evaluation, checkpoint or sample to wait for
 SHORT = {"train": {"task.steps": 1, "task.batch": 2, "task.seq_len": 16, "task.eval_every": 0, "task.sample": None,
@@ -92,9 +92,11 @@ def _accepted(spec: Path, kind: str | None) -> list[tuple[str, object]]:
     for key, value in candidates:
         if not _runnable(kind or "train", key, value):
             continue
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            accepted = _check(spec, key, value) is None and main(["check", str(spec), "--set",
-                                                                   _setting(key, value)]) == 0
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                accepted = main(["check", str(spec), "--set", _setting(key, value)]) == 0
+        except (Exception, SystemExit):  # a breach of the check side's contract, which test_sweep.py reports
+            accepted = False
         if accepted:
             ok.append((key, value))
     return ok
