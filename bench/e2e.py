@@ -53,7 +53,8 @@ ROWS = {
 
 
 # row name: the in-process peers run beside it (bench/peers.py name, extra flags)
-PEERS = {"llama-1b train": [("llama_train", ["--eager"]), ("llama_train", [])]}
+PEERS = {"llama-1b train": [("llama_train", ["--eager"]), ("llama_train", [])],
+         "20b decode b1": [("gpt_oss_generate", [])], "20b decode b8": [("gpt_oss_generate", [])]}
 
 
 def run_peers(name: str) -> list[dict]:
@@ -77,11 +78,12 @@ def show_peer(peer: dict, row: dict) -> str:
         return f"{'':<18} peer {peer['peer']}: FAILED {peer['error']}"
     flops, peak = row.get("train_step_flops_per_token"), row.get("peak_flops")
     mfu = f", MFU {peer['tokens_per_s'] * flops / peak:.1%}" if flops and peak else ""
-    mine = row.get("train_step_ms")
+    mine = row.get("train_step_ms") or (1e3 / row["decode_tok_s"] * row["batch"] if row.get("decode_tok_s") else None)
     ratio = f"; Tessera {peer['step_ms'] / mine:.2f}x its speed" if mine else ""
+    first = f", first token {peer['first_token_s'] * 1e3:.1f} ms" if peer.get("first_token_s") else ""
     mem = f", peak {_gib(peer['peak_bytes'])} GiB" if peer.get("peak_bytes") else ""
     return (f"{'':<18} peer {peer['peer']}: {peer['tokens_per_s']:,.0f} tok/s, step {peer['step_ms']:.1f} ms"
-            f"{mfu}{mem}{ratio}")
+            f"{mfu}{first}{mem}{ratio}")
 
 
 def _plan(manifest: dict, device: str) -> dict:

@@ -125,9 +125,19 @@ def e2e_rows(rows: list[dict], prov: dict) -> list[dict]:
         share = (f"{r['roofline_share']:.0%} of the {r['roofline_tok_s']:,.0f} tok/s roofline"
                  if r.get("roofline_share") else "")
         prefill = f"prefill {r['prefill_tok_s']:,.0f} tok/s" if r.get("prefill_tok_s") else ""
+        peers = [p for p in r.get("peers", []) if "error" not in p]
+        best = max((p["tokens_per_s"] for p in peers), default=None)
         out.append(dict(base, impl="tessera run, decode", ms=1e3 * r.get("batch", 1) / r["decode_tok_s"],
-                        rate=r["decode_tok_s"], unit="tok/s", ratio=None,
+                        rate=r["decode_tok_s"], unit="tok/s", ratio=r["decode_tok_s"] / best if best else None,
                         note="; ".join(x for x in [share, prefill] + detail if x)))
+        for p in r.get("peers", []):
+            if "error" in p:
+                out.append(dict(base, impl=p["peer"], ms=None, rate=None, unit="", ratio=None,
+                                note=f"FAILED: {p['error'][:160]}"))
+            else:
+                first = p.get("first_token_s")
+                out.append(dict(base, impl=p["peer"], ms=p["step_ms"], rate=p["tokens_per_s"], unit="tok/s",
+                                ratio=None, note=f"first token {first * 1e3:.1f} ms" if first else ""))
     return out
 
 

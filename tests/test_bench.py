@@ -221,7 +221,8 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
     e2e = results.e2e_rows([
         {"row": "20b decode b8", "kind": "decode", "batch": 8, "decode_tok_s": 1600.0, "prefill_tok_s": 900.0,
          "first_token_s": 0.0131, "compile_s": 99.7, "roofline_tok_s": 3200.0, "roofline_share": 0.5,
-         "peak_bytes": 15 * 2**30, "planned_bytes": 14 * 2**30, "peer": "SGLang 1 GPU b8: 1,351 tok/s", "peers": []},
+         "peak_bytes": 15 * 2**30, "planned_bytes": 14 * 2**30, "peer": "SGLang 1 GPU b8: 1,351 tok/s",
+         "peers": [{"peer": "transformers generate", "tokens_per_s": 800.0, "step_ms": 10.0, "first_token_s": 0.02}]},
         {"row": "llama-1b train", "kind": "train", "forward_ms": 38.3, "forward_mfu": 0.564, "train_step_ms": 200.0,
          "train_step_mfu": 0.3, "train_step_flops_per_token": 1e10, "peak_flops": 1e15, "peak_bytes": None,
          "planned_bytes": 2**30, "peer": "-",
@@ -239,9 +240,10 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
     assert f"| attn fwd D64 causal | tessera (mosaic gpu) | 1.250 ms | 440.0 TFLOP/s | 1.07x {tail}  |" in lines
     assert f"| attn fwd D64 causal | torch SDPA | 1.280 ms | 410.0 TFLOP/s |  {tail}  |" in lines
     assert f"| memory ceiling (copy) | jnp copy | - | 3,001.0 GB/s |  {tail}  |" in lines
-    assert (f"| 20b decode b8 | tessera run, decode | 5.000 ms | 1,600.0 tok/s |  {tail} 50% of the 3,200 tok/s "
-            "roofline; prefill 900 tok/s; first token 13.1 ms; compile 99.7 s; peak 15.0 vs plan 14.0 GiB; "
+    assert (f"| 20b decode b8 | tessera run, decode | 5.000 ms | 1,600.0 tok/s | 2.00x {tail} 50% of the 3,200 "
+            "tok/s roofline; prefill 900 tok/s; first token 13.1 ms; compile 99.7 s; peak 15.0 vs plan 14.0 GiB; "
             "published: SGLang 1 GPU b8: 1,351 tok/s |") in lines
+    assert f"| 20b decode b8 | transformers generate | 10.000 ms | 800.0 tok/s |  {tail} first token 20.0 ms |" in lines
     assert f"| llama-1b train | tessera run, forward | 38.300 ms | 56.4 % MFU |  {tail} peak - vs plan 1.0 GiB |" \
         in lines
     assert f"| llama-1b train | tessera run, train step | 200.0 ms | 30.0 % MFU | 1.25x {tail}  |" in lines
@@ -259,7 +261,7 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
     assert list(sections) == [results.TITLES["attention"], results.TITLES["e2e"]]
     assert sections[results.TITLES["attention"]] == results.sections_of(text)[results.TITLES["attention"]]
     e2e_lines = [line for line in sections[results.TITLES["e2e"]].splitlines() if line.startswith("| ")][1:]
-    assert e2e_lines[0] == "| 20b decode b8 | tessera run, decode | 5.000 ms | 1,600.0 tok/s |  " \
+    assert e2e_lines[0] == "| 20b decode b8 | tessera run, decode | 5.000 ms | 1,600.0 tok/s | 2.00x " \
         "| NVIDIA H100 80GB HBM3 | 0.11.2 | abc1234 |  |"
     assert [line.split(" | ")[1] for line in e2e_lines[1:]] == [
         "tessera run, forward", "tessera run, train step", "torch.compile", "eager", "tessera run"]

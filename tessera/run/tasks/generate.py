@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from tessera.diagnostics import RunError
+from tessera.run.compiletime import compile_phases
 from tessera.run.context import RunContext
 from tessera.run.manifest import device_memory, params_checksum
 
@@ -90,21 +91,25 @@ def run(ctx: RunContext) -> int:
     ids, lengths = encode_prompts(task.prompts, tokenizer, prog.vocab)
     params, kw, n = ctx.initial_params(split_layers=True), sampling_kwargs(task), int(task.max_new_tokens)
     gen = lambda k: generate_all(prog, params, ids, lengths, k, kw)
-    _, first_s = _timed(lambda: gen(n))  # the first call compiles
+    with compile_phases() as phases:
+        _, first_s = _timed(lambda: gen(n))  # the first call compiles
     rows, full_s = _timed(lambda: gen(n), repeats=3)
     _timed(lambda: gen(1))
     _, prefill_s = _timed(lambda: gen(1), repeats=3)
     prompt_tokens = int(lengths.sum())
     speed = {"prefill_tokens_per_s": prompt_tokens / max(prefill_s, 1e-9),
              "decode_tokens_per_s": len(rows) * max(n - 1, 0) / max(full_s - prefill_s, 1e-9),
-             "first_call_s": first_s, "compile_s": max(first_s - full_s, 0.0), "first_token_s": prefill_s}
+             "first_call_s": first_s, "compile_s": max(first_s - full_s, 0.0), "first_token_s": prefill_s,
+             "compile_phases": phases}
     outputs = []
     for i, row in enumerate(rows):
         new = completions(row[None], lengths[i:i + 1], int(lengths[i]), kw["stop_tokens"])[0]
         outputs.append({"prompt": ids[i, :lengths[i]].tolist(), "tokens": new, "text": decode(new, tokenizer)})
         ctx.say(repr(outputs[-1]["text"]) if outputs[-1]["text"] is not None else str(new))
     ctx.say(f"prefill {speed['prefill_tokens_per_s']:,.1f} tokens/s, "
-            f"decode {speed['decode_tokens_per_s']:,.1f} tokens/s")
+            f"decode {speed['decode_tokens_per_s']:,.1f} tokens/s, first token {prefill_s * 1e3:,.1f} ms; compile "
+            f"{speed['compile_s']:.1f} s (tracing {phases['trace_s']:.1f}, lowering {phases['lower_s']:.1f}, "
+            f"XLA {phases['backend_s']:.1f})")
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(r).tobytes() for r in rows)).hexdigest()
     ctx.manifest.update(outputs=outputs, speed=speed, metrics=[{"step": 0, "tokens_sha256": digest}],
                         params_checksum=params_checksum(params), device_memory=device_memory())
