@@ -50,12 +50,21 @@ class RunResult:
         return self.manifest["status"]
 
 
+# XLA:CPU's intra-op pool has max(PJRT_NPROC, the host's devices) threads (PJRT_NPROC defaults to the cores),
+# and its matmuls (Eigen) split a long contraction by that count: a 1-device and an 8-device host summed the
+# same dot in different orders, so the same unsharded run ended with other parameters. Every host reaches
+# XLA's own cap of 256 threads, the same count everywhere; idle threads cost no CPU (timed: no slower).
+DETERMINISTIC_CPU_THREADS = "256"
+
+
 def request_deterministic_kernels(exp) -> None:
-    """In deterministic mode (parallel.deterministic, the default) ask XLA for deterministic GPU kernels.
+    """In deterministic mode (parallel.deterministic, the default) ask XLA for deterministic GPU kernels and
+    for CPU matmuls whose summation order does not depend on the host (`DETERMINISTIC_CPU_THREADS`).
 
     Scatter-adds (e.g. the embedding's gradient) otherwise use atomics whose order varies run to run.
-    XLA reads the flag when JAX starts its backend, so this works when called before the first
-    computation, as `tessera run` does; a Python caller who already ran JAX sets XLA_FLAGS itself.
+    XLA reads both when JAX starts its backend, so this works when called before the first computation,
+    as `tessera run` does; a Python caller who already ran JAX sets XLA_FLAGS and PJRT_NPROC itself.
+    A PJRT_NPROC the person set is kept (the manifest records it).
     """
     if not getattr(getattr(exp, "parallel", None), "deterministic", True):
         return
@@ -63,6 +72,7 @@ def request_deterministic_kernels(exp) -> None:
     missing = [f for f in DETERMINISTIC_XLA_FLAGS if f.split("=")[0] not in flags]
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)
 
 
 ALLOCATOR_FRACTION = "0.95"  # of each GPU's memory for JAX's pool: a plan that fits 95 % of the card runs

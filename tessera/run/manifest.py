@@ -141,7 +141,8 @@ class Manifest:
             "ir_hash": ir_hash, "versions": versions(),
             "devices": devices(), "seed": seed, "metrics": [], "params_checksum": None,
             "name": exp.name, "task": exp.task.kind, "backend": jax.default_backend(),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": _overrides(overrides),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "pjrt_nproc": os.environ.get("PJRT_NPROC"),
+            "overrides": _overrides(overrides),
             "git": git_state(spec_file) if spec_file else None, "data_fingerprint": None,
             "started_at": now(), "ended_at": None, "status": "running", "error": None, "resumed": [],
         }
