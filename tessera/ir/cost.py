@@ -20,9 +20,10 @@ import math
 
 from tessera.grammar.numerics import BASE_TYPES, NumericType
 from tessera.ir.flops import op_flops
+from tessera.ir.ops_nn import CACHE_BLOCK, cache_len  # noqa: F401  (the cache's slots: beside attention's state)
 from tessera.ir.passes.shard import AxisRules
 from tessera.ir.registry import get_op
-from tessera.ir.types import Dim, Graph, Op, ParamRef, PerLayer, Region, TensorType, sized_type
+from tessera.ir.types import Dim, Graph, Op, ParamRef, Region, TensorType
 from tessera.ir.verify import owns_params, split_operands
 
 # ---- element sizes ----------------------------------------------------------------------------------
@@ -234,22 +235,6 @@ def working_set_bytes(graph: Graph, sizes: dict, per_device=lambda t: t.numel())
 
 # ---- KV cache -----------------------------------------------------------------------------------------
 
-def _windows(window) -> list:
-    return list(window.values) if isinstance(window, PerLayer) else [window]
-
-
-CACHE_BLOCK = 128  # a whole-sequence cache holds a multiple of this many slots: the decode kernel's key tile
-
-
-def cache_len(max_len: int, window: int | None) -> int:
-    """Slots of one attention op's KV cache: the window (a ring buffer) when it is smaller than max_len,
-    else max_len rounded up to CACHE_BLOCK (the slots past max_len stay empty), so the decode kernel
-    reads whole key tiles without padding (copying) the cache on every step."""
-    if window is not None and window <= max_len:
-        return window
-    return -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
-
-
 def kv_cache_bytes(graph: Graph, batch: int, max_len: int, per_device=lambda t: t.numel()) -> float:
     """Bytes of every attention op's KV cache for `batch` sequences of up to `max_len` tokens.
 
@@ -260,17 +245,13 @@ def kv_cache_bytes(graph: Graph, batch: int, max_len: int, per_device=lambda t: 
 
 
 def op_kv_cache_bytes(op: Op, times: int, batch: int, max_len: int, per_device=lambda t: t.numel()) -> float:
-    """Bytes of one attention op's KV caches over the `times` layers it runs in (0 for other ops)."""
-    if op.name != "attention":
+    """Bytes of the state one op keeps between decode steps (`OpDef.state`: an attention's KV caches) over
+    the `times` layers it runs in; 0 for an op that keeps none."""
+    rule = get_op(op.name).state
+    if rule is None:
         return 0.0
-    a, dtype, total = op.attrs, op.result.type.dtype, 0.0
-    windows = _windows(a["window"])  # one per layer when they differ
-    for w in windows:
-        c = cache_len(max_len, w)
-        kv = sized_type(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
-        pos = sized_type("i32", batch=batch, seq=c)
-        total += (2 * nbytes(kv, per_device(kv)) + nbytes(pos, per_device(pos))) * times / len(windows)
-    return total
+    variants = rule(op.attrs, op.result.type.dtype, batch, max_len)  # one per layer variant (window)
+    return sum(nbytes(t, per_device(t)) for tensors in variants for t in tensors) * times / len(variants)
 
 
 # ---- layout on the mesh ---------------------------------------------------------------------------------
@@ -362,13 +343,13 @@ def _op_collectives(op: Op, axes, times: int, graph: Graph, sizes: dict, layout:
             kind = "reduce-scatter+all-gather" if layout.rules.sequence_parallel else "all-reduce"
             rows.append((a, kind, f"{op.name} output",
                          passes * times * _ring("all-reduce", n, nbytes(out, layout.activations(out)))))
-    if op.name in ("attention", "sdpa"):  # keys and values of the whole sequence, gathered over seq shards
-        x = concrete(op.values[0].type, sizes)
-        for a in layout.split(x, activation=True).get("seq", ()):
-            kv = sized_type(out.dtype, batch=x.dim("batch").size, seq=x.dim("seq").size,
-                    kv_heads=op.attrs.get("kv_heads", 1), head_dim=op.attrs.get("head_dim", 1))
-            rows.append((a, "all-gather", f"{op.name} keys, values",
-                         passes * times * 2 * _ring("all-gather", layout.mesh[a], nbytes(kv, layout.activations(kv)))))
+    gather = get_op(op.name).seq_gather  # tensors of the whole sequence, gathered over seq shards
+    if gather is not None:
+        ins = [concrete(v.type, sizes) for v in op.values]
+        for a in layout.split(ins[0], activation=True).get("seq", ()):
+            n = layout.mesh[a]  # each device's block of the sequence, gathered into n blocks
+            whole = sum(n * nbytes(t, layout.activations(t)) for t in gather(op.attrs, ins, out.dtype))
+            rows.append((a, "all-gather", f"{op.name} keys, values", passes * times * _ring("all-gather", n, whole)))
     return rows
 
 

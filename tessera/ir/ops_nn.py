@@ -236,10 +236,46 @@ def _sdpa_decompose(b, op: Op, data, params):
                              window=op.attrs["window"], scale=scale, heads=b.type_of(q).dim("heads").size)]
 
 
+CACHE_BLOCK = 128  # a whole-sequence cache holds a multiple of this many slots: the decode kernel's key tile
+
+
+def cache_len(max_len: int, window: int | None) -> int:
+    """Slots of one attention op's KV cache: the window (a ring buffer) when it is smaller than max_len,
+    else max_len rounded up to CACHE_BLOCK (the slots past max_len stay empty), so the decode kernel
+    reads whole key tiles without padding (copying) the cache on every step."""
+    if window is not None and window <= max_len:
+        return window
+    return -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
+
+
+def _attention_state(a, dtype: str, batch: int, max_len: int) -> list[list[TensorType]]:
+    """Per layer variant, its KV cache: k and v [batch, C, kv_heads, head_dim] in the compute type and the
+    int32 positions [batch, C] (C = cache_len(max_len, that layer's window))."""
+    variants = []
+    for w in (a["window"].values if isinstance(a["window"], PerLayer) else [a["window"]]):
+        c = cache_len(max_len, w)
+        kv = sized_type(dtype, batch=batch, seq=c, kv_heads=a["kv_heads"], head_dim=a["head_dim"])
+        variants.append([kv, kv, sized_type("i32", batch=batch, seq=c)])
+    return variants
+
+
+def _attention_seq_gather(a, ins: list[TensorType], dtype: str) -> list[TensorType]:
+    """Keys and values of the whole sequence, projected from x [batch, seq, embed]."""
+    x = ins[0]
+    kv = sized_type(dtype, batch=x.dim("batch").size, seq=x.dim("seq").size, kv_heads=a["kv_heads"],
+                    head_dim=a["head_dim"])
+    return [kv, kv]
+
+
+def _sdpa_seq_gather(a, ins: list[TensorType], dtype: str) -> list[TensorType]:
+    """Keys and values of the whole sequence: its k and v operands."""
+    return [ins[1], ins[2]]
+
+
 _CORE_ATTRS = (AttrDef("causal", "bool", True), AttrDef("window", "int?", None, per_layer=True),
                AttrDef("scale", "float?", None), AttrDef("sinks", "bool", False))
 register(OpDef("sdpa", (3, 4), _CORE_ATTRS, _sdpa_rule, flops=_sdpa_flops, contraction=True,
-               decompose=_sdpa_decompose,
+               decompose=_sdpa_decompose, seq_gather=_sdpa_seq_gather,
                doc="scaled dot-product attention core = tessera/lower/reference/attention.py; scale none "
                    "means head_dim^-0.5"))
 
@@ -316,6 +352,7 @@ register(OpDef("attention", (1, 1), (AttrDef("heads", "int"), AttrDef("kv_heads"
                + _CORE_ATTRS + (AttrDef("bias", "bool", False),),
                _attention_rule, params=_attention_params, flops=_attention_flops, contraction=True,
                saved=_attention_saved, native_split=(("*", ("heads", "kv_heads")),), decompose=_attention_decompose,
+               state=_attention_state, seq_gather=_attention_seq_gather,
                doc="q/k/v projections (+bias) → rope on q, k → sdpa (GQA, causal, window, sinks) → o (+bias)"))
 
 

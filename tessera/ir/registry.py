@@ -57,6 +57,12 @@ ActiveRule = Callable[[dict, str | None], float]
 SavedRule = Callable[[TensorType, dict], list[tuple[TensorType, bool]]]
 # (a rewrite Builder, the op, its data operands, its params by local name) -> values replacing its results
 DecomposeRule = Callable[[Any, Op, list, dict], list]
+# (attrs, result dtype, batch, max_len) -> per layer variant (a PerLayer attribute's entries), the tensors the
+# op keeps from one decode step to the next (an attention's KV cache); layers share the variants equally
+StateRule = Callable[[dict, str, int, int], list[list[TensorType]]]
+# (attrs, operands at run-time sizes, result dtype) -> tensors of the whole sequence the op gathers when its
+# first operand is split over `seq` (sequence parallelism: an attention's keys and values)
+SeqGatherRule = Callable[[dict, list[TensorType], str], list[TensorType]]
 
 
 def _no_params(attrs, types):
@@ -81,7 +87,8 @@ class OpDef:
     composite's internals; None: only its results). native_split: (param-name glob, logical axes) whose
     splits the sharded lowering handles itself with its own collectives; every other split dim of a param
     is all-gathered before use. decompose: expands the op into primitives (`tessera ir --after
-    decompose`); None for a primitive.
+    decompose`); None for a primitive. state: what it keeps between decode steps (its KV cache; None:
+    nothing). seq_gather: what it gathers over the sequence under sequence parallelism (None: nothing).
     """
 
     name: str
@@ -95,6 +102,8 @@ class OpDef:
     saved: SavedRule | None = None
     native_split: tuple[tuple[str, tuple[str, ...]], ...] = ()
     decompose: DecomposeRule | None = None
+    state: StateRule | None = None
+    seq_gather: SeqGatherRule | None = None
     region: bool = False  # holds a region (repeat)
     doc: str = ""
 

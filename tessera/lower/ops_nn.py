@@ -12,7 +12,7 @@ import functools
 
 import jax.numpy as jnp
 
-from tessera.ir.cost import cache_len
+from tessera.ir.ops_nn import cache_len
 from tessera.ir.registry import struct_families, struct_fields
 from tessera.ir.types import ParamRef
 
@@ -201,7 +201,7 @@ def _project(x, w, b, accum):
 
 
 def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
-    """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = cost.cache_len."""
+    """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = ir.ops_nn.cache_len."""
     c = cache_len(max_len, attrs["window"])
     dt = _dtype(op)
     kv_heads = attrs["kv_heads"] // (ctx.shard.ways("kv_heads") if ctx.shard is not None else 1)

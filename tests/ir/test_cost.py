@@ -121,6 +121,29 @@ def test_tensor_parallel_collectives_per_layer(tmp_path):
     assert not any(axis == "fsdp" for axis, _, _ in rows)
 
 
+def test_sequence_parallel_gathers_each_attentions_keys_and_values(tmp_path):
+    """`OpDef.seq_gather`: under sp every attention gathers the whole sequence's k and v (its kv_heads on tp)."""
+    path = tmp_path / "sp.yaml"
+    path.write_text(f"name: t\nmodel:\n  file: {LLAMA}\n  args: {{vocab: 32, d_model: 16, layers: 2, heads: 4, "
+                    "kv_heads: 2, head_dim: 8, d_ff: 32}\ntask: {kind: train, batch: 8, seq_len: 8}\n"
+                    "mesh: {sp: 2, tp: 2, dp: 2}\n")
+    exp = load_experiment(path)
+    graph, layout = program_graph(exp), cost.Layout.of(exp)
+    rows = {(r["axis"], r["kind"], r["what"]): r["bytes"]
+            for r in cost.collectives(graph, {"batch": 8, "seq": 8}, layout, train=True)}
+    whole = 8 // 2 * 8 * 2 // 2 * 8 * 4  # f32 k [batch/dp, whole seq, kv_heads/tp, head_dim] on each device
+    # k and v, ring all-gather over sp = 2 ((n-1)/n of the whole), forward and backward, 2 layers
+    assert rows[("sp", "all-gather", "attention keys, values")] == 2 * 2 * 2 * whole / 2
+    # the core op gathers its own k and v operands
+    from tessera.ir.registry import get_op
+    from tessera.ir.types import sized_type
+
+    q = sized_type("bf16", batch=2, seq=16, heads=8, head_dim=64)
+    k = sized_type("bf16", batch=2, seq=16, kv_heads=2, head_dim=64)
+    assert get_op("sdpa").seq_gather({}, [q, k, k], "bf16") == [k, k]
+    assert get_op("rmsnorm").seq_gather is None and get_op("rmsnorm").state is None
+
+
 def test_activations_shrink_with_remat(tmp_path):
     exp = load_experiment(spec(tmp_path, LLAMA, {**ONE_LAYER, "layers": 4}))
     graph, sizes = program_graph(exp), cost.task_dims(exp)
