@@ -343,11 +343,13 @@ def _op_collectives(op: Op, axes, times: int, graph: Graph, sizes: dict, layout:
             kind = "reduce-scatter+all-gather" if layout.rules.sequence_parallel else "all-reduce"
             rows.append((a, kind, f"{op.name} output",
                          passes * times * _ring("all-reduce", n, nbytes(out, layout.activations(out)))))
-    gather = get_op(op.name).seq_gather  # tensors of the whole sequence, gathered over seq shards
+    gather = get_op(op.name).seq_gather  # tensors of the whole sequence, gathered over context-parallel axes
     if gather is not None:
         ins = [concrete(v.type, sizes) for v in op.values]
-        for a in layout.split(ins[0], activation=True).get("seq", ()):
-            n = layout.mesh[a]  # each device's block of the sequence, gathered into n blocks
+        for a in layout.rules.context_axes():
+            n = layout.mesh.get(a, 1)  # each device's block of the sequence, gathered into n blocks
+            if n == 1:
+                continue
             whole = sum(n * nbytes(t, layout.activations(t)) for t in gather(op.attrs, ins, out.dtype))
             rows.append((a, "all-gather", f"{op.name} keys, values", passes * times * _ring("all-gather", n, whole)))
     return rows

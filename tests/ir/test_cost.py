@@ -134,6 +134,14 @@ def test_sequence_parallel_gathers_each_attentions_keys_and_values(tmp_path):
     whole = 8 // 2 * 8 * 2 // 2 * 8 * 4  # f32 k [batch/dp, whole seq, kv_heads/tp, head_dim] on each device
     # k and v, ring all-gather over sp = 2 ((n-1)/n of the whole), forward and backward, 2 layers
     assert rows[("sp", "all-gather", "attention keys, values")] == 2 * 2 * 2 * whole / 2
+    # Megatron sequence parallelism gathers each block's input (the reduce-scatter+all-gather row), not k and v
+    path.write_text(path.read_text().replace("mesh: {sp: 2, tp: 2, dp: 2}", "mesh: {tp: 2, dp: 2}\n"
+                                             "parallel: {sequence_parallel: true}"))
+    exp = load_experiment(path)
+    kinds = {(r["axis"], r["kind"], r["what"]) for r in cost.collectives(
+        program_graph(exp), {"batch": 8, "seq": 8}, cost.Layout.of(exp), train=True)}
+    assert ("tp", "reduce-scatter+all-gather", "attention output") in kinds
+    assert not any("keys" in what for _, _, what in kinds)
     # the core op gathers its own k and v operands
     from tessera.ir.registry import get_op
     from tessera.ir.types import sized_type

@@ -45,6 +45,13 @@ class AxisRules:
         """The mesh axes splitting `logical` (empty when replicated)."""
         return dict(self.rules).get(logical, ())
 
+    def context_axes(self) -> tuple[str, ...]:
+        """Mesh axes splitting seq for the whole network (context parallelism): seq's rule less the axes batch
+        claims first. Megatron sequence parallelism (`sequence_parallel`) splits seq over the heads' axes
+        between blocks only, and is not among them."""
+        batch = self.axes("batch")
+        return tuple(a for a in self.axes("seq") if a not in batch)
+
     def size(self, axes) -> int:
         """How many ways `axes` split a dim."""
         sizes, n = dict(self.sizes), 1

@@ -23,9 +23,8 @@ COMPUTE_AXES = ("heads", "kv_heads", "mlp", "vocab", "experts", "layers", "embed
 
 
 def context_axes(rules: AxisRules) -> tuple[str, ...]:
-    """Mesh axes splitting seq for the whole network (seq's rule, less the axes batch claims first)."""
-    batch = rules.axes("batch")
-    return tuple(a for a in rules.axes("seq") if a not in batch)
+    """Mesh axes splitting seq for the whole network (`AxisRules.context_axes`)."""
+    return rules.context_axes()
 
 
 def token_spec(rules: AxisRules, ndim: int = 2) -> P:
