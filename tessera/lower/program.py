@@ -258,8 +258,10 @@ class Program:
 
     def forward(self, params: Params, tokens) -> jax.Array:
         """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
-        fn = self._jit("forward", lambda: jax.jit(self.forward_fn("forward")))
-        return fn(params, jnp.asarray(tokens, jnp.int32))
+        return self._jit("forward", self._make_forward)(params, jnp.asarray(tokens, jnp.int32))
+
+    def _make_forward(self):
+        return jax.jit(self.forward_fn("forward"))
 
     def _loss(self, params, batch):
         if self.deterministic:
@@ -272,7 +274,10 @@ class Program:
 
     def loss(self, params: Params, batch: dict) -> jax.Array:
         """Mean next-token cross-entropy; batch = {tokens, targets, mask} each [batch, seq]."""
-        return self._jit("loss", lambda: jax.jit(self._loss))(params, batch)
+        return self._jit("loss", self._make_loss)(params, batch)
+
+    def _make_loss(self):
+        return jax.jit(self._loss)
 
     eval_loss = loss
 
@@ -456,11 +461,16 @@ class Program:
         return self._cache[key]
 
     def lower(self, key, *args) -> jax.stages.Lowered:
-        """The cached jitted function `key` (`last_key`: the one called last) lowered for these arguments; its
-        `.compile()` after a call with the same arguments is JAX's cached executable (no compile).
-        "train_step" may be lowered before any call (`tessera plan` compiles it for abstract arguments)."""
-        if key == "train_step":
-            self._jit(key, self._make_train_step)
+        """The jitted function `key` (`last_key`: the one called last) lowered for these arguments; its
+        `.compile()` after a call with the same arguments is JAX's cached executable (no compile). "forward",
+        "loss" and "train_step" may be lowered before any call (`tessera plan` compiles the train step for
+        abstract arguments); a generation program once `generate` has made it for its sampling settings."""
+        makers = {"forward": self._make_forward, "loss": self._make_loss, "train_step": self._make_train_step}
+        if key in makers:
+            self._jit(key, makers[key])
+        elif key not in self._cache:
+            raise KeyError(f"no jitted function {key!r}: lower one of {sorted(makers)}, or a generation "
+                           f"program after `generate` made it (made so far: {list(self._cache)})")
         fn = self._cache[key].__wrapped__
         with jax.default_matmul_precision(self.matmul_precision):
             return fn.lower(*args)

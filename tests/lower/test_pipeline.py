@@ -60,3 +60,13 @@ def test_an_annotation_activations_disagree_with_is_refused():
     with pytest.raises(ValueError, match=r"@layers/attention/q: `heads` is annotated `-`, but activations split "
                                          r"`heads` by `tp`"):
         make_plan(exp, graph, devices=jax.devices()[:1] * 4)
+
+
+def test_program_functions_lower_before_any_call_and_an_unknown_one_is_named():
+    prog = compile_experiment(load_experiment(LLAMA))
+    params = prog.param_shapes()
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    text = prog.lower("forward", params, tokens).as_text()
+    assert "stablehlo" in text and "tensor<2x8xi32>" in text
+    with pytest.raises(KeyError, match="lower one of \\['forward', 'loss', 'train_step'\\]"):
+        prog.lower(("generate", 4), params, tokens)
