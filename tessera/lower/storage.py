@@ -61,8 +61,9 @@ def _rule_key(exp, path: str) -> tuple[str, object]:
 
 
 def _trains(exp) -> bool:
-    task = exp.task
-    return task.kind == "train" or (task.kind == "bench" and "train_step" in getattr(task, "what", ()))
+    from tessera.spec.tasks import trains
+
+    return trains(exp.task)
 
 
 def check_packed(exp, graph) -> None:

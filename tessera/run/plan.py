@@ -81,8 +81,9 @@ def optimizer_states(exp) -> int:
 
 
 def _trains(exp) -> bool:
-    task = exp.task
-    return task.kind == "train" or (task.kind == "bench" and "train_step" in task.what)
+    from tessera.spec.tasks import trains
+
+    return trains(exp.task)
 
 
 def _canonical_per_device(exp) -> int:
@@ -209,24 +210,12 @@ def _flops(graph, exp, sizes: dict) -> dict:
             "contraction_fraction": counts["contraction"] / max(per["forward"], 1.0)}
 
 
-def _check(exp) -> None:
-    """The model-level checks `tessera check` runs (mesh divides dims, numeric rules match); TesseraError."""
-    from tessera.diagnostics import TesseraError
-    from tessera.ir.check import CHECKS, experiment_graph
-
-    graph = experiment_graph(exp)  # elaboration errors point into the spec's model.args
-    problems = [d for check in CHECKS for d in check(exp, graph)]
-    if problems:
-        raise TesseraError(problems)
-
-
 def build_plan(exp, device: str | None = None) -> dict:
     """The plan of an experiment as plain data (the `--json` schema in docs/plan.md), without compiling."""
     from tessera.lower.program import program_graph
 
     key, dev = pick_device(device)
-    _check(exp)
-    graph = program_graph(exp)
+    graph = program_graph(exp)  # the checks `tessera check` runs (TesseraError), then the pipeline
     sizes = cost.task_dims(exp)
     layout = cost.Layout.of(exp)
     train = _trains(exp)

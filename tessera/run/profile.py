@@ -47,6 +47,7 @@ def _job(prog, exp) -> Job:
     import jax.numpy as jnp
 
     from tessera.ir.cost import task_dims
+    from tessera.spec.tasks import trains
 
     task, sizes = exp.task, task_dims(exp)
     vocab = prog.vocab
@@ -65,7 +66,7 @@ def _job(prog, exp) -> Job:
     b, s = sizes["batch"], sizes["seq"]
     tokens = rng.integers(0, vocab, (b, s), dtype=np.int32)
     params = prog.init(int(getattr(task, "seed", 0)))
-    if prog.optimizer is not None and (task.kind == "train" or "train_step" in task.what):
+    if prog.optimizer is not None and trains(task):
         batch = prog.global_batch({"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
                               "mask": np.ones((b, s), np.float32)})
         holder = [prog.init_train_state(params)]
@@ -109,6 +110,7 @@ def _profiled_executable(prog, job: Job, say):
 def _phases(exp, train: bool) -> list[tuple[str, dict, int]]:
     """(phase, sizes, times per step) of what one profiled step runs."""
     from tessera.ir.cost import task_dims
+    from tessera.spec.tasks import trains
 
     sizes = task_dims(exp)
     if exp.task.kind == "generate":

@@ -155,3 +155,9 @@ class BenchTask(Section):
 
 Task = Annotated[Union[TrainTask, GenerateTask, ForwardTask, BenchTask], Field(discriminator="kind")]
 TASK_KINDS = ("train", "generate", "forward", "bench")
+
+
+def trains(task) -> bool:
+    """Whether the task runs a training step (and so holds gradients and optimizer state): `train`, or a
+    `bench` that times `train_step`."""
+    return task.kind == "train" or (task.kind == "bench" and "train_step" in getattr(task, "what", ()))
