@@ -125,7 +125,30 @@ def check_numerics_take_effect(exp, graph: Graph) -> list[Diagnostic]:
     return out
 
 
-CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type, check_numerics_take_effect]
+def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:
+    """No mesh axis splits a dim an op needs whole (`OpDef.whole_dims`: a Fourier transform's): refused here,
+    naming the op, the dim and the axis, rather than gathered silently."""
+    from tessera.ir.passes.shard import AxisRules
+    from tessera.ir.registry import get_op
+
+    rules = AxisRules.from_experiment(exp)
+    sizes, out, seen = dict(rules.sizes), [], set()
+    for op in graph.body.walk():
+        need = get_op(op.name).whole_dims if get_op(op.name) else None
+        for name in (need(op.attrs) if need else ()):
+            axes = tuple(a for a in rules.dims((name,), activation=True)[0] if sizes.get(a, 1) > 1)
+            if not axes or (op.name, name) in seen:
+                continue
+            seen.add((op.name, name))
+            key = f"mesh.{axes[-1]}"
+            out.append(Diagnostic(
+                f"`{op.name}` transforms `{name}` whole on each device, but {' × '.join(f'{a}={sizes[a]}' for a in axes)} "
+                f"splits `{name}` (parallel.rules)", span=exp.span(key), key=key,
+                hint=f"keep `{name}` unsplit: drop it from parallel.rules, or use a mesh without {' × '.join(axes)}"))
+    return out
+
+
+CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims]
 
 
 def experiment_graph(exp) -> Graph:

@@ -53,9 +53,20 @@ def _numel(t: TensorType) -> float:
 
 # ---- elementwise ---------------------------------------------------------------------------------
 
+_COMPLEX = {"c64": "f32", "c128": "f64"}  # complex type -> its parts' type
+
+
 def _binary_rule(ins, attrs):
-    need_float(ins[0], "first operand")
-    return [broadcast(ins[0], ins[1])]
+    a, b = ins
+    need_float(a, "first operand")
+    out = broadcast(a, b)
+    if b.dtype in _COMPLEX and a.dtype not in _COMPLEX:  # real with complex: complex (of the real's precision)
+        if _COMPLEX[b.dtype] != a.dtype:
+            raise OpError(f"a complex operand {b} needs a real one of its parts' type {_COMPLEX[b.dtype]}, got {a}")
+        out = out.with_dtype(b.dtype)
+    elif a.dtype in _COMPLEX and b.dtype not in _COMPLEX and is_float(b.dtype) and _COMPLEX[a.dtype] != b.dtype:
+        raise OpError(f"a complex operand {a} needs a real one of its parts' type {_COMPLEX[a.dtype]}, got {b}")
+    return [out]
 
 
 def _unary_rule(ins, attrs):
@@ -95,12 +106,13 @@ def _dot_rule(ins, attrs):
             same_size(a.dim(d.name), d)
     dims = [d for d in a.dims if d.name not in over]
     dims += [d for d in b.dims if d.name not in over and a.dim(d.name) is None]
-    return [TensorType(a.dtype, tuple(dims))]
+    return [TensorType(b.dtype if b.dtype in _COMPLEX and a.dtype not in _COMPLEX else a.dtype, tuple(dims))]
 
 
 def _dot_flops(ins, outs, attrs):
     over = math.prod(ins[0].dim(d.name).size for d in attrs["over"])
-    return 2.0 * _numel(outs[0]) * over
+    complex_ = 4.0 if outs[0].dtype in _COMPLEX else 1.0  # a complex product is 4 real ones (and their sums)
+    return 2.0 * _numel(outs[0]) * over * complex_
 
 
 register(OpDef("dot", (2, 2), (AttrDef("over", "dims"),), _dot_rule, flops=_dot_flops, contraction=True,

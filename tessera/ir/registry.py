@@ -89,6 +89,8 @@ class OpDef:
     is all-gathered before use. decompose: expands the op into primitives (`tessera ir --after
     decompose`); None for a primitive. state: what it keeps between decode steps (its KV cache; None:
     nothing). seq_gather: what it gathers over the sequence under sequence parallelism (None: nothing).
+    whole_dims: the dims (by name, from its attrs) it needs whole on every device (a Fourier transform's);
+    `tessera check` refuses a mesh that splits one.
     """
 
     name: str
@@ -104,6 +106,7 @@ class OpDef:
     decompose: DecomposeRule | None = None
     state: StateRule | None = None
     seq_gather: SeqGatherRule | None = None
+    whole_dims: Callable[[dict], tuple[str, ...]] | None = None
     region: bool = False  # holds a region (repeat)
     doc: str = ""
 
@@ -129,7 +132,7 @@ def get_op(name: str) -> OpDef | None:
 
 
 def _load_library() -> None:
-    from tessera.ir import ops_core, ops_nn  # noqa: F401  (registration happens on import)
+    from tessera.ir import ops_core, ops_nn, ops_spectral  # noqa: F401  (registration happens on import)
 
 
 # ---- structured attribute families -----------------------------------------------------------------

@@ -38,6 +38,8 @@ def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=
         return "".join(letters.setdefault(d, next(pool)) for d in dims)
 
     spec = ",".join(sub(d) for d in spec_in) + "->" + sub(out)
+    if any(jnp.iscomplexobj(a) for a in arrays):  # complex products (spectral mode mixing): a complex result
+        return jnp.einsum(spec, *arrays, preferred_element_type=jnp.result_type(*arrays))
     if store is not None and any(jnp.result_type(a) != jnp.dtype(store) for a in arrays):
         store = None  # operands wider (or other) than the stored type: keep the accumulator's
     return jnp.einsum(spec, *arrays, preferred_element_type=store or accum)

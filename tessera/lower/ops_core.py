@@ -71,7 +71,8 @@ def _dot(ctx, op, attrs, ins, params):
 def _sum(ctx, op, attrs, ins, params):
     have = names(op.values[0])
     axes = tuple(have.index(d.name) for d in attrs["over"])
-    return [_out(op, jnp.sum(ins[0].astype(jnp.float32), axis=axes))]
+    x = ins[0] if jnp.iscomplexobj(ins[0]) else ins[0].astype(jnp.float32)  # complex sums keep their parts
+    return [_out(op, jnp.sum(x, axis=axes))]
 
 
 @lowers("softmax")

@@ -50,7 +50,7 @@ def lowers(op: str, *, stateful: bool = False, init_state=None):
 
 def get_lowering(op: str) -> Lowering:
     """The lowering of `op`."""
-    from tessera.lower import ops_core, ops_nn  # noqa: F401  (registration happens on import)
+    from tessera.lower import ops_core, ops_nn, ops_spectral  # noqa: F401  (registration happens on import)
 
     found = LOWERINGS.get(op)
     if found is None:
@@ -75,7 +75,7 @@ def lowers_kind(family: str, kind: str):
 
 def get_kind_lowering(family: str, kind: str) -> Callable[..., Any]:
     """The implementation of struct `kind` of `family`."""
-    from tessera.lower import ops_core, ops_nn  # noqa: F401  (registration happens on import)
+    from tessera.lower import ops_core, ops_nn, ops_spectral  # noqa: F401  (registration happens on import)
 
     found = KIND_LOWERINGS.get((family, kind))
     if found is None:

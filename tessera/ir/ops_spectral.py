@@ -1,0 +1,176 @@
+"""Spectral ops: Fourier transforms over named dims, complex numbers, and keeping the low modes.
+
+    f = rfft(x, over = [space], to = [freq])            # f32 [batch, space=64] -> c64 [batch, freq=33]
+    k = modes(f, dim = freq, keep = 16, to = kmodes)     # the first 16 modes:  c64 [batch, kmodes=16]
+    y = irfft(k, over = [kmodes], to = [space = 64])     # zero modes above 16: f32 [batch, space=64]
+
+A transform renames the dims it runs over (`to`), since their sizes change (a real transform of n points
+has n // 2 + 1 modes along its last dim). Transforms need f32 or f64 (c64 or c128 for complex ones): XLA
+has no half-precision FFT, so a bf16 policy must give these ops f32 (a numerics rule), which `tessera check`
+says. `norm` is numpy's: "backward" (1 on the forward transform, 1/n on the inverse), "ortho", "forward".
+Complex element types then flow through `add`, `mul`, `dot` (mode mixing: a complex weight built with
+`complex(re, im)` from two real params) and back out with `real`/`imag`.
+
+FLOPs: 5 n log2 n per complex transform of n points (n the product of the transformed sizes), half that
+for a real one; a complex `dot` counts its 4 real products per complex one (tessera/ir/ops_core.py).
+Sharding: a transform needs its dims whole on each device; `tessera check` refuses a mesh that splits one
+(tessera/ir/check.py, `check_spectral_dims`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tessera.ir.ops_core import need_dim, same_size
+from tessera.ir.registry import AttrDef, OpDef, OpError, register
+from tessera.ir.types import Dim, TensorType
+
+REAL_OF = {"c64": "f32", "c128": "f64"}
+COMPLEX_OF = {v: k for k, v in REAL_OF.items()}
+NORMS = ("backward", "ortho", "forward")
+
+# a real dtype -> why it cannot be transformed (bf16, f16, fp8 ...)
+_NO_FFT = "XLA has no FFT in {dtype}: give this op f32 (a numerics rule for its path, or `default: fp32`)"
+
+
+def is_complex(dtype: str) -> bool:
+    return dtype in REAL_OF
+
+
+def _norm(attrs) -> None:
+    if attrs["norm"] not in NORMS:
+        raise OpError(f"norm must be one of {', '.join(repr(n) for n in NORMS)}, got {attrs['norm']!r}")
+
+
+def _over(x: TensorType, attrs, to_kind: str) -> tuple[list[Dim], list]:
+    over = [need_dim(x, d.name) for d in attrs["over"]]
+    if not 1 <= len(over) <= 2:
+        raise OpError(f"`over` names 1 or 2 dimensions (1-D or 2-D transforms), got {len(over)}")
+    if len({d.name for d in over}) != len(over):
+        raise OpError("`over` names a dimension twice")
+    to = list(attrs["to"]) if attrs.get("to") is not None else [None] * len(over)
+    if len(to) != len(over):
+        raise OpError(f"`to` names {len(to)} dimension(s) for the {len(over)} in `over`")
+    for t, d in zip(to, over):
+        name = t.name if t is not None else d.name
+        if name != d.name and x.dim(name) is not None:
+            raise OpError(f"`to` names `{name}`, which the operand {x} already has")
+    return over, to
+
+
+def _replace(x: TensorType, old: list[Dim], new: list[Dim], dtype: str) -> TensorType:
+    swap = dict(zip((d.name for d in old), new))
+    return TensorType(dtype, tuple(swap.get(d.name, d) for d in x.dims))
+
+
+def _fft_rule(ins, attrs):
+    x = ins[0]
+    _norm(attrs)
+    if not is_complex(x.dtype):
+        raise OpError(f"operand must be complex (c64 or c128), got {x}; `rfft` transforms real input")
+    over, to = _over(x, attrs, "dims")
+    new = [Dim(t.name if t is not None else d.name, d.size) for t, d in zip(to, over)]
+    return [_replace(x, over, new, x.dtype)]
+
+
+def _rfft_rule(ins, attrs):
+    x = ins[0]
+    _norm(attrs)
+    if x.dtype not in COMPLEX_OF:
+        raise OpError(f"operand must be f32 or f64, got {x}: " + _NO_FFT.format(dtype=x.dtype))
+    over, to = _over(x, attrs, "dims")
+    sizes = [d.size for d in over[:-1]] + [None if over[-1].size is None else over[-1].size // 2 + 1]
+    new = [Dim(t.name if t is not None else d.name, n) for t, d, n in zip(to, over, sizes)]
+    return [_replace(x, over, new, COMPLEX_OF[x.dtype])]
+
+
+def _irfft_rule(ins, attrs):
+    x = ins[0]
+    _norm(attrs)
+    if not is_complex(x.dtype):
+        raise OpError(f"operand must be complex (c64 or c128), got {x}")
+    over, to = _over(x, attrs, "shape")
+    if any(t is None for t in to):
+        raise OpError("`to` gives the real output's sized dims, e.g. `to = [space = 64]`")
+    for t, d in list(zip(to, over))[:-1]:
+        same_size(Dim(t.name, t.size), Dim(t.name, d.size), "modes and points of a dim the real transform "
+                  "keeps whole")
+    last, n = over[-1], to[-1].size
+    if last.size is not None and last.size > n // 2 + 1:
+        raise OpError(f"{last.size} modes along `{last.name}` are more than {n} real points hold "
+                      f"({n // 2 + 1}); use to = [{to[-1].name} = {2 * (last.size - 1)}] or more")
+    return [_replace(x, over, list(to), REAL_OF[x.dtype])]
+
+
+def _transform_flops(kind: str):
+    """5 n log2 n per complex transform of n points, half for a real one (rfft, irfft); n is the product of
+    the transformed dims' sizes on the real side, and the batch of transforms is every other position."""
+    def flops(ins, outs, attrs):
+        points = outs[0] if kind == "irfft" else ins[0]
+        dims = attrs["to"] if kind == "irfft" else [points.dim(d.name) for d in attrs["over"]]
+        n = math.prod(d.size for d in dims)
+        count = math.prod(d.size for d in points.dims) / n
+        return count * (5.0 * n * math.log2(n) if n > 1 else 0.0) * (0.5 if kind in ("rfft", "irfft") else 1.0)
+
+    return flops
+
+
+def _transformed(attrs) -> tuple[str, ...]:
+    """A transform needs every point of the dims it runs over (and makes its `to` dims whole)."""
+    return tuple(d.name for d in attrs["over"]) + tuple(d.name for d in (attrs.get("to") or ()) if d is not None)
+
+
+_TRANSFORM_ATTRS = (AttrDef("over", "dims"), AttrDef("norm", "str", "backward"))
+for _name, _doc in [("fft", "numpy.fft.fftn over `over`"), ("ifft", "numpy.fft.ifftn over `over`")]:
+    register(OpDef(_name, (1, 1), _TRANSFORM_ATTRS + (AttrDef("to", "dims?", None),), _fft_rule,
+                   flops=_transform_flops("fft"), whole_dims=_transformed,
+                   doc=f"{_doc} (complex -> complex; `to` renames the dims, sizes kept)"))
+register(OpDef("rfft", (1, 1), _TRANSFORM_ATTRS + (AttrDef("to", "dims?", None),), _rfft_rule,
+               flops=_transform_flops("rfft"), whole_dims=_transformed,
+               doc="numpy.fft.rfftn over `over` (f32 -> c64, f64 -> c128; the last dim's n points give "
+                   "n // 2 + 1 modes); `to` renames the dims"))
+register(OpDef("irfft", (1, 1), _TRANSFORM_ATTRS + (AttrDef("to", "shape"),), _irfft_rule,
+               flops=_transform_flops("irfft"), whole_dims=_transformed,
+               doc="numpy.fft.irfftn over `over` to the real sized dims `to` (modes beyond the input are zero)"))
+
+
+def _modes_rule(ins, attrs):
+    x = ins[0]
+    d = need_dim(x, attrs["dim"].name)
+    keep, to = attrs["keep"], attrs["to"].name
+    if keep < 1 or (d.size is not None and keep > d.size):
+        raise OpError(f"keep = {keep} modes of the {d.size} along `{d.name}`: keep 1 to {d.size}")
+    if to != d.name and x.dim(to) is not None:
+        raise OpError(f"`to` names `{to}`, which the operand {x} already has")
+    return [_replace(x, [d], [Dim(to, keep)], x.dtype)]
+
+
+register(OpDef("modes", (1, 1), (AttrDef("dim", "dim"), AttrDef("keep", "int"), AttrDef("to", "dim")), _modes_rule,
+               whole_dims=lambda a: (a["dim"].name, a["to"].name),
+               doc="the first `keep` entries along `dim` (the low modes of a transform), renamed `to`"))
+
+
+def _part_rule(ins, attrs):
+    x = ins[0]
+    if not is_complex(x.dtype):
+        raise OpError(f"operand must be complex (c64 or c128), got {x}")
+    return [x.with_dtype(REAL_OF[x.dtype])]
+
+
+register(OpDef("real", (1, 1), (), _part_rule, doc="the real part"))
+register(OpDef("imag", (1, 1), (), _part_rule, doc="the imaginary part"))
+
+
+def _complex_rule(ins, attrs):
+    re, im = ins
+    if re.dtype not in COMPLEX_OF or im.dtype != re.dtype:
+        raise OpError(f"real and imaginary parts must both be f32 or both f64, got {re} and {im}")
+    if re.names != im.names:
+        raise OpError(f"real and imaginary parts must have the same dims, got {re} and {im}")
+    for a, b in zip(re.dims, im.dims):
+        same_size(a, b, "parts")
+    return [re.with_dtype(COMPLEX_OF[re.dtype])]
+
+
+register(OpDef("complex", (2, 2), (), _complex_rule, flops=lambda i, o, a: 0.0,
+               doc="re + i * im from two real tensors of the same dims"))
