@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 
 from tessera.ir.ops_core import need_dim, same_size
-from tessera.ir.registry import AttrDef, OpDef, OpError, register
-from tessera.ir.types import Dim, TensorType
+from tessera.ir.registry import AttrDef, OpDef, OpError, ParamDecl, register
+from tessera.ir.types import Dim, DimName, Init, TensorType
 
 REAL_OF = {"c64": "f32", "c128": "f64"}
 COMPLEX_OF = {v: k for k, v in REAL_OF.items()}
@@ -174,3 +174,45 @@ def _complex_rule(ins, attrs):
 
 register(OpDef("complex", (2, 2), (), _complex_rule, flops=lambda i, o, a: 0.0,
                doc="re + i * im from two real tensors of the same dims"))
+
+
+# ---- a spectral convolution with weights -------------------------------------------------------------------
+
+def _spectral_conv_rule(ins, attrs):
+    x = ins[0]
+    if x.dtype not in COMPLEX_OF:
+        raise OpError(f"operand must be f32 or f64, got {x}: " + _NO_FFT.format(dtype=x.dtype))
+    over, channels = need_dim(x, attrs["over"].name), need_dim(x, attrs["channels"].name)
+    if over.name == channels.name:
+        raise OpError(f"`over` and `channels` must be different dims, both are `{over.name}`")
+    if channels.size is None:
+        raise OpError(f"the channels dim `{channels.name}` needs a size")
+    k = attrs["modes"]
+    if k < 1 or (over.size is not None and k > over.size // 2 + 1):
+        raise OpError(f"modes = {k}: {over.size} points along `{over.name}` hold 1 to {over.size // 2 + 1} modes")
+    return [x]
+
+
+def _spectral_conv_params(a, types):
+    x = types[0]
+    c = x.dim(a["channels"].name)
+    dims = (Dim("modes", a["modes"]), c, Dim(f"{c.name}_out", c.size))
+    init = Init("normal", (2.0 * c.size) ** -0.5)  # a mode's mixed output on its input's scale
+    return [ParamDecl("w_re", dims, init), ParamDecl("w_im", dims, init)]
+
+
+def _spectral_conv_flops(ins, outs, attrs):
+    x = ins[0]
+    n, c, k = x.dim(attrs["over"].name).size, x.dim(attrs["channels"].name).size, attrs["modes"]
+    lines = math.prod(d.size for d in x.dims) / n  # transforms: every position off the transformed dim
+    transforms = 2 * lines * 0.5 * 5.0 * n * math.log2(n)  # rfft in, irfft out
+    mixing = 8.0 * (lines / c) * k * c * c  # a complex multiply-add is 8 real FLOPs
+    return transforms + mixing
+
+
+register(OpDef("spectral_conv", (1, 1), (AttrDef("over", "dim"), AttrDef("modes", "int"),
+                                         AttrDef("channels", "dim", DimName("width"))),
+               _spectral_conv_rule, params=_spectral_conv_params, flops=_spectral_conv_flops, contraction=True,
+               whole_dims=lambda a: (a["over"].name,),
+               doc="irfft(modes(rfft(x over `over`), first `modes`) mixed over `channels` by the complex weight "
+                   "w_re + i w_im [modes, channels, channels_out]): a Fourier neural operator's spectral layer"))

@@ -60,3 +60,18 @@ def _imag(ctx, op, attrs, ins, params):
 @lowers("complex")
 def _complex(ctx, op, attrs, ins, params):
     return [_cast(op, jax.lax.complex(ins[0], ins[1]))]
+
+
+@lowers("spectral_conv")
+def _spectral_conv(ctx, op, attrs, ins, params):
+    have = names(op.values[0])
+    x = ins[0]
+    axis, chan = have.index(attrs["over"].name), have.index(attrs["channels"].name)
+    n, k = x.shape[axis], attrs["modes"]
+    cdt = jnp.complex128 if x.dtype == jnp.float64 else jnp.complex64
+    w = jax.lax.complex(params["w_re"].astype(x.real.dtype), params["w_im"].astype(x.real.dtype)).astype(cdt)
+    f = jax.lax.slice_in_dim(jnp.fft.rfft(x, axis=axis), 0, k, axis=axis)  # the k lowest modes
+    f = jnp.moveaxis(f, (axis, chan), (-2, -1))                             # [..., modes, channels]
+    y = jnp.einsum("...mc,mco->...mo", f, w, preferred_element_type=cdt)
+    y = jnp.moveaxis(y, (-2, -1), (axis, chan))
+    return [_cast(op, jnp.fft.irfft(y, n=n, axis=axis))]                   # modes above k: zero

@@ -160,3 +160,25 @@ def test_a_mesh_splitting_a_transformed_dim_is_refused_at_check():
     assert problem.key == "mesh.sp" and "`rfft` transforms `seq` whole on each device, but sp=2 splits" in \
         problem.message and problem.span is not None
     assert check_whole_dims(load_experiment(spec, overrides={"mesh.dp": 2}), graph) == []
+
+
+CONV_LAYER = _graph("""  %0 = spectral_conv(%x, @fno/w_re, @fno/w_im) {over = space, modes = 5, channels = width} : f64[batch=2, space=32, width=3]
+  return %0
+""", "  input %x : f64[batch=2, space=32, width=3]\n",
+                    "  param @fno/w_re : f64[modes=5, width=3, width_out=3] = normal(0.408)\n"
+                    "  param @fno/w_im : f64[modes=5, width=3, width_out=3] = normal(0.408)\n")
+
+
+def test_the_spectral_convolution_layer_is_the_composition_of_its_primitives():
+    graph = verify(parse_graph(CONV_LAYER))
+    (param,) = [p for p in graph.params.values() if p.path == "fno/w_re"]
+    assert param.type.names == ("modes", "width", "width_out")
+    x = RNG.standard_normal((2, 32, 3))
+    w = {"fno/w_re": RNG.standard_normal((5, 3, 3)), "fno/w_im": RNG.standard_normal((5, 3, 3))}
+    (y,), _ = eval_region(graph.body, [jnp.asarray(x)], {k: jnp.asarray(v) for k, v in w.items()}, LowerCtx())
+    np.testing.assert_allclose(np.asarray(y), _conv_numpy(x, w["fno/w_re"] + 1j * w["fno/w_im"]).real, atol=1e-12)
+    assert print_graph(parse_graph(print_graph(graph))) == print_graph(graph)
+    (op,) = graph.body.ops
+    assert op_flops(op, graph, {}) == 2 * (2 * 3) * 0.5 * 5 * 32 * 5 + 8 * 2 * 5 * 3 * 3
+    with pytest.raises(TesseraError, match="hold 1 to 17 modes"):
+        verify(parse_graph(CONV_LAYER.replace("modes = 5", "modes = 18")))
