@@ -362,38 +362,45 @@ class Program:
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, params: Params, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, stop_tokens=(), seed: int = 0,
-                 prompt_lengths=None) -> jax.Array:
-        """Prompts [B, P] followed by max_new_tokens new tokens (greedy unless temperature > 0), KV-cached."""
+                 prompt_lengths=None, capacity: int | None = None) -> jax.Array:
+        """Prompts [B, P] followed by max_new_tokens new tokens (greedy unless temperature > 0), KV-cached.
+
+        One compiled program serves every max_new_tokens up to `capacity` (default max_new_tokens): its caches
+        hold P + capacity tokens and it decodes as many as it is asked, so a caller timing a one-token call
+        (the first token's latency) and a full one compiles once."""
         prompts = jnp.asarray(prompts, jnp.int32)
         if prompt_lengths is not None and len(set(np.asarray(prompt_lengths).tolist())) > 1:
             raise ValueError("prompts of different lengths must be generated in separate batches")
         if max_new_tokens <= 0:
             return prompts
+        capacity = max(int(capacity or 0), int(max_new_tokens))
         rule = sampling.SamplingRule(temperature=float(temperature), top_k=top_k, top_p=top_p)
         split = any(isinstance(v, list) for v in params.values())
         stop = tuple(int(t) for t in stop_tokens)
-        key = ("generate", max_new_tokens, rule, stop, prompts.shape[0], split)
-        fn = self._jit(key, lambda: jax.jit(self.generate_fn(params, prompts.shape[0], max_new_tokens, rule, stop)))
-        return fn(params, prompts, jnp.asarray(seed, jnp.uint32))
+        key = ("generate", capacity, rule, stop, prompts.shape[0], split)
+        fn = self._jit(key, lambda: jax.jit(self.generate_fn(params, prompts.shape[0], capacity, rule, stop)))
+        out = fn(params, prompts, jnp.asarray(seed, jnp.uint32), jnp.asarray(max_new_tokens, jnp.int32))
+        return out if max_new_tokens == capacity else out[:, :prompts.shape[1] + max_new_tokens]
 
-    def generate_fn(self, params: Params, batch: int, max_new_tokens: int, rule: sampling.SamplingRule,
+    def generate_fn(self, params: Params, batch: int, capacity: int, rule: sampling.SamplingRule,
                     stop_tokens: tuple[int, ...] = ()):
-        """(params, prompts [batch, P], seed) -> tokens: the generation program `generate` jits, unjitted; on
-        a mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)."""
-        run = lambda p, x, s, shard=None: self._generate(p, x, s, max_new_tokens, rule, stop_tokens, shard)
+        """(params, prompts [batch, P], seed, max_new) -> tokens [batch, P + capacity]: the generation program
+        `generate` jits, unjitted; it decodes max_new <= capacity tokens (the slots after them are 0). On a
+        mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)."""
+        run = lambda p, x, s, n, shard=None: self._generate(p, x, s, n, capacity, rule, stop_tokens, shard)
         if self.plan is None:
             return run
         from tessera.lower.shard.step import sharded_generate
         return sharded_generate(self.plan, run, batch, self.param_specs(params))
 
-    def _generate(self, params, prompts, seed, max_new: int, rule, stop_tokens, shard=None):
+    def _generate(self, params, prompts, seed, max_new, capacity: int, rule, stop_tokens, shard=None):
         b, p = prompts.shape
         body = self.graph.body
         # layers unrolled over their own weights and caches (interpret.py: a scan would copy them per token);
         # stacked weights are split here, copied once per call (held twice meanwhile); split ones pass as they are
         params = split_layers(body, params)
         ctx = functools.partial(self.lower_ctx, shard=shard, unroll=True)
-        state = init_state(body, ctx(mode="prefill"), b, p + max_new)
+        state = init_state(body, ctx(mode="prefill"), b, p + capacity)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
         with jax.named_scope("prefill"):
@@ -404,17 +411,20 @@ class Program:
         done = sampling.is_stop(first, stop_tokens)
 
         @jax.named_scope("decode")
-        def step(carry, i):
-            token, done, state = carry
+        def step(i, carry):
+            token, done, state, out = carry
             pos = jnp.full((b, 1), p + i, jnp.int32)
             (logits,), state = eval_region(body, [token[:, None]], params, ctx(mode="decode", positions=pos), state)
             logits = whole(logits)
             nxt = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, i + 1))
             nxt = jnp.where(done, token, nxt)  # a finished row repeats its stop token
-            return (nxt, done | sampling.is_stop(nxt, stop_tokens), state), nxt
+            out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
+            return nxt, done | sampling.is_stop(nxt, stop_tokens), state, out
 
-        _, rest = jax.lax.scan(step, (first, done, state), jnp.arange(max_new - 1, dtype=jnp.int32))
-        return jnp.concatenate([prompts, first[:, None], rest.T], axis=1)
+        rest = jnp.zeros((b, capacity - 1), jnp.int32)
+        # a loop of max_new - 1 steps, that many known only when it runs (one program for every length)
+        _, _, _, rest = jax.lax.fori_loop(0, jnp.minimum(max_new, capacity) - 1, step, (first, done, state, rest))
+        return jnp.concatenate([prompts, first[:, None], rest], axis=1)
 
     # ---- accounting ----------------------------------------------------------------------------
     def kernel_report(self) -> dict[str, str]:

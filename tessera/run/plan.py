@@ -310,7 +310,7 @@ def _lowered(exp, train: bool):
         prompts = sds((sizes["batch"], sizes["seq"] - new), jnp.int32)
         split = _abstract(prog.param_shapes(split_layers=True), {})  # as the generate task holds them
         fn = jax.jit(prog.generate_fn(split, sizes["batch"], new, rule, stop))
-        return fn.lower(split, prompts, sds((), jnp.uint32))
+        return fn.lower(split, prompts, sds((), jnp.uint32), sds((), jnp.int32))
     return jax.jit(prog.forward_fn("forward")).lower(params, tokens)
 
 

@@ -60,7 +60,7 @@ def _job(prog, exp) -> Job:
         params = prog.init(int(task.seed), split_layers=True)
         kw = {**sampling_kwargs(task), "stop_tokens": ()}  # every call decodes all max_new_tokens
         call = lambda: prog.generate(params, prompts, max_new_tokens=new, **kw)  # noqa: E731
-        args = (params, jnp.asarray(prompts), jnp.asarray(kw["seed"], jnp.uint32))
+        args = (params, jnp.asarray(prompts), jnp.asarray(kw["seed"], jnp.uint32), jnp.asarray(new, jnp.int32))
         return Job(f"generate ({prompts.shape[0]} x {prompts.shape[1]} prompt tokens, {new} new)", call,
                    lambda: prog.last_key, lambda: args)  # the key (it holds the sampling rule) once called
     b, s = sizes["batch"], sizes["seq"]

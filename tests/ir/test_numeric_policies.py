@@ -66,7 +66,8 @@ def _lowers(spec: str, over: dict, task: str) -> None:
         prog = compile_experiment(exp)
         params = jax.eval_shape(lambda: prog.init(0, split_layers=True))
         fn = prog.generate_fn(params, 1, 2, SamplingRule(0.0, None, None))
-        jax.eval_shape(fn, params, jax.ShapeDtypeStruct((1, 3), jnp.int32), jax.ShapeDtypeStruct((), jnp.uint32))
+        jax.eval_shape(fn, params, jax.ShapeDtypeStruct((1, 3), jnp.int32), jax.ShapeDtypeStruct((), jnp.uint32),
+                       jax.ShapeDtypeStruct((), jnp.int32))
 
 
 @pytest.mark.parametrize("task", ["train", "generate"])

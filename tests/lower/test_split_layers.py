@@ -55,7 +55,8 @@ def test_split_init_peak_is_params_plus_one_layer(prog):
 def _temp(prog, params, new: int) -> float:
     prompts = jax.ShapeDtypeStruct((1, 3), jnp.int32)
     fn = jax.jit(prog.generate_fn(params, prompts.shape[0], new, prog_rule()))
-    return fn.lower(params, prompts, jax.ShapeDtypeStruct((), jnp.uint32)).compile().memory_analysis().temp_size_in_bytes
+    return fn.lower(params, prompts, jax.ShapeDtypeStruct((), jnp.uint32),
+                    jax.ShapeDtypeStruct((), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
 
 
 def prog_rule():
@@ -74,3 +75,18 @@ def test_generation_from_split_weights_holds_them_once():
     # dots, hoisted out of the token loop, in both programs: ~0.9x the layers here. Not on the GPU: the 120b
     # generating on one H100 peaked at 65.50 GB against the plan's 65.26 GB, weights 65.25 GB.)
     assert _temp(prog, stacked, 8) - _temp(prog, split, 8) >= layers
+
+
+def test_one_generation_program_serves_every_length_up_to_its_capacity(prog):
+    """The generate task times a full call and a one-token call (the first token's latency): one compile."""
+    params = prog.init(0, split_layers=True)
+    prompts = np.asarray([[1, 2, 3], [4, 5, 6]], np.int32)
+    full = np.asarray(prog.generate(params, prompts, max_new_tokens=8, temperature=0.7, seed=2))
+    before = len(prog._cache)
+    for n in (1, 3):
+        part = np.asarray(prog.generate(params, prompts, max_new_tokens=n, temperature=0.7, seed=2, capacity=8))
+        assert part.shape == (2, 3 + n)
+        np.testing.assert_array_equal(part, full[:, :3 + n])  # the same tokens, the loop stopped early
+    fn = prog._cache[prog.last_key]
+    assert len(prog._cache) == before and fn.__wrapped__._cache_size() == 1
+    assert not np.array_equal(full[:, 3:], np.zeros_like(full[:, 3:]))

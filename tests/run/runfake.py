@@ -160,7 +160,7 @@ class FakeProgram:
         return state, metrics
 
     def generate(self, params, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                 stop_tokens=(), seed=0, prompt_lengths=None):
+                 stop_tokens=(), seed=0, prompt_lengths=None, capacity=None):
         prompts = jnp.asarray(prompts, jnp.int32)
         b, p = prompts.shape
         lengths = jnp.full((b,), p, jnp.int32) if prompt_lengths is None else jnp.asarray(prompt_lengths, jnp.int32)

@@ -175,7 +175,7 @@ def sharded_forward(prog, plan: ShardPlan, mode: str):
 
 
 def sharded_generate(plan: ShardPlan, run, batch: int, specs: dict | None = None):
-    """run(params, prompts, seed, shard) under shard_map: prompts split over the batch axes when they divide
+    """run(params, prompts, seed, max_new, shard) under shard_map: prompts split over the batch axes when they divide
     the batch, KV caches holding this device's kv_heads, logits gathered over vocab before sampling.
     specs: the parameters' PartitionSpecs in their layout (`Program.param_specs`), default the stacked ones."""
     specs = specs or plan.param_specs
@@ -191,9 +191,9 @@ def sharded_generate(plan: ShardPlan, run, batch: int, specs: dict | None = None
                 for k, v in p.items()}  # a split parameter's layers are each whole over pp already
     # (a PartitionSpec's slice is a plain tuple, which never equals a PartitionSpec: compare tuples)
 
-    def generate(params, prompts, seed):
-        fn = jax.shard_map(lambda p, x, s: run(whole_layers(p), x, s, env), mesh=plan.mesh,
-                           in_specs=(specs, spec, P()), out_specs=spec, check_vma=False)
-        return fn(params, prompts, seed)
+    def generate(params, prompts, seed, max_new):
+        fn = jax.shard_map(lambda p, x, s, n: run(whole_layers(p), x, s, n, env), mesh=plan.mesh,
+                           in_specs=(specs, spec, P(), P()), out_specs=spec, check_vma=False)
+        return fn(params, prompts, seed, max_new)
 
     return generate

@@ -78,7 +78,7 @@ class Bench:
 
     def decode(self) -> dict:
         """Decode tokens/s: (full generation - prefill-only generation) time per new token."""
-        gen = lambda n: self.prog.generate(self.params, self.tokens, max_new_tokens=n)
+        gen = lambda n: self.prog.generate(self.params, self.tokens, max_new_tokens=n, capacity=self.decode_tokens)
         prefill = time_calls(lambda: gen(1), self.warmup, self.iters)
         full = time_calls(lambda: gen(self.decode_tokens), self.warmup, self.iters)
         per_token_s = max(full["median_s"] - prefill["median_s"], 1e-9) / (self.decode_tokens - 1)
