@@ -89,20 +89,24 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
 STORAGE_TYPES = ("fp32", "bf16", "fp16", "mxfp4")
 
 
-def _numeric_problems(t, where: str, span, key: str, *, compute: bool) -> list[Diagnostic]:
-    """What in numeric type `t` no lowering would honour: each a positioned error (message prefixed `where`)."""
+def _numeric_problems(t, where: str, span, key: str, *, compute: bool, accum: str = "fp32") -> list[Diagnostic]:
+    """What in numeric type `t` no lowering would honour: each a positioned error (message prefixed `where`).
+    `accum`: the program's accumulation type (numerics.default's @accum, fp32 when it has none)."""
     out = []
     if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)"):
         out.append(Diagnostic(f"{where}`@scale({t.scale})` is parsed but no lowering scales tensors yet, so "
                               f"`{t}` would not be the arithmetic done", span=span, key=key,
                               hint="drop @scale (mxfp4 carries its own per_block(32) scales)"))
-    if t.loss_scale is not None:
-        out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` is parsed but the train step does not scale "
-                              "the loss yet", span=span, key=key,
-                              hint="drop @loss_scale; train in bf16 or fp32, which need no loss scaling"))
-    if t.accum is not None and t.accum != "fp32":
-        out.append(Diagnostic(f"{where}matmuls and reductions accumulate in fp32; `@accum({t.accum})` would not "
-                              "be honoured", span=span, key=key, hint="write @accum(fp32), or leave @accum out"))
+    if not compute and t.loss_scale is not None:
+        out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` on a rule would not be honoured: the loss is "
+                              "scaled once for the whole program", span=span, key=key,
+                              hint="write it on numerics.default or as numerics.loss_scale"))
+    if not compute and t.accum is not None and t.accum != accum:
+        out.append(Diagnostic(f"{where}the program accumulates in {accum} (numerics.default's @accum); a rule's "
+                              f"`@accum({t.accum})` would not be honoured: a rule sets how a parameter is held, "
+                              "not how the products reading it accumulate", span=span, key=key,
+                              hint=f"write @accum({accum}) or leave @accum out of the rule; set the accumulation "
+                                   "in numerics.default"))
     if not compute and t.base not in STORAGE_TYPES:
         out.append(Diagnostic(f"{where}parameters cannot be held in `{t.base}` yet (it would be held as bf16, "
                               f"values off the {t.base} grid)", span=span, key=key,
@@ -115,14 +119,67 @@ def check_numerics_take_effect(exp, graph: Graph) -> list[Diagnostic]:
     (not ignored, and not failing later in the lowering)."""
     num = exp.numerics
     out = _numeric_problems(num.default, "", exp.span("numerics.default"), "numerics.default", compute=True)
+    accum = num.default.accum or "fp32"
     for glob, t in (num.rules or {}).items():
         span = exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules")
-        out += _numeric_problems(t, f"rule `{glob}`: ", span, "numerics.rules", compute=False)
-    if str(num.loss_scale) != "none":
-        out.append(Diagnostic(f"numerics.loss_scale: `{num.loss_scale}` is parsed but the train step does not "
-                              "scale the loss yet", span=exp.span("numerics.loss_scale"), key="numerics.loss_scale",
-                              hint="use none; train in bf16 or fp32, which need no loss scaling"))
-    return out
+        out += _numeric_problems(t, f"rule `{glob}`: ", span, "numerics.rules", compute=False, accum=accum)
+    out += _narrow_accum_training(exp, graph, accum)
+    return out + _loss_scaling(exp)
+
+
+def _loss_scaling(exp) -> list[Diagnostic]:
+    """Loss scaling (numerics.loss_scale or numerics.default's @loss_scale) runs in the train step
+    (tessera/lower/loss_scale.py): refused where there is no train step, where the two places disagree,
+    and where the 1F1B pipeline computes gradients outside the scaled backward pass."""
+    num = exp.numerics
+    written = [(key, text) for key, text, on in [
+        ("numerics.loss_scale", str(num.loss_scale), str(num.loss_scale) != "none"),
+        ("numerics.default", f"@loss_scale({num.default.loss_scale})", num.default.loss_scale is not None)] if on]
+    if not written:
+        return []
+    key, text = written[0]
+    span = exp.span(key)
+    kind = getattr(exp.task, "kind", None)
+    if kind != "train":
+        return [Diagnostic(f"loss scaling `{text}` applies to training; a `{kind}` task computes no gradients, so "
+                           "it would not be honoured", span=span, key=key, hint="drop it for this task")]
+    if len(written) == 2:
+        ls, default = num.loss_scale, num.default.loss_scale
+        same = (ls == "dynamic" and default == "dynamic") or \
+            (ls.startswith("static(") and default != "dynamic" and float(ls[7:-1]) == float(default))
+        if not same:
+            return [Diagnostic(f"numerics.loss_scale `{ls}` and numerics.default's `@loss_scale({default})` "
+                               "disagree; the loss is scaled one way", span=span, key=key,
+                               hint="write loss scaling in one place")]
+    if exp.mesh.pp > 1 and exp.parallel.pipeline.schedule == "1f1b":
+        return [Diagnostic(f"loss scaling `{text}` is not applied under the 1F1B pipeline schedule (its gradients "
+                           "are computed outside the scaled backward pass)", span=span, key=key,
+                           hint="use parallel.pipeline.schedule: gpipe, or mesh.pp: 1")]
+    return []
+
+
+# ops whose backward products a narrow @accum does not reach (tessera/lower/reference/accum.py: the grouped
+# GEMM's weight gradient sums over each expert's ragged run of tokens, which its emulation does not block)
+_NARROW_ACCUM_FORWARD_ONLY = ("moe",)
+
+
+def _narrow_accum_training(exp, graph: Graph, accum: str) -> list[Diagnostic]:
+    """A bf16/fp16 accumulator is honoured in training only where every contraction's backward honours it."""
+    if accum == "fp32" or getattr(exp.task, "kind", None) != "train":
+        return []
+    from tessera.ir.passes.rewrite import regions
+
+    for region, _ in regions(graph):
+        for op in region.ops:
+            if op.name in _NARROW_ACCUM_FORWARD_ONLY:
+                where = f" (`{op.name}` at {op.span.file}:{op.span.line}:{op.span.col})" if op.span else ""
+                return [Diagnostic(f"`@accum({accum})` is honoured by the experts' grouped products forward only: "
+                                   f"their weight gradients would accumulate in fp32{where}; training would not "
+                                   f"run the arithmetic written", span=exp.span("numerics.default"),
+                                   key="numerics.default",
+                                   hint=f"train with @accum(fp32); @accum({accum}) runs for generate and forward "
+                                        "tasks, and for training models without moe")]
+    return []
 
 
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:
