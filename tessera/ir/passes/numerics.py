@@ -13,7 +13,7 @@ from typing import Any
 
 from tessera.ir.passes import register_pass
 from tessera.ir.passes.rewrite import regions, retype
-from tessera.ir.types import Graph, canonical_dtype, is_float
+from tessera.ir.types import Graph, ParamRef, canonical_dtype, is_float
 
 
 def numeric(value: Any):
@@ -61,3 +61,32 @@ def apply_numerics(graph: Graph, ctx) -> Graph:
 
 
 register_pass("numerics", apply_numerics)
+
+
+
+_FP32_STATISTICS = ("rmsnorm", "layernorm")  # ops whose parameters scale fp32 statistics (lower/reference/norms.py)
+
+
+def resolved_policy(graph: Graph, policy: Any) -> dict:
+    """What runs in which precision, after this pass: the compute and accumulation types, the loss scaling, and
+    per parameter path its storage type (the IR's element type), the type it is computed in (cast or dequantised
+    to at use) and the numerics rule that set its storage (None: `params`). For `tessera plan` and the manifest."""
+    compute = graph.attrs.get("compute", "f32")
+    loss = str(_get(policy, "loss_scale", "none") or "none")
+    default = numeric(_get(policy, "default", "fp32")) if policy is not None else None
+    if loss == "none" and default is not None and default.loss_scale is not None:
+        loss = "dynamic" if default.loss_scale == "dynamic" else f"static({default.loss_scale})"
+    rules = _get(policy, "rules") or {}
+    owner = {ref.path: op.name for region, _ in regions(graph) for op in region.ops
+             for ref in op.operands if isinstance(ref, ParamRef)}
+    params = {}
+    for path, p in graph.params.items():
+        rule = None
+        for glob in rules:
+            if fnmatch.fnmatchcase(path, glob):
+                rule = glob
+        used = compute if is_float(p.type.dtype) else p.type.dtype
+        if owner.get(path) in _FP32_STATISTICS or path.endswith("/sinks"):  # scales of fp32 statistics
+            used = "f32"
+        params[path] = {"storage": p.type.dtype, "compute": used, "rule": rule}
+    return {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss, "by_param": params}
