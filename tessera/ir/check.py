@@ -10,6 +10,7 @@ import fnmatch
 
 from tessera.diagnostics import Diagnostic, TesseraError
 from tessera.ir.types import Graph
+from tessera.spec.tasks import trains
 
 
 def divisors(n: int) -> list[int]:
@@ -71,32 +72,66 @@ def check_numeric_rules(exp, graph: Graph) -> list[Diagnostic]:
 COMPUTE_TYPES = ("fp32", "bf16", "fp16")  # what activations can be computed in (tessera/lower/context.py)
 
 
+FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tessera/lower/reference/fp8.py)
+
+
 def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
-    """The compute type (`numerics.default`) is one the lowering computes in. Narrower types are storage
-    formats here: a parameter may be held in them (`numerics.rules`), not computed in."""
-    base = exp.numerics.default.base
-    if base in COMPUTE_TYPES:
+    """The compute type (`numerics.default`) is one the lowering computes in: fp32, bf16, fp16, or fp8_e4m3 with
+    per-tensor scaling (products with weights in fp8, the rest in bf16). Other narrow types are storage formats
+    here: a parameter may be held in them (`numerics.rules`), not computed in."""
+    t = exp.numerics.default
+    span, key = exp.span("numerics.default"), "numerics.default"
+    if t.base in COMPUTE_TYPES:
         return []
-    return [Diagnostic(f"`{base}` is a storage format, not a type activations can be computed in",
-                       span=exp.span("numerics.default"), key="numerics.default",
-                       hint=f"compute in {', '.join(COMPUTE_TYPES)} (e.g. `bf16 @accum(fp32)`); parameters can be "
-                            f"held in `{base}` with numerics.rules")]
+    if t.base == "fp8_e4m3":
+        if t.scale is None or t.scale.kind != "per_tensor":
+            what = "no scale" if t.scale is None else f"`@scale({t.scale})`"
+            return [Diagnostic(f"fp8 compute with {what} is not implemented: the products with weights run in fp8 "
+                               "with one scale per tensor from its current amax (`@scale(per_tensor)`)",
+                               span=span, key=key, hint=f"write `{FP8_COMPUTE}`" + (" @accum(...)" if t.accum else ""))]
+        moe = _first_op(graph, "moe")
+        if moe is not None:
+            where = f" (`moe` at {moe.span.file}:{moe.span.line}:{moe.span.col})" if moe.span else ""
+            return [Diagnostic(f"fp8 compute: the experts' grouped products have no fp8 path yet{where}; they would "
+                               "run in bf16, not the fp8 written", span=span, key=key,
+                               hint="compute in bf16 (`bf16 @accum(fp32)`); fp8 compute runs for models without moe")]
+        return []
+    if t.base == "fp8_e5m2":
+        return [Diagnostic("fp8 compute runs the products' inputs in e4m3 and their gradients in e5m2 (the usual "
+                           "recipe); `fp8_e5m2` as the compute type is not implemented", span=span, key=key,
+                           hint=f"write `{FP8_COMPUTE}`")]
+    return [Diagnostic(f"`{t.base}` is a storage format, not a type activations can be computed in",
+                       span=span, key=key,
+                       hint=f"compute in {', '.join(COMPUTE_TYPES)} (e.g. `bf16 @accum(fp32)`) or `{FP8_COMPUTE}`; "
+                            f"parameters can be held in `{t.base}` with numerics.rules")]
 
 
-# Element types a parameter may be held in as written: plain arrays of their own dtype, or mxfp4's packed
-# codes + per-32 scales. fp8/fp6/fp4_e2m1 would be held widened to bf16 (values off their grid) and int8 has
-# no scale to map weights onto its integers, so a rule giving them is refused until they are stored for real.
-STORAGE_TYPES = ("fp32", "bf16", "fp16", "mxfp4")
+def _first_op(graph: Graph, name: str):
+    """The first op called `name` anywhere in the graph, or None."""
+    from tessera.ir.passes.rewrite import regions
+
+    return next((op for region, _ in regions(graph) for op in region.ops if op.name == name), None)
+
+
+# Element types a parameter may be held in as written: plain arrays of their own dtype (fp8 included: one byte
+# each, on its grid), or mxfp4's packed codes + per-32 scales. fp6/fp4_e2m1 have no XLA array type to hold them
+# in, and int8 has no scale to map weights onto its integers, so a rule giving them is refused.
+STORAGE_TYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4")
+INFERENCE_STORAGE = ("fp8_e4m3", "fp8_e5m2")  # (mxfp4's task check is storage.check_packed's)
 
 
 def _numeric_problems(t, where: str, span, key: str, *, compute: bool, accum: str = "fp32") -> list[Diagnostic]:
     """What in numeric type `t` no lowering would honour: each a positioned error (message prefixed `where`).
     `accum`: the program's accumulation type (numerics.default's @accum, fp32 when it has none)."""
     out = []
-    if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)"):
+    fp8_compute = compute and t.base == "fp8_e4m3"  # its scale is check_compute_type's
+    if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)") and not fp8_compute:
+        held = "held" if not compute else "computed"
         out.append(Diagnostic(f"{where}`@scale({t.scale})` is parsed but no lowering scales tensors yet, so "
-                              f"`{t}` would not be the arithmetic done", span=span, key=key,
-                              hint="drop @scale (mxfp4 carries its own per_block(32) scales)"))
+                              f"`{t}` would not be the arithmetic done: {t.base} would be {held} unscaled",
+                              span=span, key=key,
+                              hint="drop @scale (mxfp4 carries its own per_block(32) scales; scaled fp8 compute is "
+                                   "`fp8_e4m3 @scale(per_tensor)` as numerics.default)"))
     if not compute and t.loss_scale is not None:
         out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` on a rule would not be honoured: the loss is "
                               "scaled once for the whole program", span=span, key=key,
@@ -108,9 +143,9 @@ def _numeric_problems(t, where: str, span, key: str, *, compute: bool, accum: st
                               hint=f"write @accum({accum}) or leave @accum out of the rule; set the accumulation "
                                    "in numerics.default"))
     if not compute and t.base not in STORAGE_TYPES:
-        out.append(Diagnostic(f"{where}parameters cannot be held in `{t.base}` yet (it would be held as bf16, "
-                              f"values off the {t.base} grid)", span=span, key=key,
-                              hint=f"hold them in {', '.join(STORAGE_TYPES)} (mxfp4: packed, for inference)"))
+        why = "no lowering has an array type for it" if t.base != "int8" else "int8 weights need a scale"
+        out.append(Diagnostic(f"{where}parameters cannot be held in `{t.base}` yet ({why})", span=span, key=key,
+                              hint=f"hold them in {', '.join(STORAGE_TYPES)} (fp8 and mxfp4: for inference)"))
     return out
 
 
@@ -124,6 +159,15 @@ def check_numerics_take_effect(exp, graph: Graph) -> list[Diagnostic]:
         span = exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules")
         out += _numeric_problems(t, f"rule `{glob}`: ", span, "numerics.rules", compute=False, accum=accum)
     out += _narrow_accum_training(exp, graph, accum)
+    if trains(exp.task):
+        for glob, t in (num.rules or {}).items():
+            if t.base in INFERENCE_STORAGE and any(fnmatch.fnmatchcase(p, glob) for p in graph.params):
+                out.append(Diagnostic(
+                    f"rule `{glob}`: parameters held in `{t.base}` are inference storage: training would update "
+                    f"fp8 values in place (steps below the fp8 spacing vanish) and keep optimizer state in fp8",
+                    span=exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules"), key="numerics.rules",
+                    hint="train with fp32 or bf16 parameters (and `fp8_e4m3 @scale(per_tensor)` compute); "
+                         f"hold them in {t.base} for generate, forward and bench forward tasks"))
     return out + _loss_scaling(exp)
 
 
@@ -167,18 +211,17 @@ def _narrow_accum_training(exp, graph: Graph, accum: str) -> list[Diagnostic]:
     """A bf16/fp16 accumulator is honoured in training only where every contraction's backward honours it."""
     if accum == "fp32" or getattr(exp.task, "kind", None) != "train":
         return []
-    from tessera.ir.passes.rewrite import regions
-
-    for region, _ in regions(graph):
-        for op in region.ops:
-            if op.name in _NARROW_ACCUM_FORWARD_ONLY:
-                where = f" (`{op.name}` at {op.span.file}:{op.span.line}:{op.span.col})" if op.span else ""
-                return [Diagnostic(f"`@accum({accum})` is honoured by the experts' grouped products forward only: "
-                                   f"their weight gradients would accumulate in fp32{where}; training would not "
-                                   f"run the arithmetic written", span=exp.span("numerics.default"),
-                                   key="numerics.default",
-                                   hint=f"train with @accum(fp32); @accum({accum}) runs for generate and forward "
-                                        "tasks, and for training models without moe")]
+    for name in _NARROW_ACCUM_FORWARD_ONLY:
+        op = _first_op(graph, name)
+        if op is None:
+            continue
+        where = f" (`{op.name}` at {op.span.file}:{op.span.line}:{op.span.col})" if op.span else ""
+        return [Diagnostic(f"`@accum({accum})` is honoured by the experts' grouped products forward only: "
+                           f"their weight gradients would accumulate in fp32{where}; training would not "
+                           f"run the arithmetic written", span=exp.span("numerics.default"),
+                           key="numerics.default",
+                           hint=f"train with @accum(fp32); @accum({accum}) runs for generate and forward "
+                                "tasks, and for training models without moe")]
     return []
 
 

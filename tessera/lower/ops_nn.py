@@ -18,7 +18,8 @@ from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
-from tessera.lower.reference import accum as accum_ref, activations, moe as moe_ref, mxfp4, rope as rope_ref
+from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, moe as moe_ref, mxfp4, \
+    rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.shard import ops as shard_ops
@@ -93,7 +94,8 @@ def _linear(ctx, op, attrs, ins, params):
     over = tuple(d.name for d in attrs["over"])
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
-               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype))
+               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
+               fp8=ctx.fp8 is not None)
     if "bias" in params:
         y = _plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
     return [y.astype(dt)]
@@ -192,10 +194,16 @@ def _sdpa(ctx, op, attrs, ins, params):
     return [align(out, ("batch", "seq", "heads", "head_dim"), names(op.results[0])).astype(_dtype(op))]
 
 
-def _project(x, w, b, accum):
+def _weight_product(ctx, spec: str, x, w, store):
+    """x ⊗ w for a weight w: in fp8 under an fp8 policy (reference/fp8.py), else accumulating in ctx.accum_dtype."""
+    if ctx.fp8 is not None:
+        return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
+    return accum_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
+
+
+def _project(ctx, x, w, b):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
-    y = accum_ref.einsum("bse,ehd->bshd", x, w.astype(x.dtype), accum=accum,
-                         preferred_element_type=stored_dtype(x.dtype, accum))
+    y = _weight_product(ctx, "bse,ehd->bshd", x, w.astype(x.dtype), stored_dtype(x.dtype, ctx.accum_dtype))
     if b is not None:
         y = _plus_bias(y, b)
     return y.astype(x.dtype)
@@ -229,9 +237,9 @@ def _attention(ctx, op, attrs, ins, params, cache):
     if ctx.shard is not None:  # sequence parallel: the block sees the whole sequence
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
-    q = _project(x, p["q"], p.get("q_bias"), ctx.accum_dtype)
-    k = _project(x, p["k"], p.get("k_bias"), ctx.accum_dtype)
-    v = _project(x, p["v"], p.get("v_bias"), ctx.accum_dtype)
+    q = _project(ctx, x, p["q"], p.get("q_bias"))
+    k = _project(ctx, x, p["k"], p.get("k_bias"))
+    v = _project(ctx, x, p["v"], p.get("v_bias"))
     if attrs["rope"] is not None:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
@@ -250,7 +258,7 @@ def _attention(ctx, op, attrs, ins, params, cache):
         new_cache = _cache_write(cache, k, v, pos)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
-    y = accum_ref.einsum("bshd,hde->bse", out, p["o"], accum=ctx.accum_dtype, preferred_element_type=store)
+    y = _weight_product(ctx, "bshd,hde->bse", out, p["o"], store)
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
@@ -265,14 +273,14 @@ def _mlp(ctx, op, attrs, ins, params):
     if ctx.shard is not None:
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
-    cols = dict(accum=ctx.accum_dtype, preferred_element_type=stored_dtype(x.dtype, ctx.accum_dtype))
-    g = accum_ref.einsum("bse,ef->bsf", x, p["gate"], **cols)
-    u = accum_ref.einsum("bse,ef->bsf", x, p["up"], **cols)
+    cols = stored_dtype(x.dtype, ctx.accum_dtype)
+    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols)
+    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols)
     if "gate_bias" in p:
         g, u = _plus_bias(g, p["gate_bias"]), _plus_bias(u, p["up_bias"])
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
-    y = accum_ref.einsum("bsf,fe->bse", h, p["down"], accum=ctx.accum_dtype, preferred_element_type=rows)
+    y = _weight_product(ctx, "bsf,fe->bse", h, p["down"], rows)
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
         y = ctx.shard.reduce_out(y, "mlp")
     if "down_bias" in p:

@@ -223,7 +223,7 @@ class Program:
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks parameters {missing}")
-        cast = lambda a, want: jnp.asarray(a, want.dtype)  # noqa: E731  (tree.map: same leaves, any shapes)
+        cast = lambda a, want: storage.to_held(a, want.dtype)  # noqa: E731  (tree.map: same leaves, any shapes)
 
         def held(value, want):  # padded after loading, so packed bytes stay as stored
             return storage.resize(jax.tree.map(cast, value, want), tuple(want.shape))
@@ -245,6 +245,7 @@ class Program:
         (mode, shard, positions, aux, ...)."""
         kw.setdefault("report", self._report)
         kw.setdefault("accum_dtype", jnp_dtype(self.graph.attrs.get("accum", "f32")))
+        kw.setdefault("fp8", self.graph.attrs.get("fp8"))
         return LowerCtx(kernels=self.exp.kernels, backend=jax.default_backend(),
                         deterministic=self.exp.parallel.deterministic, **kw)
 
@@ -513,7 +514,7 @@ class Program:
 def _init_array(init, key, shape, dtype):
     """One parameter's initial value: normal(0, std) drawn in fp32, ones or zeros."""
     if init.kind == "normal":
-        return (jax.random.normal(key, shape, jnp.float32) * init.std).astype(dtype)
+        return storage.to_held(jax.random.normal(key, shape, jnp.float32) * init.std, dtype)
     return (jnp.ones if init.kind == "ones" else jnp.zeros)(shape, dtype)
 
 

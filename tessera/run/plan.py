@@ -472,6 +472,8 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
 def _numerics_rows(n: dict) -> list[tuple[str, str]]:
     """Compute, accumulation and loss scaling, then each parameter's storage and compute type."""
     rows = [("compute / accumulate", f"{n['compute']} / {n['accumulate']}"), ("loss scaling", n["loss_scale"])]
+    if n.get("fp8_products"):
+        rows.append(("products with weights", f"fp8: e4m3 forward, e5m2 gradients, scaled {n['fp8_products']}"))
     for path, p in n["by_param"].items():
         rule = f"  (rule {p['rule']})" if p["rule"] else ""
         rows.append((f"  {path}", f"{p['storage']} -> {p['compute']}{rule}"))

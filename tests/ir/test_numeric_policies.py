@@ -97,8 +97,9 @@ def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
         assert accepted == ["fp32", "bf16", "fp16"]
     else:
         plain = ["fp32", "fp32 @accum(fp32)", "bf16", "bf16 @accum(fp32)", "fp16", "fp16 @accum(fp32)"]
+        fp8 = ["fp8_e4m3", "fp8_e4m3 @accum(fp32)", "fp8_e5m2", "fp8_e5m2 @accum(fp32)"]  # held as fp8 arrays
         packed = ["mxfp4", "mxfp4 @accum(fp32)", "mxfp4 @scale(per_block(32))"]
-        assert accepted == plain + (packed if task == "generate" else [])
+        assert accepted == plain + (fp8 + packed if task == "generate" else [])
 
 
 @pytest.mark.parametrize("numeric,says", [
@@ -112,10 +113,13 @@ def test_an_ignored_modifier_is_refused_where_it_is_written(capsys, numeric, say
     assert f"<--set>:1:18: error: numerics.default: {says}" in capsys.readouterr().err
 
 
-def test_a_rule_storing_a_type_the_program_would_widen_is_refused(capsys):
+def test_a_rule_storing_a_type_the_program_cannot_hold_or_train_is_refused(capsys):
+    assert main(["check", SPEC, "--set", f"numerics.rules={json.dumps({RULE: 'fp6_e2m3'})}"]) == 2
+    assert f"error: numerics.rules: rule `{RULE}`: parameters cannot be held in `fp6_e2m3` yet (no lowering has an " \
+        "array type for it)" in capsys.readouterr().err
     assert main(["check", SPEC, "--set", f"numerics.rules={json.dumps({RULE: 'fp8_e4m3'})}"]) == 2
-    assert f"error: numerics.rules: rule `{RULE}`: parameters cannot be held in `fp8_e4m3` yet (it would be held as bf16, values off the fp8_e4m3 grid)" \
-        in capsys.readouterr().err
+    assert f"error: numerics.rules: rule `{RULE}`: parameters held in `fp8_e4m3` are inference storage: training " \
+        "would update fp8 values in place" in capsys.readouterr().err
     generate = str(ROOT / "specs" / "gpt_oss_20b.yaml")  # loss scaling where nothing trains
     assert main(["check", generate, "--set", "numerics.loss_scale=dynamic"]) == 2
     assert "numerics.loss_scale: loss scaling `dynamic` applies to training; a `generate` task computes no " \

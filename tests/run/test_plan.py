@@ -74,7 +74,7 @@ def test_json_keys_are_all_documented(capsys, tiny_forward):
     documented = set()
     for row in (ROOT / "docs" / "plan.md").read_text().splitlines():
         if row.startswith("| `"):
-            documented |= set(re.findall(r"`([a-z_.\[\]]+)`", row.split("|")[1]))
+            documented |= set(re.findall(r"`([a-z0-9_.\[\]]+)`", row.split("|")[1]))
     for args in [(SPECS / "gpt_oss_120b.yaml", "--no-compile"), (tiny_forward,)]:
         plan = run_json(capsys, *args, "--device", "a100")
         keys = flat_keys(plan)

@@ -1,0 +1,84 @@
+"""fp8 contractions with per-tensor current scaling: `numerics.default: fp8_e4m3 @scale(per_tensor)`.
+
+The usual fp8 training recipe for the products of activations with weights (linear, attention's q/k/v/o
+projections, the MLP's gate/up/down): both operands are quantised to e4m3 in the forward pass and the
+incoming gradient to e5m2 in the backward pass, each with one scale per tensor taken from its current amax,
+and the products of the quantised values accumulate in the `@accum` type (reference/accum.py for bf16/fp16):
+
+    s_x = 2^floor(log2(max_e4m3 / amax|x|))       x_q = e4m3(x · s_x)   (a power of two: x · s_x is exact)
+    y   = (x_q ⊗ w_q) / (s_x · s_w)               accumulated in @accum, stored in the result type
+    dx  = (g_q ⊗ w_qᵀ) / (s_g · s_w),  dw = (x_qᵀ ⊗ g_q) / (s_x · s_g),   g_q = e5m2(g · s_g)
+
+The backward reuses the forward's quantised operands (which is also what it keeps: one byte per element).
+Everything else — activations between ops, norms, softmax, the loss, the unembedding, attention's q·k and
+p·v — runs in bf16 (the program's compute type under this policy), and master weights stay as `params` says.
+
+The quantised operands are widened to bf16 (exact: every e4m3 and e5m2 value is a bf16 value) before the
+product, so XLA multiplies exactly the fp8 values with fp32 (or @accum) accumulation on any backend: an exact
+emulation of fp8 × fp8 → @accum. It does not make XLA pick fp8 tensor-core GEMMs on a GPU (unmeasured).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tessera.lower.reference import accum as accum_ref
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def quantize(x, dtype):
+    """(x_q in fp8 `dtype`, s): x scaled by the power of two s that brings amax|x| just under the format's
+    largest value, rounded to fp8 (saturating); x ≈ x_q / s. An all-zero x gets s = 1."""
+    xf = x.astype(jnp.float32)
+    big = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(xf))
+    exp = jnp.floor(jnp.log2(big / jnp.where(amax > 0, amax, 1.0)))
+    s = jnp.where((amax > 0) & jnp.isfinite(amax), jnp.exp2(exp), 1.0)
+    return jnp.clip(xf * s, -big, big).astype(dtype), s
+
+
+def _product(spec, a_q, b_q, scale, accum, out_dtype):
+    wide = jnp.bfloat16
+    y = accum_ref.einsum(spec, a_q.astype(wide), b_q.astype(wide), accum=accum,
+                         preferred_element_type=jnp.float32)
+    return (y / scale).astype(out_dtype)
+
+
+def _split(spec: str):
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    return a, b, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _einsum(spec, x, w, accum, out_dtype):
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    return _product(spec, xq, wq, sx * sw, accum, out_dtype)
+
+
+def _fwd(spec, x, w, accum, out_dtype):
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # carry the operands' dtypes, not their values
+    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
+
+
+def _bwd(spec, accum, out_dtype, res, g):
+    xq, sx, wq, sw, zx, zw = res
+    a, b, o = _split(spec)
+    gq, sg = quantize(g, E5M2)
+    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype)
+    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype)
+    return dx, dw
+
+
+_einsum.defvjp(_fwd, _bwd)
+
+
+def einsum(spec: str, x, w, *, accum, preferred_element_type=None):
+    """x (activations) ⊗ w (a weight) as the module doc says; the result in preferred_element_type (default x's)."""
+    out = jnp.dtype(preferred_element_type or x.dtype)
+    return _einsum(spec.replace(" ", ""), x, w, jnp.dtype(accum), out)
