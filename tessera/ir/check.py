@@ -208,8 +208,20 @@ _NARROW_ACCUM_FORWARD_ONLY = ("moe",)
 
 
 def _narrow_accum_training(exp, graph: Graph, accum: str) -> list[Diagnostic]:
-    """A bf16/fp16 accumulator is honoured in training only where every contraction's backward honours it."""
-    if accum == "fp32" or getattr(exp.task, "kind", None) != "train":
+    """A bf16/fp16 accumulator is honoured for real products only, and in training only where every contraction's
+    backward honours it."""
+    if accum == "fp32":
+        return []
+    from tessera.ir.passes.rewrite import regions
+
+    cplx = next((op for region, _ in regions(graph) for op in region.ops
+                 if any(r.type.dtype in ("c64", "c128") for r in op.results)), None)
+    if cplx is not None:
+        where = f" (`{cplx.name}` at {cplx.span.file}:{cplx.span.line}:{cplx.span.col})" if cplx.span else ""
+        return [Diagnostic(f"`@accum({accum})` is not honoured by complex products, which accumulate in their own "
+                           f"complex type{where}", span=exp.span("numerics.default"), key="numerics.default",
+                           hint="use @accum(fp32) (or leave @accum out) for models with complex values")]
+    if getattr(exp.task, "kind", None) != "train":
         return []
     for name in _NARROW_ACCUM_FORWARD_ONLY:
         op = _first_op(graph, name)

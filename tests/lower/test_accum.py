@@ -131,3 +131,22 @@ def test_kernels_step_aside_for_a_narrow_accumulator():
     choice, fn = table.choose(ctx, "attention", None, None, None, sinks=None, causal=True, window=None, scale=None)
     assert choice == "reference (jax.numpy): accumulates in bfloat16 (@accum); the kernels accumulate in fp32"
     assert fn.keywords == {"accum": jnp.bfloat16}
+
+
+def test_a_narrow_accumulator_is_refused_for_complex_products():
+    from tessera.ir.check import _narrow_accum_training
+    from tessera.spec import load_experiment
+    from tests.lower.shard.make_snapshots import ROOT
+
+    graph = verify(parse_graph("""graph g {
+  input %x : f32[batch, seq=16, embed=4]
+  %0 = rfft(%x) {over = [seq], norm = "backward", to = [freq]} : c64[batch, freq=9, embed=4]
+  return %0
+}"""))
+    spec = ROOT / "specs" / "llama_tiny.yaml"
+    (problem,) = _narrow_accum_training(load_experiment(spec, overrides={"numerics.default": "bf16 @accum(bf16)"}),
+                                        graph, "bf16")
+    assert problem.key == "numerics.default" and problem.span is not None
+    assert "`@accum(bf16)` is not honoured by complex products, which accumulate in their own complex type" \
+        in problem.message
+    assert _narrow_accum_training(load_experiment(spec), graph, "fp32") == []
