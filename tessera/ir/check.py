@@ -95,6 +95,13 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
             return [Diagnostic(f"fp8 compute: the experts' grouped products have no fp8 path yet{where}; they would "
                                "run in bf16, not the fp8 written", span=span, key=key,
                                hint="compute in bf16 (`bf16 @accum(fp32)`); fp8 compute runs for models without moe")]
+        if exp.mesh.size > 1 and not (exp.parallel.deterministic and exp.task.kind == "train"):
+            return [Diagnostic("fp8 compute: inside a sharded step (generation, forward, or training with "
+                               "parallel.deterministic: false) each device would scale its own block of a tensor by "
+                               "the block's amax, not the tensor's, so the numbers would depend on the mesh",
+                               span=span, key=key,
+                               hint="train with parallel.deterministic: true (each canonical shard runs the whole "
+                                    "model), or run on one device")]
         return []
     if t.base == "fp8_e5m2":
         return [Diagnostic("fp8 compute runs the products' inputs in e4m3 and their gradients in e5m2 (the usual "

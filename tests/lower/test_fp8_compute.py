@@ -91,3 +91,19 @@ def test_the_train_step_quantises_products_to_e4m3_and_gradients_to_e5m2(runs):
     assert text.count("new_dtype=float8_e5m2") >= 7
     bf16_text = str(jax.make_jaxpr(runs["bf16"][0]._train_step)(runs["bf16"][1], batch))
     assert "float8" not in bf16_text
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"numerics.default": "fp8_e4m3 @scale(delayed)"}, "fp8 compute with `@scale(delayed)` is not implemented"),
+    ({"numerics.default": "fp8_e4m3"}, "fp8 compute with no scale is not implemented"),
+    ({"numerics.default": "fp8_e4m3 @scale(per_tensor)", "mesh.dp": 2, "parallel.deterministic": False},
+     "each device would scale its own block of a tensor by the block's amax"),
+])
+def test_fp8_compute_that_would_not_run_as_written_is_refused(over, says):
+    from tessera.diagnostics import TesseraError
+    from tessera.ir.check import check_experiment
+
+    with pytest.raises(TesseraError) as err:
+        check_experiment(load_experiment(str(ROOT / "specs" / "llama_tiny.yaml"), overrides=over))
+    (d,) = err.value.diagnostics
+    assert d.key == "numerics.default" and d.span is not None and says in d.message
