@@ -150,3 +150,23 @@ def test_a_narrow_accumulator_is_refused_for_complex_products():
     assert "`@accum(bf16)` is not honoured by complex products, which accumulate in their own complex type" \
         in problem.message
     assert _narrow_accum_training(load_experiment(spec), graph, "fp32") == []
+
+
+def test_the_program_runs_the_policys_accumulator():
+    from tessera.lower.program import compile_experiment
+    from tessera.spec import load_experiment
+    from tests.lower.shard.make_snapshots import ROOT
+
+    args = {"model.args.layers": 1, "model.args.d_model": 64, "model.args.d_ff": 128, "model.args.vocab": 64}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)), jnp.int32)
+
+    def logits(policy):
+        exp = load_experiment(str(ROOT / "specs" / "llama_tiny.yaml"), overrides={"numerics.default": policy, **args})
+        prog = compile_experiment(exp)
+        return prog, np.asarray(prog.forward(prog.init(0), tokens), np.float32)
+
+    narrow, y16 = logits("bf16 @accum(bf16)")
+    wide, y32 = logits("bf16 @accum(fp32)")
+    assert narrow.lower_ctx().accum_dtype == jnp.bfloat16 and wide.lower_ctx().accum_dtype == jnp.float32
+    assert (y16 != y32).mean() > 0.05  # bf16 accumulation moves the logits
+    np.testing.assert_allclose(y16, y32, atol=0.1)  # by rounding, not by breaking them
