@@ -89,12 +89,11 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
             return [Diagnostic(f"fp8 compute with {what} is not implemented: the products with weights run in fp8 "
                                "with one scale per tensor from its current amax (`@scale(per_tensor)`)",
                                span=span, key=key, hint=f"write `{FP8_COMPUTE}`" + (" @accum(...)" if t.accum else ""))]
-        moe = _first_op(graph, "moe")
-        if moe is not None:
-            where = f" (`moe` at {moe.span.file}:{moe.span.line}:{moe.span.col})" if moe.span else ""
-            return [Diagnostic(f"fp8 compute: the experts' grouped products have no fp8 path yet{where}; they would "
-                               "run in bf16, not the fp8 written", span=span, key=key,
-                               hint="compute in bf16 (`bf16 @accum(fp32)`); fp8 compute runs for models without moe")]
+        packed = [glob for glob, r in (exp.numerics.rules or {}).items() if r.base == "mxfp4"]
+        if packed:
+            return [Diagnostic(f"fp8 compute with mxfp4 parameters (rule `{packed[0]}`): their products run on the "
+                               "4-bit values as stored, not in fp8", span=span, key=key,
+                               hint="compute in bf16 with mxfp4 experts, or hold the experts in bf16/fp32 for fp8")]
         if exp.mesh.size > 1 and not (exp.parallel.deterministic and exp.task.kind == "train"):
             return [Diagnostic("fp8 compute: inside a sharded step (generation, forward, or training with "
                                "parallel.deterministic: false) each device would scale its own block of a tensor by "

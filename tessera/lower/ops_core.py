@@ -71,7 +71,7 @@ def _dot(ctx, op, attrs, ins, params):
 def _sum(ctx, op, attrs, ins, params):
     have = names(op.values[0])
     axes = tuple(have.index(d.name) for d in attrs["over"])
-    if accum_ref.narrow(ctx.accum_dtype) and not jnp.iscomplexobj(ins[0]):
+    if accum_ref.narrow(ctx.accum_dtype) and jnp.issubdtype(ins[0].dtype, jnp.floating):
         return [_out(op, accum_ref.sum(ins[0], axes, accum=ctx.accum_dtype))]
     x = ins[0] if jnp.iscomplexobj(ins[0]) else ins[0].astype(jnp.float32)  # complex sums keep their parts
     return [_out(op, jnp.sum(x, axis=axes))]

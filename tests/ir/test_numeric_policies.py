@@ -91,6 +91,7 @@ def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
             extra = [f"{b} @accum(bf16)" for b in compute]
         else:  # loss scaling runs in the train step
             extra = [f"{b} @loss_scale({s})" for b in compute for s in ("1024.0", "dynamic")]
+        extra.append("fp8_e4m3 @scale(per_tensor)")  # products with weights in fp8, activations bf16
         assert sorted(accepted) == sorted(["fp32", "fp32 @accum(fp32)", "bf16", "bf16 @accum(fp32)", "fp16",
                                            "fp16 @accum(fp32)"] + extra)
     elif where == "params":

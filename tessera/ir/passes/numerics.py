@@ -70,8 +70,10 @@ register_pass("numerics", apply_numerics)
 
 
 _FP32_STATISTICS = ("rmsnorm", "layernorm")  # ops whose parameters scale fp32 statistics (lower/reference/norms.py)
-# (op, param) whose products run in fp8 under an fp8 policy (tessera/lower/ops_nn.py: _weight_product, _linear)
-_FP8_WEIGHTS = {("attention", n) for n in "qkvo"} | {("mlp", n) for n in ("gate", "up", "down")} | {("linear", "weight")}
+# (op, param) whose products run in fp8 under an fp8 policy (tessera/lower/ops_nn.py: _weight_product, _linear; the
+# experts' grouped products through table.choose)
+_FP8_WEIGHTS = {("attention", n) for n in "qkvo"} | {(op, n) for op in ("mlp", "moe") for n in ("gate", "up", "down")} \
+    | {("linear", "weight")}
 
 
 def resolved_policy(graph: Graph, policy: Any) -> dict:

@@ -1,7 +1,7 @@
 """fp8 contractions with per-tensor current scaling: `numerics.default: fp8_e4m3 @scale(per_tensor)`.
 
 The usual fp8 training recipe for the products of activations with weights (linear, attention's q/k/v/o
-projections, the MLP's gate/up/down): both operands are quantised to e4m3 in the forward pass and the
+projections, the MLP's gate/up/down, the MoE experts' grouped products): both operands are quantised to e4m3 in the forward pass and the
 incoming gradient to e5m2 in the backward pass, each with one scale per tensor taken from its current amax,
 and the products of the quantised values accumulate in the `@accum` type (reference/accum.py for bf16/fp16):
 
@@ -82,3 +82,45 @@ def einsum(spec: str, x, w, *, accum, preferred_element_type=None):
     """x (activations) ⊗ w (a weight) as the module doc says; the result in preferred_element_type (default x's)."""
     out = jnp.dtype(preferred_element_type or x.dtype)
     return _einsum(spec.replace(" ", ""), x, w, jnp.dtype(accum), out)
+
+
+# ---- the experts' grouped product (`ragged_dot`: lhs [M, K] rows grouped by group_sizes, rhs [G, K, N]) --------
+
+def _ragged(lhs, rhs, group_sizes, accum):
+    wide = jnp.bfloat16
+    return accum_ref.ragged_dot(lhs.astype(wide), rhs.astype(wide), group_sizes, accum=accum,
+                                preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ragged_dot(lhs, rhs, group_sizes, accum, out_dtype):
+    (lq, sl), (rq, sr) = quantize(lhs, E4M3), quantize(rhs, E4M3)
+    return (_ragged(lq, rq, group_sizes, accum) / (sl * sr)).astype(out_dtype)
+
+
+def _ragged_fwd(lhs, rhs, group_sizes, accum, out_dtype):
+    (lq, sl), (rq, sr) = quantize(lhs, E4M3), quantize(rhs, E4M3)
+    out = (_ragged(lq, rq, group_sizes, accum) / (sl * sr)).astype(out_dtype)
+    return out, (lq, sl, rq, sr, group_sizes, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+
+
+def _ragged_bwd(accum, out_dtype, res, g):
+    lq, sl, rq, sr, group_sizes, zl, zr = res
+    gq, sg = quantize(g, E5M2)
+    wide = jnp.bfloat16
+    # the transposed grouped products of the fp8 operands (exact in bf16), each accumulating in fp32
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32),
+                     lq.astype(wide), rq.astype(wide))
+    dl, dr = vjp(gq.astype(jnp.float32))
+    return (dl.astype(jnp.float32) / (sg * sr)).astype(zl.dtype), (dr.astype(jnp.float32) / (sl * sg)).astype(zr.dtype), \
+        None
+
+
+_ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, accum=None):
+    """The experts' grouped product with e4m3 operands (one scale for the tokens, one for all experts' weights) and
+    e5m2 gradients, as `einsum` for dense products; the result in preferred_element_type (default lhs's dtype)."""
+    out = jnp.dtype(preferred_element_type or lhs.dtype)
+    return _ragged_dot(lhs, rhs, group_sizes, jnp.dtype(accum if accum is not None else jnp.float32), out)
