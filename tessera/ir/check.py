@@ -89,6 +89,11 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
             return [Diagnostic(f"fp8 compute with {what} is not implemented: the products with weights run in fp8 "
                                "with one scale per tensor from its current amax (`@scale(per_tensor)`)",
                                span=span, key=key, hint=f"write `{FP8_COMPUTE}`" + (" @accum(...)" if t.accum else ""))]
+        cplx = _first_op(graph, "spectral_conv")
+        if cplx is not None:
+            where = f" (at {cplx.span.file}:{cplx.span.line}:{cplx.span.col})" if cplx.span else ""
+            return [Diagnostic(f"fp8 compute: `spectral_conv`'s products with its mode weights run in complex64, "
+                               f"not fp8{where}", span=span, key=key, hint="compute in fp32 or bf16")]
         packed = [glob for glob, r in (exp.numerics.rules or {}).items() if r.base == "mxfp4"]
         if packed:
             return [Diagnostic(f"fp8 compute with mxfp4 parameters (rule `{packed[0]}`): their products run on the "
@@ -110,6 +115,17 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
                        span=span, key=key,
                        hint=f"compute in {', '.join(COMPUTE_TYPES)} (e.g. `bf16 @accum(fp32)`) or `{FP8_COMPUTE}`; "
                             f"parameters can be held in `{t.base}` with numerics.rules")]
+
+
+SPECTRAL_OPS = ("fft", "ifft", "rfft", "irfft", "spectral_conv")  # transforms in complex64 (lower/ops_spectral.py)
+
+
+def _complex_op(graph: Graph):
+    """The first op computing in complex numbers (a complex result, or a Fourier transform inside), or None."""
+    from tessera.ir.passes.rewrite import regions
+
+    return next((op for region, _ in regions(graph) for op in region.ops
+                 if op.name in SPECTRAL_OPS or any(r.type.dtype in ("c64", "c128") for r in op.results)), None)
 
 
 def _first_op(graph: Graph, name: str):
@@ -218,14 +234,12 @@ def _narrow_accum_training(exp, graph: Graph, accum: str) -> list[Diagnostic]:
     backward honours it."""
     if accum == "fp32":
         return []
-    from tessera.ir.passes.rewrite import regions
-
-    cplx = next((op for region, _ in regions(graph) for op in region.ops
-                 if any(r.type.dtype in ("c64", "c128") for r in op.results)), None)
+    cplx = _complex_op(graph)
     if cplx is not None:
         where = f" (`{cplx.name}` at {cplx.span.file}:{cplx.span.line}:{cplx.span.col})" if cplx.span else ""
-        return [Diagnostic(f"`@accum({accum})` is not honoured by complex products, which accumulate in their own "
-                           f"complex type{where}", span=exp.span("numerics.default"), key="numerics.default",
+        return [Diagnostic(f"`@accum({accum})` is not honoured by complex products and Fourier transforms, which "
+                           f"accumulate in their own complex type{where}", span=exp.span("numerics.default"),
+                           key="numerics.default",
                            hint="use @accum(fp32) (or leave @accum out) for models with complex values")]
     if getattr(exp.task, "kind", None) != "train":
         return []

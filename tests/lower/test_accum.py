@@ -147,7 +147,7 @@ def test_a_narrow_accumulator_is_refused_for_complex_products():
     (problem,) = _narrow_accum_training(load_experiment(spec, overrides={"numerics.default": "bf16 @accum(bf16)"}),
                                         graph, "bf16")
     assert problem.key == "numerics.default" and problem.span is not None
-    assert "`@accum(bf16)` is not honoured by complex products, which accumulate in their own complex type" \
+    assert "`@accum(bf16)` is not honoured by complex products and Fourier transforms, which accumulate in their own" \
         in problem.message
     assert _narrow_accum_training(load_experiment(spec), graph, "fp32") == []
 
