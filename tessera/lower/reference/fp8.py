@@ -13,9 +13,10 @@ The backward reuses the forward's quantised operands (which is also what it keep
 Everything else — activations between ops, norms, softmax, the loss, the unembedding, attention's q·k and
 p·v — runs in bf16 (the program's compute type under this policy), and master weights stay as `params` says.
 
-The quantised operands are widened to bf16 (exact: every e4m3 and e5m2 value is a bf16 value) before the
-product, so XLA multiplies exactly the fp8 values with fp32 (or @accum) accumulation on any backend: an exact
-emulation of fp8 × fp8 → @accum. It does not make XLA pick fp8 tensor-core GEMMs on a GPU (unmeasured).
+The dense products hand XLA the fp8 operands themselves with an fp32 result (XLA:CPU widens them, exactly: an
+exact emulation of fp8 × fp8 → fp32 that CI tests); whether a GPU backend then runs an fp8 tensor-core GEMM is
+unmeasured. Under a narrow @accum, and in the grouped products, the fp8 values are widened to bf16 (exact: every
+e4m3 and e5m2 value is a bf16 value) and multiplied as reference/accum.py and `ragged_dot` do.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ def quantize(x, dtype):
 
 
 def _product(spec, a_q, b_q, scale, accum, out_dtype):
-    wide = jnp.bfloat16
-    y = accum_ref.einsum(spec, a_q.astype(wide), b_q.astype(wide), accum=accum,
-                         preferred_element_type=jnp.float32)
+    if accum_ref.narrow(accum):  # the blocked narrow accumulation, on the fp8 values widened (exactly) to bf16
+        y = accum_ref.einsum(spec, a_q.astype(jnp.bfloat16), b_q.astype(jnp.bfloat16), accum=accum,
+                             preferred_element_type=jnp.float32)
+    else:  # XLA gets the fp8 operands themselves, accumulating in fp32 (the CPU widens them: exact)
+        y = jnp.einsum(spec, a_q, b_q, preferred_element_type=jnp.float32)
     return (y / scale).astype(out_dtype)
 
 
