@@ -10,6 +10,7 @@ import fnmatch
 
 from tessera.diagnostics import Diagnostic, TesseraError
 from tessera.ir.types import Graph
+from tessera.spec.tasks import trains
 
 
 def divisors(n: int) -> list[int]:
@@ -71,42 +72,102 @@ def check_numeric_rules(exp, graph: Graph) -> list[Diagnostic]:
 COMPUTE_TYPES = ("fp32", "bf16", "fp16")  # what activations can be computed in (tessera/lower/context.py)
 
 
+FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tessera/lower/reference/fp8.py)
+
+
 def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
-    """The compute type (`numerics.default`) is one the lowering computes in. Narrower types are storage
-    formats here: a parameter may be held in them (`numerics.rules`), not computed in."""
-    base = exp.numerics.default.base
-    if base in COMPUTE_TYPES:
+    """The compute type (`numerics.default`) is one the lowering computes in: fp32, bf16, fp16, or fp8_e4m3 with
+    per-tensor scaling (products with weights in fp8, the rest in bf16). Other narrow types are storage formats
+    here: a parameter may be held in them (`numerics.rules`), not computed in."""
+    t = exp.numerics.default
+    span, key = exp.span("numerics.default"), "numerics.default"
+    if t.base in COMPUTE_TYPES:
         return []
-    return [Diagnostic(f"`{base}` is a storage format, not a type activations can be computed in",
-                       span=exp.span("numerics.default"), key="numerics.default",
-                       hint=f"compute in {', '.join(COMPUTE_TYPES)} (e.g. `bf16 @accum(fp32)`); parameters can be "
-                            f"held in `{base}` with numerics.rules")]
+    if t.base == "fp8_e4m3":
+        if t.scale is None or t.scale.kind != "per_tensor":
+            what = "no scale" if t.scale is None else f"`@scale({t.scale})`"
+            return [Diagnostic(f"fp8 compute with {what} is not implemented: the products with weights run in fp8 "
+                               "with one scale per tensor from its current amax (`@scale(per_tensor)`)",
+                               span=span, key=key, hint=f"write `{FP8_COMPUTE}`" + (" @accum(...)" if t.accum else ""))]
+        cplx = _first_op(graph, "spectral_conv")
+        if cplx is not None:
+            where = f" (at {cplx.span.file}:{cplx.span.line}:{cplx.span.col})" if cplx.span else ""
+            return [Diagnostic(f"fp8 compute: `spectral_conv`'s products with its mode weights run in complex64, "
+                               f"not fp8{where}", span=span, key=key, hint="compute in fp32 or bf16")]
+        packed = [glob for glob, r in (exp.numerics.rules or {}).items() if r.base == "mxfp4"]
+        if packed:
+            return [Diagnostic(f"fp8 compute with mxfp4 parameters (rule `{packed[0]}`): their products run on the "
+                               "4-bit values as stored, not in fp8", span=span, key=key,
+                               hint="compute in bf16 with mxfp4 experts, or hold the experts in bf16/fp32 for fp8")]
+        if exp.mesh.size > 1 and not (exp.parallel.deterministic and exp.task.kind == "train"):
+            return [Diagnostic("fp8 compute: inside a sharded step (generation, forward, or training with "
+                               "parallel.deterministic: false) each device would scale its own block of a tensor by "
+                               "the block's amax, not the tensor's, so the numbers would depend on the mesh",
+                               span=span, key=key,
+                               hint="train with parallel.deterministic: true (each canonical shard runs the whole "
+                                    "model), or run on one device")]
+        return []
+    if t.base == "fp8_e5m2":
+        return [Diagnostic("fp8 compute runs the products' inputs in e4m3 and their gradients in e5m2 (the usual "
+                           "recipe); `fp8_e5m2` as the compute type is not implemented", span=span, key=key,
+                           hint=f"write `{FP8_COMPUTE}`")]
+    return [Diagnostic(f"`{t.base}` is a storage format, not a type activations can be computed in",
+                       span=span, key=key,
+                       hint=f"compute in {', '.join(COMPUTE_TYPES)} (e.g. `bf16 @accum(fp32)`) or `{FP8_COMPUTE}`; "
+                            f"parameters can be held in `{t.base}` with numerics.rules")]
 
 
-# Element types a parameter may be held in as written: plain arrays of their own dtype, or mxfp4's packed
-# codes + per-32 scales. fp8/fp6/fp4_e2m1 would be held widened to bf16 (values off their grid) and int8 has
-# no scale to map weights onto its integers, so a rule giving them is refused until they are stored for real.
-STORAGE_TYPES = ("fp32", "bf16", "fp16", "mxfp4")
+SPECTRAL_OPS = ("fft", "ifft", "rfft", "irfft", "spectral_conv")  # transforms in complex64 (lower/ops_spectral.py)
 
 
-def _numeric_problems(t, where: str, span, key: str, *, compute: bool) -> list[Diagnostic]:
-    """What in numeric type `t` no lowering would honour: each a positioned error (message prefixed `where`)."""
+def _complex_op(graph: Graph):
+    """The first op computing in complex numbers (a complex result, or a Fourier transform inside), or None."""
+    from tessera.ir.passes.rewrite import regions
+
+    return next((op for region, _ in regions(graph) for op in region.ops
+                 if op.name in SPECTRAL_OPS or any(r.type.dtype in ("c64", "c128") for r in op.results)), None)
+
+
+def _first_op(graph: Graph, name: str):
+    """The first op called `name` anywhere in the graph, or None."""
+    from tessera.ir.passes.rewrite import regions
+
+    return next((op for region, _ in regions(graph) for op in region.ops if op.name == name), None)
+
+
+# Element types a parameter may be held in as written: plain arrays of their own dtype (fp8 included: one byte
+# each, on its grid), or mxfp4's packed codes + per-32 scales. fp6/fp4_e2m1 have no XLA array type to hold them
+# in, and int8 has no scale to map weights onto its integers, so a rule giving them is refused.
+STORAGE_TYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4")
+INFERENCE_STORAGE = ("fp8_e4m3", "fp8_e5m2")  # (mxfp4's task check is storage.check_packed's)
+
+
+def _numeric_problems(t, where: str, span, key: str, *, compute: bool, accum: str = "fp32") -> list[Diagnostic]:
+    """What in numeric type `t` no lowering would honour: each a positioned error (message prefixed `where`).
+    `accum`: the program's accumulation type (numerics.default's @accum, fp32 when it has none)."""
     out = []
-    if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)"):
+    fp8_compute = compute and t.base == "fp8_e4m3"  # its scale is check_compute_type's
+    if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)") and not fp8_compute:
+        held = "held" if not compute else "computed"
         out.append(Diagnostic(f"{where}`@scale({t.scale})` is parsed but no lowering scales tensors yet, so "
-                              f"`{t}` would not be the arithmetic done", span=span, key=key,
-                              hint="drop @scale (mxfp4 carries its own per_block(32) scales)"))
-    if t.loss_scale is not None:
-        out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` is parsed but the train step does not scale "
-                              "the loss yet", span=span, key=key,
-                              hint="drop @loss_scale; train in bf16 or fp32, which need no loss scaling"))
-    if t.accum is not None and t.accum != "fp32":
-        out.append(Diagnostic(f"{where}matmuls and reductions accumulate in fp32; `@accum({t.accum})` would not "
-                              "be honoured", span=span, key=key, hint="write @accum(fp32), or leave @accum out"))
+                              f"`{t}` would not be the arithmetic done: {t.base} would be {held} unscaled",
+                              span=span, key=key,
+                              hint="drop @scale (mxfp4 carries its own per_block(32) scales; scaled fp8 compute is "
+                                   "`fp8_e4m3 @scale(per_tensor)` as numerics.default)"))
+    if not compute and t.loss_scale is not None:
+        out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` on a rule would not be honoured: the loss is "
+                              "scaled once for the whole program", span=span, key=key,
+                              hint="write it on numerics.default or as numerics.loss_scale"))
+    if not compute and t.accum is not None and t.accum != accum:
+        out.append(Diagnostic(f"{where}the program accumulates in {accum} (numerics.default's @accum); a rule's "
+                              f"`@accum({t.accum})` would not be honoured: a rule sets how a parameter is held, "
+                              "not how the products reading it accumulate", span=span, key=key,
+                              hint=f"write @accum({accum}) or leave @accum out of the rule; set the accumulation "
+                                   "in numerics.default"))
     if not compute and t.base not in STORAGE_TYPES:
-        out.append(Diagnostic(f"{where}parameters cannot be held in `{t.base}` yet (it would be held as bf16, "
-                              f"values off the {t.base} grid)", span=span, key=key,
-                              hint=f"hold them in {', '.join(STORAGE_TYPES)} (mxfp4: packed, for inference)"))
+        why = "no lowering has an array type for it" if t.base != "int8" else "int8 weights need a scale"
+        out.append(Diagnostic(f"{where}parameters cannot be held in `{t.base}` yet ({why})", span=span, key=key,
+                              hint=f"hold them in {', '.join(STORAGE_TYPES)} (fp8 and mxfp4: for inference)"))
     return out
 
 
@@ -115,14 +176,85 @@ def check_numerics_take_effect(exp, graph: Graph) -> list[Diagnostic]:
     (not ignored, and not failing later in the lowering)."""
     num = exp.numerics
     out = _numeric_problems(num.default, "", exp.span("numerics.default"), "numerics.default", compute=True)
+    accum = num.default.accum or "fp32"
     for glob, t in (num.rules or {}).items():
         span = exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules")
-        out += _numeric_problems(t, f"rule `{glob}`: ", span, "numerics.rules", compute=False)
-    if str(num.loss_scale) != "none":
-        out.append(Diagnostic(f"numerics.loss_scale: `{num.loss_scale}` is parsed but the train step does not "
-                              "scale the loss yet", span=exp.span("numerics.loss_scale"), key="numerics.loss_scale",
-                              hint="use none; train in bf16 or fp32, which need no loss scaling"))
-    return out
+        out += _numeric_problems(t, f"rule `{glob}`: ", span, "numerics.rules", compute=False, accum=accum)
+    out += _narrow_accum_training(exp, graph, accum)
+    if trains(exp.task):
+        for glob, t in (num.rules or {}).items():
+            if t.base in INFERENCE_STORAGE and any(fnmatch.fnmatchcase(p, glob) for p in graph.params):
+                out.append(Diagnostic(
+                    f"rule `{glob}`: parameters held in `{t.base}` are inference storage: training would update "
+                    f"fp8 values in place (steps below the fp8 spacing vanish) and keep optimizer state in fp8",
+                    span=exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules"), key="numerics.rules",
+                    hint="train with fp32 or bf16 parameters (and `fp8_e4m3 @scale(per_tensor)` compute); "
+                         f"hold them in {t.base} for generate, forward and bench forward tasks"))
+    return out + _loss_scaling(exp)
+
+
+def _loss_scaling(exp) -> list[Diagnostic]:
+    """Loss scaling (numerics.loss_scale or numerics.default's @loss_scale) runs in the train step
+    (tessera/lower/loss_scale.py): refused where there is no train step, where the two places disagree,
+    and where the 1F1B pipeline computes gradients outside the scaled backward pass."""
+    num = exp.numerics
+    written = [(key, text) for key, text, on in [
+        ("numerics.loss_scale", str(num.loss_scale), str(num.loss_scale) != "none"),
+        ("numerics.default", f"@loss_scale({num.default.loss_scale})", num.default.loss_scale is not None)] if on]
+    if not written:
+        return []
+    key, text = written[0]
+    span = exp.span(key)
+    kind = getattr(exp.task, "kind", None)
+    if kind != "train":
+        return [Diagnostic(f"loss scaling `{text}` applies to training; a `{kind}` task computes no gradients, so "
+                           "it would not be honoured", span=span, key=key, hint="drop it for this task")]
+    if len(written) == 2:
+        ls, default = num.loss_scale, num.default.loss_scale
+        same = (ls == "dynamic" and default == "dynamic") or \
+            (ls.startswith("static(") and default != "dynamic" and float(ls[7:-1]) == float(default))
+        if not same:
+            return [Diagnostic(f"numerics.loss_scale `{ls}` and numerics.default's `@loss_scale({default})` "
+                               "disagree; the loss is scaled one way", span=span, key=key,
+                               hint="write loss scaling in one place")]
+    if exp.mesh.pp > 1 and exp.parallel.pipeline.schedule == "1f1b":
+        return [Diagnostic(f"loss scaling `{text}` is not applied under the 1F1B pipeline schedule (its gradients "
+                           "are computed outside the scaled backward pass)", span=span, key=key,
+                           hint="use parallel.pipeline.schedule: gpipe, or mesh.pp: 1")]
+    return []
+
+
+# ops whose backward products a narrow @accum does not reach (tessera/lower/reference/accum.py: the grouped
+# GEMM's weight gradient sums over each expert's ragged run of tokens, which its emulation does not block)
+_NARROW_ACCUM_FORWARD_ONLY = ("moe",)
+
+
+def _narrow_accum_training(exp, graph: Graph, accum: str) -> list[Diagnostic]:
+    """A bf16/fp16 accumulator is honoured for real products only, and in training only where every contraction's
+    backward honours it."""
+    if accum == "fp32":
+        return []
+    cplx = _complex_op(graph)
+    if cplx is not None:
+        where = f" (`{cplx.name}` at {cplx.span.file}:{cplx.span.line}:{cplx.span.col})" if cplx.span else ""
+        return [Diagnostic(f"`@accum({accum})` is not honoured by complex products and Fourier transforms, which "
+                           f"accumulate in their own complex type{where}", span=exp.span("numerics.default"),
+                           key="numerics.default",
+                           hint="use @accum(fp32) (or leave @accum out) for models with complex values")]
+    if getattr(exp.task, "kind", None) != "train":
+        return []
+    for name in _NARROW_ACCUM_FORWARD_ONLY:
+        op = _first_op(graph, name)
+        if op is None:
+            continue
+        where = f" (`{op.name}` at {op.span.file}:{op.span.line}:{op.span.col})" if op.span else ""
+        return [Diagnostic(f"`@accum({accum})` is honoured by the experts' grouped products forward only: "
+                           f"their weight gradients would accumulate in fp32{where}; training would not "
+                           f"run the arithmetic written", span=exp.span("numerics.default"),
+                           key="numerics.default",
+                           hint=f"train with @accum(fp32); @accum({accum}) runs for generate and forward "
+                                "tasks, and for training models without moe")]
+    return []
 
 
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "f64": jnp.float64,
            "i32": jnp.int32, "i64": jnp.int64, "i8": jnp.int8, "u8": jnp.uint8, "bool": jnp.bool_,
-           "c64": jnp.complex64, "c128": jnp.complex128}
+           "c64": jnp.complex64, "c128": jnp.complex128,
+           "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}  # fp8: parameter storage (inference)
 
 
 def jnp_dtype(name: str):
@@ -46,6 +47,7 @@ class LowerCtx:
     report: Any = None  # a dict that kernel selection records its choices in ({op label: implementation})
     aux: Any = None  # a dict of step counters lowerings add int32 scalars to ({name: count}), e.g. moe_dropped
     unroll: bool = False
+    fp8: str | None = None  # "per_tensor": products with weights run in fp8 (tessera/lower/reference/fp8.py)
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

@@ -6,6 +6,8 @@ import string
 
 import jax.numpy as jnp
 
+from tessera.lower.reference import accum as accum_ref, fp8 as fp8_ref
+
 
 def names(value) -> tuple[str, ...]:
     """The dim names of an IR value (or type), in axis order."""
@@ -25,11 +27,13 @@ def align(x, have: tuple[str, ...], want: tuple[str, ...]):
     return x
 
 
-def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=jnp.float32, store=None):
+def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=jnp.float32, store=None,
+           fp8: bool = False):
     """einsum with named dims: each operand's dim names, the output's dim names.
 
-    Products accumulate in `accum` (fp32); the result is stored as `store` (default `accum`): see
-    `stored_dtype`.
+    Products accumulate in `accum` (fp32, or bf16/fp16 as reference/accum.py does it); the result is stored
+    as `store` (default `accum`): see `stored_dtype`. `fp8`: the second operand is a weight and the product
+    runs in fp8 (reference/fp8.py).
     """
     letters: dict[str, str] = {}
     pool = iter(string.ascii_letters)
@@ -42,7 +46,9 @@ def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=
         return jnp.einsum(spec, *arrays, preferred_element_type=jnp.result_type(*arrays))
     if store is not None and any(jnp.result_type(a) != jnp.dtype(store) for a in arrays):
         store = None  # operands wider (or other) than the stored type: keep the accumulator's
-    return jnp.einsum(spec, *arrays, preferred_element_type=store or accum)
+    if fp8:
+        return fp8_ref.einsum(spec, *arrays, accum=accum, preferred_element_type=store or accum)
+    return accum_ref.einsum(spec, *arrays, accum=accum, preferred_element_type=store or accum)
 
 
 def stored_dtype(result, accum, *, partial: bool = False):

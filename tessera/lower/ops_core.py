@@ -1,7 +1,7 @@
 """Reference lowerings of the primitive ops (tessera/ir/ops_core.py): one function per op, one line to register.
 
-Each returns its results in the element types the IR gives them; reductions and softmax statistics
-are computed in fp32, contractions accumulate in the context's accumulation type.
+Each returns its results in the element types the IR gives them; softmax statistics are computed in fp32,
+contractions and the `sum` reduction accumulate in the context's accumulation type (reference/accum.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
-from tessera.lower.reference import activations
+from tessera.lower.reference import accum as accum_ref, activations
 from tessera.lower.reference.attention import attention_mask
 from tessera.lower.reference.losses import cross_entropy
 from tessera.lower.table import lowers
@@ -71,6 +71,8 @@ def _dot(ctx, op, attrs, ins, params):
 def _sum(ctx, op, attrs, ins, params):
     have = names(op.values[0])
     axes = tuple(have.index(d.name) for d in attrs["over"])
+    if accum_ref.narrow(ctx.accum_dtype) and jnp.issubdtype(ins[0].dtype, jnp.floating):
+        return [_out(op, accum_ref.sum(ins[0], axes, accum=ctx.accum_dtype))]
     x = ins[0] if jnp.iscomplexobj(ins[0]) else ins[0].astype(jnp.float32)  # complex sums keep their parts
     return [_out(op, jnp.sum(x, axis=axes))]
 

@@ -18,7 +18,8 @@ from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
-from tessera.lower.reference import activations, moe as moe_ref, mxfp4, rope as rope_ref
+from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, moe as moe_ref, mxfp4, \
+    rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.shard import ops as shard_ops
@@ -93,7 +94,8 @@ def _linear(ctx, op, attrs, ins, params):
     over = tuple(d.name for d in attrs["over"])
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
-               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype))
+               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
+               fp8=ctx.fp8 is not None)
     if "bias" in params:
         y = _plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
     return [y.astype(dt)]
@@ -188,13 +190,20 @@ def _sdpa(ctx, op, attrs, ins, params):
     if ctx.shard is not None and ctx.positions is None:  # context parallel: keys of the whole sequence
         k, v = ctx.shard.context_gather(k), ctx.shard.context_gather(v)
     out = attention_ref(q, k, v, sinks=sinks, causal=attrs["causal"], window=attrs["window"],
-                        scale=attrs["scale"], q_offset=pos[:, 0])
+                        scale=attrs["scale"], q_offset=pos[:, 0], accum=ctx.accum_dtype)
     return [align(out, ("batch", "seq", "heads", "head_dim"), names(op.results[0])).astype(_dtype(op))]
 
 
-def _project(x, w, b, accum):
+def _weight_product(ctx, spec: str, x, w, store):
+    """x ⊗ w for a weight w: in fp8 under an fp8 policy (reference/fp8.py), else accumulating in ctx.accum_dtype."""
+    if ctx.fp8 is not None:
+        return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
+    return accum_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
+
+
+def _project(ctx, x, w, b):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
-    y = jnp.einsum("bse,ehd->bshd", x, w.astype(x.dtype), preferred_element_type=stored_dtype(x.dtype, accum))
+    y = _weight_product(ctx, "bse,ehd->bshd", x, w.astype(x.dtype), stored_dtype(x.dtype, ctx.accum_dtype))
     if b is not None:
         y = _plus_bias(y, b)
     return y.astype(x.dtype)
@@ -228,9 +237,9 @@ def _attention(ctx, op, attrs, ins, params, cache):
     if ctx.shard is not None:  # sequence parallel: the block sees the whole sequence
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
-    q = _project(x, p["q"], p.get("q_bias"), ctx.accum_dtype)
-    k = _project(x, p["k"], p.get("k_bias"), ctx.accum_dtype)
-    v = _project(x, p["v"], p.get("v_bias"), ctx.accum_dtype)
+    q = _project(ctx, x, p["q"], p.get("q_bias"))
+    k = _project(ctx, x, p["k"], p.get("k_bias"))
+    v = _project(ctx, x, p["v"], p.get("v_bias"))
     if attrs["rope"] is not None:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
@@ -243,13 +252,13 @@ def _attention(ctx, op, attrs, ins, params, cache):
             k, v = ctx.shard.context_gather(k), ctx.shard.context_gather(v)
         out, new_cache = table.dispatch(ctx, "attention", label, q, k, v, q_offset=offset, **core), None
     elif cache is None or ctx.mode == "prefill":
-        out = attention_ref(q, k, v, q_offset=pos[:, 0], **core)
+        out = attention_ref(q, k, v, q_offset=pos[:, 0], accum=ctx.accum_dtype, **core)
         new_cache = None if cache is None else _cache_write(cache, k, v, pos)
     else:  # decode: the new tokens join the cache, then attend over it
         new_cache = _cache_write(cache, k, v, pos)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
-    y = jnp.einsum("bshd,hde->bse", out, p["o"], preferred_element_type=store)
+    y = _weight_product(ctx, "bshd,hde->bse", out, p["o"], store)
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
@@ -264,14 +273,14 @@ def _mlp(ctx, op, attrs, ins, params):
     if ctx.shard is not None:
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
-    cols = dict(preferred_element_type=stored_dtype(x.dtype, ctx.accum_dtype))
-    g = jnp.einsum("bse,ef->bsf", x, p["gate"], **cols)
-    u = jnp.einsum("bse,ef->bsf", x, p["up"], **cols)
+    cols = stored_dtype(x.dtype, ctx.accum_dtype)
+    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols)
+    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols)
     if "gate_bias" in p:
         g, u = _plus_bias(g, p["gate_bias"]), _plus_bias(u, p["up_bias"])
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
-    y = jnp.einsum("bsf,fe->bse", h, p["down"], preferred_element_type=rows)
+    y = _weight_product(ctx, "bsf,fe->bse", h, p["down"], rows)
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
         y = ctx.shard.reduce_out(y, "mlp")
     if "down_bias" in p:
@@ -289,7 +298,8 @@ def _moe(ctx, op, attrs, ins, params):
     if ctx.shard is not None:
         y = shard_ops.moe(ctx.shard, x, _cast(params, x.dtype, EXPERT_MATRICES), top_k=attrs["top_k"],
                           act=functools.partial(_act, attrs["act"]),  # packed experts go to ragged_dot as is
-                          ragged_dot=table.bound(ctx, "ragged_dot", f"{op_scope(op)} experts"), aux=ctx.aux)
+                          ragged_dot=table.bound(ctx, "ragged_dot", f"{op_scope(op)} experts"), aux=ctx.aux,
+                          accum=ctx.accum_dtype)
         return [align(y.astype(_dtype(op)), BSE, have)]
     b, s, e = x.shape
     p = _cast(params, x.dtype, EXPERT_MATRICES)
@@ -300,7 +310,7 @@ def _moe(ctx, op, attrs, ins, params):
                 gate_bias=p.get("experts/gate_bias", zeros((n_exp, d_ff))),
                 up_bias=p.get("experts/up_bias", zeros((n_exp, d_ff))),
                 down_bias=p.get("experts/down_bias", zeros((n_exp, e))),
-                top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]))
+                top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]), accum=ctx.accum_dtype)
     label = f"{op_scope(op)} experts"
     few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
     if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)

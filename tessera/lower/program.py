@@ -18,11 +18,11 @@ import numpy as np
 import optax
 
 from tessera.ir.types import Graph
-from tessera.lower.context import LowerCtx
+from tessera.lower.context import LowerCtx, jnp_dtype
 from tessera.lower.interpret import eval_region, init_state, split_layers, stacked_layers
 from tessera.lower.reference import mxfp4
 from tessera.lower.reference.losses import cross_entropy
-from tessera.lower import storage
+from tessera.lower import loss_scale, storage
 from tessera.lower import sampling
 
 Params = dict[str, jax.Array]
@@ -76,6 +76,12 @@ class Program:
         """What the manifest records about distribution: mesh, determinism and the collectives used."""
         return {"mesh": {a: n for a, n in self.exp.mesh.axes.items() if n > 1} or {"devices": 1},
                 "deterministic": self.deterministic, "collectives": self.collectives}
+
+    def numerics_report(self) -> dict:
+        """What the manifest records about numerics: compute and accumulation types, loss scaling, and per
+        parameter path its storage type, compute type and the rule that set it (ir/passes/numerics.py)."""
+        from tessera.ir.passes.numerics import resolved_policy
+        return resolved_policy(self.graph, self.exp.numerics)
 
     def _det(self):
         """The deterministic executor (canonical batch shards) on this program's mesh, one device included."""
@@ -217,7 +223,7 @@ class Program:
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks parameters {missing}")
-        cast = lambda a, want: jnp.asarray(a, want.dtype)  # noqa: E731  (tree.map: same leaves, any shapes)
+        cast = lambda a, want: storage.to_held(a, want.dtype)  # noqa: E731  (tree.map: same leaves, any shapes)
 
         def held(value, want):  # padded after loading, so packed bytes stay as stored
             return storage.resize(jax.tree.map(cast, value, want), tuple(want.shape))
@@ -238,6 +244,8 @@ class Program:
         """The context this program's lowerings get (its kernel policy, backend, determinism) with `kw`
         (mode, shard, positions, aux, ...)."""
         kw.setdefault("report", self._report)
+        kw.setdefault("accum_dtype", jnp_dtype(self.graph.attrs.get("accum", "f32")))
+        kw.setdefault("fp8", self.graph.attrs.get("fp8"))
         return LowerCtx(kernels=self.exp.kernels, backend=jax.default_backend(),
                         deterministic=self.exp.parallel.deterministic, **kw)
 
@@ -317,7 +325,15 @@ class Program:
             state, metrics = self._det().train_step(state, batch)
             return state, {**metrics, **self._counters({})}
         m = int(getattr(self.exp.task, "microbatches", 1) or 1)
-        grad_fn = jax.value_and_grad(self._loss_and_counts, has_aux=True)
+        ls = loss_scale.state_of(state.opt_state)  # None unless the loss is scaled (lower/loss_scale.py)
+        if ls is None:
+            grad_fn = jax.value_and_grad(self._loss_and_counts, has_aux=True)
+        else:
+            def scaled(params, batch):
+                loss, counts = self._loss_and_counts(params, batch)
+                return loss * ls.scale, counts
+
+            grad_fn = jax.value_and_grad(scaled, has_aux=True)
         if m == 1:  # no accumulator: the gradients are the backward pass's own buffers
             (loss, counts), grads = grad_fn(state.params, batch)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # as the accumulator holds them
@@ -333,11 +349,15 @@ class Program:
                     jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
             (loss, grads), counts = jax.lax.scan(accumulate, zero, micro)
             grads = jax.tree.map(lambda g: g / m, grads)
+        if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
+            loss = loss / ls.scale
+            grads = jax.tree.map(lambda g: g / ls.scale, grads)
         with jax.named_scope("optimizer"):
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
-        metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads), **self._counters(counts)}
+        metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads), **self._counters(counts),
+                   **loss_scale.metrics(opt_state)}
         if self.lr_fn is not None:
             metrics["lr"] = self.lr_fn(opt_state)
         return TrainState(state.step + 1, params, opt_state), metrics
@@ -494,7 +514,7 @@ class Program:
 def _init_array(init, key, shape, dtype):
     """One parameter's initial value: normal(0, std) drawn in fp32, ones or zeros."""
     if init.kind == "normal":
-        return (jax.random.normal(key, shape, jnp.float32) * init.std).astype(dtype)
+        return storage.to_held(jax.random.normal(key, shape, jnp.float32) * init.std, dtype)
     return (jnp.ones if init.kind == "ones" else jnp.zeros)(shape, dtype)
 
 

@@ -1,9 +1,10 @@
 """How the program holds a parameter of each IR element type, and the checks packed storage needs.
 
-Plain types are jax arrays of their dtype. Block formats (`NumericType.is_block_format`: mxfp4) are
-packed `MXFP4` pytrees (codes + scales, tessera/lower/reference/mxfp4.py) grouped along the
-second-to-last dim, dequantised by the lowerings at use. Other low-precision floats (fp8, fp6, fp4_e2m1)
-have no packed form yet and are held as bf16 arrays.
+Plain types are jax arrays of their dtype, fp8_e4m3 / fp8_e5m2 included (one byte per element, values on
+the fp8 grid, cast to the compute type at use; `to_held` saturates at the format's largest value rather than
+making NaN of what lies beyond it). Block formats (`NumericType.is_block_format`: mxfp4) are packed `MXFP4`
+pytrees (codes + scales, tessera/lower/reference/mxfp4.py) grouped along the second-to-last dim, dequantised by
+the lowerings at use. fp6 and fp4_e2m1 have no held form (check refuses them).
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def storage_dtype(ir_dtype: str):
         if ir_dtype in BASE_TYPES or ir_dtype == "fp8":
             return jnp.bfloat16
         raise
+
+
+def to_held(x, dtype):
+    """x as a plain parameter of `dtype`: a cast, saturating for fp8 (whose cast makes NaN beyond its range)."""
+    dtype = jnp.dtype(dtype)
+    if dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(jnp.asarray(x, jnp.float32), -big, big)
+    return jnp.asarray(x, dtype)
 
 
 def abstract(shape: tuple[int, ...], ir_dtype: str):

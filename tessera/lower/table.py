@@ -20,7 +20,12 @@ tessera/lower/kernels/__init__.py, and the kernel report (`tessera ir SPEC --aft
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from tessera.lower.reference.accum import narrow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +147,15 @@ def choose(ctx, primitive: str, *args, **kw) -> tuple[str, Callable[..., Any]]:
     """(what runs, its function) for `primitive` on these operands under ctx's kernel policy and backend."""
     prims, table = _table()
     reference = prims[primitive]
+    if getattr(ctx, "fp8", None) and primitive == "ragged_dot":  # the experts' products in fp8 (reference/fp8.py)
+        from tessera.lower.reference import fp8
+
+        return (f"{REFERENCE_NAME}: fp8 products (e4m3 operands, e5m2 gradients, {ctx.fp8} scales)",
+                functools.partial(fp8.ragged_dot, accum=ctx.accum_dtype))
+    if narrow(ctx.accum_dtype):  # the kernels accumulate in fp32: the reference emulates the narrow accumulator
+        name = jnp.dtype(ctx.accum_dtype).name
+        return (f"{REFERENCE_NAME}: accumulates in {name} (@accum); the kernels accumulate in fp32",
+                functools.partial(reference, accum=ctx.accum_dtype))
     if ctx.kernels != "auto":
         return f"{REFERENCE_NAME}: kernels = {ctx.kernels}", reference
     candidates = table.get((primitive, ctx.backend), [])

@@ -263,7 +263,9 @@ def _run_in(run_dir: Path, resuming: bool, exp, weights, overrides, spec_file, c
         with _recorded(manifest):
             prog = (compile_fn or default_compile)(exp)
             report = getattr(prog, "parallel_report", None)  # test doubles may not distribute
-            manifest.update(ir_hash=prog.ir_hash, **({"parallel": report()} if report else {}))
+            numerics = getattr(prog, "numerics_report", None)
+            manifest.update(ir_hash=prog.ir_hash, **({"parallel": report()} if report else {}),
+                            **({"numerics": numerics()} if numerics else {}))
             ctx = RunContext(exp=exp, prog=prog, run_dir=run_dir, manifest=manifest, metrics=metrics,
                              stream=stream or sys.stdout, weights=Path(weights) if weights else None,
                              resume=resuming, spec_dir=spec_file.parent if spec_file else None)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from tessera.lower import loss_scale
+
 Schedule = Callable[[Any], Any]
 
 
@@ -99,10 +101,15 @@ def build_optimizer(exp) -> optax.GradientTransformation:
         momentum=float(getattr(opt, "momentum", 0.0) or 0.0))
     clip = getattr(opt, "clip_norm", None)
     if clip:
-        return optax.chain(optax.clip_by_global_norm(float(clip)), inner)
-    return optax.chain(optax.identity(), inner)  # same state structure with or without clipping
+        out = optax.chain(optax.clip_by_global_norm(float(clip)), inner)
+    else:
+        out = optax.chain(optax.identity(), inner)  # same state structure with or without clipping
+    scaling = loss_scale.policy(exp.numerics) if getattr(exp, "numerics", None) is not None else None
+    if scaling is not None:  # skips non-finite steps and carries the scale (tessera/lower/loss_scale.py)
+        out = loss_scale.loss_scaled(out, kind=scaling[0], init=scaling[1])
+    return out
 
 
 def current_lr(opt_state) -> jax.Array:
     """The learning rate the last update used, read from the state `build_optimizer`'s optimizer keeps."""
-    return opt_state[1].hyperparams["learning_rate"]
+    return loss_scale.inner_state(opt_state)[1].hyperparams["learning_rate"]

@@ -212,6 +212,7 @@ def _flops(graph, exp, sizes: dict) -> dict:
 
 def build_plan(exp, device: str | None = None) -> dict:
     """The plan of an experiment as plain data (the `--json` schema in docs/plan.md), without compiling."""
+    from tessera.ir.passes.numerics import resolved_policy
     from tessera.lower.program import program_graph
 
     key, dev = pick_device(device)
@@ -241,6 +242,7 @@ def build_plan(exp, device: str | None = None) -> dict:
         "collectives": [{"axis": r["axis"], "kind": r["kind"], "what": r["what"], "bytes_per_step": r["bytes"],
                          "step": timing["step"]} for r in comms],
         "compile": {"status": "skipped", "note": "not requested"},
+        "numerics": resolved_policy(graph, exp.numerics),
     }
 
 
@@ -459,9 +461,23 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         comp += [("ours, same program", _size(c["ours_bytes"]))]
     comp += [("note", c["note"])] if c.get("note") else []
     step = d["step"]
-    return [("plan", head), ("parameters", params), ("memory per device", memory), ("FLOPs", flops),
-            (f"collectives per {step}, bytes sent per device", comms or [("none", "-")]),
-            ("ahead-of-time compile", comp)]
+    parts = [("plan", head), ("parameters", params)]
+    if plan.get("numerics"):
+        parts.append(("numerics (storage -> compute)", _numerics_rows(plan["numerics"])))
+    return parts + [("memory per device", memory), ("FLOPs", flops),
+                    (f"collectives per {step}, bytes sent per device", comms or [("none", "-")]),
+                    ("ahead-of-time compile", comp)]
+
+
+def _numerics_rows(n: dict) -> list[tuple[str, str]]:
+    """Compute, accumulation and loss scaling, then each parameter's storage and compute type."""
+    rows = [("compute / accumulate", f"{n['compute']} / {n['accumulate']}"), ("loss scaling", n["loss_scale"])]
+    if n.get("fp8_products"):
+        rows.append(("products with weights", f"fp8: e4m3 forward, e5m2 gradients, scaled {n['fp8_products']}"))
+    for path, p in n["by_param"].items():
+        rule = f"  (rule {p['rule']})" if p["rule"] else ""
+        rows.append((f"  {path}", f"{p['storage']} -> {p['compute']}{rule}"))
+    return rows
 
 
 def render(plan: dict, stream) -> None:

@@ -72,7 +72,7 @@ def test_mesh_axis_must_divide_the_dims_it_shards():
         f"{relpath(MODELS / 'llama.tsl')}:11:16: note: `layers/mlp/gate` is declared here with `mlp` = 96"]
 
 
-@pytest.mark.parametrize("numeric", ["fp8_e4m3", "int8", "mxfp4 @accum(fp32)"])
+@pytest.mark.parametrize("numeric", ["fp8_e5m2", "int8", "mxfp4 @accum(fp32)"])
 def test_check_refuses_a_compute_type_the_lowering_cannot_compute_in(tmp_path, capsys, numeric):
     """A storage format as numerics.default once passed `check` and failed in the lowering with a traceback."""
     base = (ROOT / "specs" / "llama_tiny.yaml").read_text().replace("../models/llama.tsl", str(MODELS / "llama.tsl"))
@@ -81,9 +81,13 @@ def test_check_refuses_a_compute_type_the_lowering_cannot_compute_in(tmp_path, c
     assert main(["check", str(tmp_path / "bad.yaml")]) == 2
     err = capsys.readouterr().err
     name = numeric.split()[0]
-    assert f"bad.yaml:4:12: error: numerics.default: `{name}` is a storage format" in err
-    assert "compute in fp32, bf16, fp16" in err and "numerics.rules" in err
-    for ok in ("fp16", "bf16 @accum(fp32)"):
+    if name == "fp8_e5m2":  # fp8 compute runs as e4m3 forward, e5m2 gradients
+        assert "bad.yaml:4:12: error: numerics.default: fp8 compute runs the products' inputs in e4m3 and their " \
+            "gradients in e5m2" in err and "write `fp8_e4m3 @scale(per_tensor)`" in err
+    else:
+        assert f"bad.yaml:4:12: error: numerics.default: `{name}` is a storage format" in err
+        assert "compute in fp32, bf16, fp16" in err and "numerics.rules" in err
+    for ok in ("fp16", "bf16 @accum(fp32)", "fp8_e4m3 @scale(per_tensor)"):
         (tmp_path / "ok.yaml").write_text(f"extends: base.yaml\nname: ok\nnumerics:\n  default: {ok}\n")
         assert main(["check", str(tmp_path / "ok.yaml")]) == 0
 

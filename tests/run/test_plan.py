@@ -30,7 +30,7 @@ def flat_keys(d: dict, prefix: str = "") -> set[str]:
     """Dotted paths of the leaves (`params.total`, `collectives[].axis`); maps documented whole stay whole."""
     keys = set()
     for k, v in d.items():
-        if isinstance(v, dict) and k not in ("bytes_by_dtype", "mesh", "compiler_bytes"):
+        if isinstance(v, dict) and k not in ("bytes_by_dtype", "mesh", "compiler_bytes", "by_param"):
             keys |= flat_keys(v, f"{prefix}{k}.")
         elif isinstance(v, list) and v and isinstance(v[0], dict):
             keys |= flat_keys(v[0], f"{prefix}{k}[].")
@@ -74,7 +74,7 @@ def test_json_keys_are_all_documented(capsys, tiny_forward):
     documented = set()
     for row in (ROOT / "docs" / "plan.md").read_text().splitlines():
         if row.startswith("| `"):
-            documented |= set(re.findall(r"`([a-z_.\[\]]+)`", row.split("|")[1]))
+            documented |= set(re.findall(r"`([a-z0-9_.\[\]]+)`", row.split("|")[1]))
     for args in [(SPECS / "gpt_oss_120b.yaml", "--no-compile"), (tiny_forward,)]:
         plan = run_json(capsys, *args, "--device", "a100")
         keys = flat_keys(plan)
@@ -170,3 +170,33 @@ def test_sharded_compile_per_device_matches_ours(tmp_path):
     assert plan["params"]["bytes"] / 4 < mem["params"] < plan["params"]["bytes"] / 3  # norms: fsdp only
     kinds = {(r["axis"], r["kind"], r["what"]) for r in plan["collectives"]}
     assert ("fsdp", "all-gather", "parameters") in kinds and ("tp", "all-reduce", "attention output") in kinds
+
+
+def test_plan_reports_each_parameters_storage_and_compute_type(capsys):
+    rules = json.dumps({"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "bf16"})
+    plan = run_json(capsys, SPECS / "gpt_oss_20b.yaml", "--no-compile", "--device", "h100", "--set",
+                    f"numerics.rules={rules}", "--set", "numerics.default=bf16 @accum(bf16)")
+    n = plan["numerics"]
+    assert (n["compute"], n["accumulate"], n["loss_scale"]) == ("bf16", "bf16", "none")
+    by = n["by_param"]
+    assert by["layers/moe/experts/gate"] == {"storage": "mxfp4", "compute": "bf16", "rule": "*/moe/experts/*"}
+    assert by["layers/moe/experts/gate_bias"] == {"storage": "bf16", "compute": "bf16", "rule": "*/moe/experts/*_bias"}
+    assert by["layers/attention/q"] == {"storage": "bf16", "compute": "bf16", "rule": None}  # params: bf16
+    assert by["layers/attn_norm/scale"]["compute"] == by["layers/attention/sinks"]["compute"] == "f32"
+    assert main(["plan", str(SPECS / "gpt_oss_20b.yaml"), "--no-compile", "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"compute / accumulate\s+bf16 / f32", out)
+    assert re.search(r"layers/moe/experts/down\s+mxfp4 -> bf16  \(rule \*/moe/experts/\*\)", out)
+
+
+def test_the_manifest_records_the_plans_numerics(capsys):
+    from tessera.lower.program import compile_experiment
+    from tessera.spec import load_experiment
+
+    over = ["numerics.default=fp16 @loss_scale(dynamic)", 'numerics.rules={"*/experts/gate": "bf16"}']
+    plan = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--device", "h100",
+                    *[a for o in over for a in ("--set", o)])
+    recorded = compile_experiment(load_experiment(SPECS / "gpt_oss_tiny.yaml", overrides=over)).numerics_report()
+    assert recorded == plan["numerics"]  # what tessera run writes under the manifest's `numerics`
+    assert recorded["loss_scale"] == "dynamic" and recorded["compute"] == "f16"
+    assert recorded["by_param"]["layers/moe/experts/gate"]["storage"] == "bf16"

@@ -3,7 +3,9 @@
 Params are stored in `params` (master weights), then each rule whose glob matches the param path
 (fnmatch: `*` crosses `/`) sets its type, the last match winning. Activations take the base type of
 `default` (the embedding's output type and float graph inputs), and result types are re-inferred.
-The policy's accumulation type is recorded as the graph attribute `accum`.
+The policy's accumulation type is recorded as the graph attribute `accum`. Under `fp8_e4m3 @scale(per_tensor)`
+activations are bf16 and the graph attribute `fp8` (the scaling) tells the lowering to run the products with
+weights in fp8 (tessera/lower/reference/fp8.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from tessera.ir.passes import register_pass
 from tessera.ir.passes.rewrite import regions, retype
-from tessera.ir.types import Graph, canonical_dtype, is_float
+from tessera.ir.types import Graph, ParamRef, canonical_dtype, is_float
 
 
 def numeric(value: Any):
@@ -44,7 +46,8 @@ def apply_numerics(graph: Graph, ctx) -> Graph:
     if policy is None:
         return graph
     default = numeric(_get(policy, "default", "fp32"))
-    compute = canonical_dtype(default.base)
+    fp8 = default.base == "fp8_e4m3"  # products with weights in fp8, everything else in bf16
+    compute = "bf16" if fp8 else canonical_dtype(default.base)
     for p in graph.params.values():
         p.type = p.type.with_dtype(param_dtype(p.path, policy))
     for v in graph.inputs:
@@ -55,9 +58,47 @@ def apply_numerics(graph: Graph, ctx) -> Graph:
             if "dtype" in op.attrs:
                 op.attrs = {**op.attrs, "dtype": compute}
     graph.attrs["compute"] = compute
+    if fp8:
+        graph.attrs["fp8"] = str(default.scale) if default.scale is not None else "per_tensor"
     if default.accum is not None:
         graph.attrs["accum"] = canonical_dtype(default.accum)
     return retype(graph)
 
 
 register_pass("numerics", apply_numerics)
+
+
+
+_FP32_STATISTICS = ("rmsnorm", "layernorm")  # ops whose parameters scale fp32 statistics (lower/reference/norms.py)
+# (op, param) whose products run in fp8 under an fp8 policy (tessera/lower/ops_nn.py: _weight_product, _linear; the
+# experts' grouped products through table.choose)
+_FP8_WEIGHTS = {("attention", n) for n in "qkvo"} | {(op, n) for op in ("mlp", "moe") for n in ("gate", "up", "down")} \
+    | {("linear", "weight")}
+
+
+def resolved_policy(graph: Graph, policy: Any) -> dict:
+    """What runs in which precision, after this pass: the compute and accumulation types, the loss scaling, and
+    per parameter path its storage type (the IR's element type), the type it is computed in (cast or dequantised
+    to at use) and the numerics rule that set its storage (None: `params`). For `tessera plan` and the manifest."""
+    compute = graph.attrs.get("compute", "f32")
+    loss = str(_get(policy, "loss_scale", "none") or "none")
+    default = numeric(_get(policy, "default", "fp32")) if policy is not None else None
+    if loss == "none" and default is not None and default.loss_scale is not None:
+        loss = "dynamic" if default.loss_scale == "dynamic" else f"static({default.loss_scale})"
+    rules = _get(policy, "rules") or {}
+    owner = {ref.path: op.name for region, _ in regions(graph) for op in region.ops
+             for ref in op.operands if isinstance(ref, ParamRef)}
+    params = {}
+    for path, p in graph.params.items():
+        rule = None
+        for glob in rules:
+            if fnmatch.fnmatchcase(path, glob):
+                rule = glob
+        used = compute if is_float(p.type.dtype) else p.type.dtype
+        if owner.get(path) in _FP32_STATISTICS or path.endswith("/sinks"):  # scales of fp32 statistics
+            used = "f32"
+        elif graph.attrs.get("fp8") and (owner.get(path), path.rsplit("/", 1)[-1]) in _FP8_WEIGHTS:
+            used = "fp8_e4m3"
+        params[path] = {"storage": p.type.dtype, "compute": used, "rule": rule}
+    return {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss,
+            "fp8_products": graph.attrs.get("fp8"), "by_param": params}

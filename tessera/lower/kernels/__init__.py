@@ -29,10 +29,10 @@ from tessera.lower.reference import mxfp4 as _mxfp4  # noqa: E402
 from tessera.lower.reference.attention import attention as _attention_reference  # noqa: E402
 
 
-def _decode_reference(q, cache, q_pos, *, sinks, causal, window, scale):
+def _decode_reference(q, cache, q_pos, *, sinks, causal, window, scale, accum=None):
     """New tokens q [B, S, H, D] at absolute positions q_pos [B] against a KV cache that holds them."""
     return _attention_reference(q, cache["k"], cache["v"], sinks=sinks, causal=causal, window=window, scale=scale,
-                                q_offset=q_pos, kv_positions=cache["pos"])
+                                q_offset=q_pos, kv_positions=cache["pos"], accum=accum)
 
 
 _table.primitive("attention", _attention_reference)  # queries at q_offset + 0..S-1 over keys 0..T-1

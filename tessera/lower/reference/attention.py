@@ -14,7 +14,8 @@ A KV cache kept as a ring buffer passes `kv_positions` [B, T] instead: key j the
 kv_positions[b, j], and a negative position marks an empty slot.
 A sink is one extra logit per head that joins the softmax denominator and contributes no value:
   out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)),  m = max(max_j s_j, sink).
-Scores and softmax statistics are fp32; the product with v accumulates in fp32.
+Scores and softmax statistics are fp32; the scores q·k and the product with v accumulate in fp32, or in
+`accum` when it is narrower (bf16/fp16: reference/accum.py's blocked accumulation, then widened).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference import accum as accum_ref
 from tessera.lower.reference._dtypes import wide
 
 _MASKED = -jnp.inf
@@ -48,7 +50,7 @@ def attention_mask(s: int, t: int, *, causal: bool, window: int | None, q_offset
 
 
 def attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = None,
-              scale: float | None = None, q_offset=0, kv_len=None, kv_positions=None):
+              scale: float | None = None, q_offset=0, kv_len=None, kv_positions=None, accum=None):
     """Reference attention (see module doc); returns [B, S, Hq, D] in q's dtype."""
     b, s, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
@@ -58,7 +60,8 @@ def attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = 
     scale = d ** -0.5 if scale is None else scale
     qg = q.reshape(b, s, hkv, group, d)
     ct = wide(q.dtype)  # fp32 statistics (fp64 when the inputs are, for gradient checks)
-    scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=ct) * scale
+    acc = accum if accum_ref.narrow(accum) else ct
+    scores = accum_ref.einsum("bsngd,btnd->bngst", qg, k, accum=acc, preferred_element_type=ct) * scale
     mask = attention_mask(s, t, causal=causal, window=window, q_offset=q_offset, kv_len=kv_len,
                           kv_positions=kv_positions)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)  # [B, Hkv, G, S, T]
@@ -72,7 +75,7 @@ def attention(q, k, v, *, sinks=None, causal: bool = True, window: int | None = 
     if sinks is not None:
         denom = denom + jnp.exp(sink - m)
     p = p / jnp.where(denom == 0, 1.0, denom)
-    out = jnp.einsum("bngst,btnd->bsngd", p.astype(v.dtype), v, preferred_element_type=ct)
+    out = accum_ref.einsum("bngst,btnd->bsngd", p.astype(v.dtype), v, accum=acc, preferred_element_type=ct)
     return out.reshape(b, s, hq, d).astype(q.dtype)
 
 

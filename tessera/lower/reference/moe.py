@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.reference._dtypes import wide
-from tessera.lower.reference import mxfp4
+from tessera.lower.reference import accum as accum_ref, mxfp4
 
 from tessera.lower.reference.activations import clamped_swiglu
 
@@ -31,9 +31,12 @@ Activation = Callable[[jax.Array, jax.Array], jax.Array]
 GPT_OSS_ACT: Activation = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
 
 
-def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int):
-    """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k])."""
-    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=wide(x.dtype))
+def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int, accum=None):
+    """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k]); the router's
+    product accumulates in fp32, or in `accum` where narrower (reference/accum.py)."""
+    ct = wide(x.dtype)
+    logits = accum_ref.einsum("td,de->te", x, router.astype(x.dtype), accum=accum if accum_ref.narrow(accum) else ct,
+                              preferred_element_type=ct)
     if router_bias is not None:
         logits = logits + router_bias.astype(logits.dtype)
     top, experts = jax.lax.top_k(logits, top_k)  # [T, k], sorted descending
@@ -69,7 +72,7 @@ PAIRS_MAX = 4
 
 
 def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
-              act: Activation = GPT_OSS_ACT, pair_dot=mxfp4.pair_dot) -> jax.Array:
+              act: Activation = GPT_OSS_ACT, pair_dot=mxfp4.pair_dot, accum=None) -> jax.Array:
     """Unsorted MoE for few tokens: x [T, D] -> [T, D]; copy (t, j) multiplies x[t] by expert experts[t, j].
 
     `pair_dot(lhs [R, K], rhs [G, K, N], experts [R], preferred_element_type)` is `reference.mxfp4.pair_dot`
@@ -77,7 +80,7 @@ def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
     routing order.
     """
     t, d = x.shape
-    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k)
+    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum)
     flat = experts.reshape(-1)  # [T*k], copy c belongs to token c // k
     xs = jnp.repeat(x, top_k, axis=0)  # [T*k, D]
     ct = wide(x.dtype)
@@ -96,7 +99,7 @@ def _operand(w, dtype):
 
 
 def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
-        act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot) -> jax.Array:
+        act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot, accum=None) -> jax.Array:
     """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `ragged_dot` per group.
 
     `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul);
@@ -104,7 +107,7 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     """
     t, _ = x.shape
     n_experts = gate.shape[0]
-    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k)
+    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum)
     flat_expert = experts.reshape(-1)  # [T*k], copy c belongs to token c // k
     order = jnp.argsort(flat_expert, stable=True)  # copies grouped by expert id
     sorted_expert = flat_expert[order]

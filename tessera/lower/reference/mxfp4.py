@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tessera.lower.reference import accum as accum_ref
+
 GROUP = 32  # elements sharing one E8M0 scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -92,7 +94,8 @@ def matmul(x: jax.Array, w: MXFP4, *, preferred_element_type=None) -> jax.Array:
     return jnp.matmul(x, dequantize(w, x.dtype), preferred_element_type=preferred_element_type)
 
 
-def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_element_type=None) -> jax.Array:
+def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_element_type=None,
+               accum=None) -> jax.Array:
     """`jax.lax.ragged_dot` with packed experts rhs [G, K, N]: rows of lhs [M, K] grouped by group_sizes [G].
 
     With fewer rows than groups (decoding) each row gathers its group's packed bytes and only those
@@ -102,24 +105,34 @@ def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_ele
     if m < g:
         ends = jnp.cumsum(group_sizes)
         gid = jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right")  # [M] group of row m
-        out = pair_dot(lhs, rhs, jnp.minimum(gid, g - 1), preferred_element_type=preferred_element_type)
+        out = pair_dot(lhs, rhs, jnp.minimum(gid, g - 1), preferred_element_type=preferred_element_type,
+                       accum=accum)
         return jnp.where((gid < g)[:, None], out, jnp.zeros((), out.dtype))
+    if accum_ref.narrow(accum):
+        return accum_ref.ragged_dot(lhs, dequantize(rhs, lhs.dtype), group_sizes, accum=accum,
+                                    preferred_element_type=preferred_element_type)
     return jax.lax.ragged_dot(lhs, dequantize(rhs, lhs.dtype), group_sizes,
                               preferred_element_type=preferred_element_type)
 
 
-def pair_dot(lhs: jax.Array, rhs, experts: jax.Array, preferred_element_type=None) -> jax.Array:
+def pair_dot(lhs: jax.Array, rhs, experts: jax.Array, preferred_element_type=None, accum=None) -> jax.Array:
     """Row r of lhs [R, K] times expert experts[r] of rhs [G, K, N] (packed MXFP4 or plain) -> [R, N].
 
     The few-copies form of an expert product (decode: one row per (token, expert) pair, in any order):
-    each row gathers only its expert's weights, and nothing is sorted or counted.
+    each row gathers only its expert's weights, and nothing is sorted or counted. `accum`: the accumulation
+    type where narrower than fp32 (reference/accum.py).
     """
     w = dense(jax.tree.map(lambda a: a[experts], rhs), lhs.dtype)  # [R, K, N]
+    if accum_ref.narrow(accum):
+        return accum_ref.einsum("rk,rkn->rn", lhs, w, accum=accum, preferred_element_type=preferred_element_type)
     return jnp.einsum("rk,rkn->rn", lhs, w, preferred_element_type=preferred_element_type)
 
 
-def any_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
-    """`jax.lax.ragged_dot` that also takes a packed MXFP4 rhs (then `ragged_dot` above)."""
+def any_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, accum=None):
+    """`jax.lax.ragged_dot` that also takes a packed MXFP4 rhs (then `ragged_dot` above); `accum` where
+    narrower than fp32 accumulates as reference/accum.py says."""
     if isinstance(rhs, MXFP4):
-        return ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+        return ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, accum=accum)
+    if accum_ref.narrow(accum):
+        return accum_ref.ragged_dot(lhs, rhs, group_sizes, accum=accum, preferred_element_type=preferred_element_type)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)

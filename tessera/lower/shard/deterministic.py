@@ -19,6 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from tessera.diagnostics import error
+from tessera.lower import loss_scale
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard.collectives import block_index
 
@@ -149,10 +150,21 @@ class Deterministic:
         def body(params, opt_state, batch):
             full = {k: gather_full(v, specs[k]) for k, v in params.items()}
             opt = _per_spec(gather_full, ospecs, opt_state)
-            grad_fn = jax.value_and_grad(lambda p, sh: self._shard_sums(p, sh), has_aux=True)
+            ls = loss_scale.state_of(opt)  # None unless the loss is scaled (lower/loss_scale.py)
+            if ls is None:
+                grad_fn = jax.value_and_grad(lambda p, sh: self._shard_sums(p, sh), has_aux=True)
+            else:
+                def scaled(p, sh):
+                    s, n = self._shard_sums(p, sh)
+                    return s * ls.scale, n
+
+                grad_fn = jax.value_and_grad(scaled, has_aux=True)
             (sums, counts), grads = self._per_shard(lambda sh: grad_fn(full, sh), batch, c)
             count = jnp.maximum(tree_sum(counts), 1.0)
             grads = {k: tree_sum(g) / count for k, g in grads.items()}
+            if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
+                sums = sums / ls.scale
+                grads = {k: g / ls.scale for k, g in grads.items()}
             # XLA contracts a*b+c into fma where a fusion allows it, so the update must be one region that
             # every mesh compiles alike: barriers on its inputs and outputs keep neighbours out of its fusions
             grads, opt, full = jax.lax.optimization_barrier((grads, opt, full))
@@ -160,7 +172,8 @@ class Deterministic:
                 updates, opt = prog.optimizer.update(grads, opt, full)
                 new = optax.apply_updates(full, updates)
                 new = {k: new[k].astype(full[k].dtype) for k in full}
-            metrics = {"loss": tree_sum(sums) / count, "grad_norm": optax.tree.norm(grads)}
+            metrics = {"loss": tree_sum(sums) / count, "grad_norm": optax.tree.norm(grads),
+                       **loss_scale.metrics(opt)}
             if prog.lr_fn is not None:
                 metrics["lr"] = prog.lr_fn(opt)
             new, opt = jax.lax.optimization_barrier((new, opt))

@@ -94,7 +94,8 @@ def _gather_rows(x, axes: tuple[str, ...], total: int):
     return whole[:total]
 
 
-def moe(env, x, p, *, top_k: int, act, ragged_dot=jax.lax.ragged_dot, capacity: float | None = None):
+def moe(env, x, p, *, top_k: int, act, ragged_dot=jax.lax.ragged_dot, capacity: float | None = None,
+        accum=None):
     """x [b, s, embed] → (y [b, s, embed], dropped copies on this device: int32 scalar); see the module doc."""
     x = env.seq_gather(x)
     b, s, e = x.shape
@@ -107,7 +108,8 @@ def moe(env, x, p, *, top_k: int, act, ragged_dot=jax.lax.ragged_dot, capacity: 
         tokens = varying(tokens, ep)
         p = {k: (varying(v, ep) if k.startswith("router") else v) for k, v in p.items()}
     n = tokens.shape[0]
-    weights, experts = moe_ref.route(tokens, router=p["router"], router_bias=p.get("router_bias"), top_k=top_k)
+    weights, experts = moe_ref.route(tokens, router=p["router"], router_bias=p.get("router_bias"), top_k=top_k,
+                                     accum=accum)
     c = slots(n, top_k, e_local, shards, capacity)
     slot, local_expert, dropped = pack(experts, valid, e_local, shards, c)
     copies = jnp.repeat(tokens, top_k, axis=0)  # [n·k, embed], copy j of token t at t·k + j

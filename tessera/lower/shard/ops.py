@@ -20,14 +20,15 @@ def embed(env, table, ids):
     return env.reduce_out(x, "vocab")  # one device holds each row: the sum adds zeros, exact
 
 
-def moe(env, x, p, *, top_k: int, act, ragged_dot=jax.lax.ragged_dot, aux: dict | None = None):
+def moe(env, x, p, *, top_k: int, act, ragged_dot=jax.lax.ragged_dot, aux: dict | None = None, accum=None):
     """x [b, s, embed] through experts split over `experts` axes (and d_ff over `mlp` axes), by all_to_all.
 
     Dispatch and its buffers: expert.py. `env.expert_capacity` applies only where the caller collects the
     drop count (`aux`, the train step's counters): elsewhere (loss evaluation, forward, generation) dropless.
     """
     capacity = env.expert_capacity if aux is not None else None
-    y, dropped = expert.moe(env, x, p, top_k=top_k, act=act, ragged_dot=ragged_dot, capacity=capacity)
+    y, dropped = expert.moe(env, x, p, top_k=top_k, act=act, ragged_dot=ragged_dot, capacity=capacity,
+                            accum=accum)
     if aux is not None:
         aux[expert.COUNTER] = aux.get(expert.COUNTER, 0) + dropped
     return y

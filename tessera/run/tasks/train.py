@@ -59,6 +59,7 @@ class Trainer:
         self.records: list[dict] = []
         self.pending: list[tuple[int, dict]] = []  # (step, device metrics) not yet on the host
         self.tokens_per_step = int(self.task.batch) * int(self.task.seq_len)
+        self._skipped_total = 0  # loss scaling's skipped steps so far (lower/loss_scale.py), as last recorded
 
     def start(self) -> int:
         """Initialise, or restore the latest compatible checkpoint; returns the first data step to run."""
@@ -76,6 +77,7 @@ class Trainer:
         except DamagedCheckpoint as exc:
             raise RunError(self._damaged(latest, exc)) from None
         self.records = list(meta["metrics"])
+        self._skipped_total = next((r["skipped_steps"] for r in reversed(self.records) if "skipped_steps" in r), 0)
         self.ctx.metrics.truncate_after(latest)
         self.ctx.manifest.record["resumed"].append({"from_step": latest, "at": now()})
         self.ctx.say(f"resuming from checkpoint at step {latest} in {self.ckpts.directory}")
@@ -101,7 +103,12 @@ class Trainer:
         new = [{"step": s, **{k: _to_float(v) for k, v in m.items()}} for (s, _), m in zip(self.pending, host)]
         self.pending = []
         for rec in new:
-            bad = [k for k in ("loss", "grad_norm") if k in rec and not math.isfinite(rec[k])]
+            # a loss-scaled step whose gradients overflowed was skipped (skipped_steps went up): its grad_norm is
+            # not finite by design, and nothing was applied
+            skipped = rec.get("skipped_steps", 0) > self._skipped_total
+            self._skipped_total = rec.get("skipped_steps", self._skipped_total)
+            bad = [k for k in ("loss", "grad_norm") if k in rec and not math.isfinite(rec[k])
+                   and not (skipped and k == "grad_norm")]
             if bad:
                 self._fail_nonfinite(rec, bad[0])
         if eval_loss is not None:
