@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 
 from bench import timing
-from bench.suites import attention, decode, moe, mxfp4, rms_norm
+from bench.suites import attention, decode, fp8, moe, mxfp4, rms_norm
 
 GROUPS = {"attention": attention.run_attention, "moe": moe.run_moe, "dense": moe.run_dense,
           "tune": attention.tune_attention, "decode": decode.run_decode, "mxfp4": mxfp4.run_mxfp4,
-          "rmsnorm": rms_norm.run_rms_norm, "tune_mxfp4": mxfp4.tune_mxfp4, "tune_decode": decode.tune_decode}
+          "rmsnorm": rms_norm.run_rms_norm, "fp8": fp8.run_fp8, "tune_mxfp4": mxfp4.tune_mxfp4,
+          "tune_decode": decode.tune_decode}
 
 
 def main() -> None:

@@ -1,0 +1,52 @@
+"""fp8 GEMMs (`--only fp8`): the product Tessera's `fp8_e4m3 @scale(per_tensor)` policy runs, against XLA's
+bf16 GEMM, XLA's fp8 `dot` on pre-quantised operands, and `torch._scaled_mm`, at 8192^3 and the Llama-3.2-1B /
+GPT-OSS training shapes (TFLOP/s of 2 m n k).
+
+Tessera's row includes the quantisation it does on every call (amax, scale, cast of both operands: the
+current-scaling recipe); "XLA fp8 dot" is the GEMM alone on operands quantised once, the ceiling a
+quantisation fused into the previous op would approach. Unmeasured until run on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bench.timing import record, rel_err, time_jax, time_torch
+
+# (name, m, k, n): m rows (tokens) of k features times [k, n]
+SHAPES = [("8192^3", 8192, 8192, 8192),
+          ("llama-1b mlp up b8x2048", 16384, 2048, 8192),
+          ("llama-1b mlp down b8x2048", 16384, 8192, 2048),
+          ("gpt-oss qkv b2x4096", 8192, 2880, 5120)]
+
+
+def run_fp8(check: bool = False, shapes=None) -> None:
+    """Each shape's rows; `check` prints Tessera's product's error against the bf16 GEMM."""
+    from tessera.lower.reference import fp8
+
+    for name, m, k, n in shapes or SHAPES:
+        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+        work = 2.0 * m * k * n
+        case = f"fp8 gemm {name}"
+        tessera = jax.jit(lambda x, w: fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32,
+                                                  preferred_element_type=jnp.bfloat16))
+        bf16 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
+        (xq, sx), (wq, sw) = fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3)
+        xla_fp8 = jax.jit(lambda a, b, s: (jnp.dot(a, b, preferred_element_type=jnp.float32) / s).astype(jnp.bfloat16))
+        if check:
+            print(f"  check {case}: fp8 vs bf16 rel err {rel_err(tessera(x, w), bf16(x, w)):.2e}")
+        record(case, "tessera fp8 (per-tensor current scaling)", lambda: time_jax(tessera, x, w), work)
+        record(case, "XLA fp8 dot (pre-quantised)", lambda: time_jax(xla_fp8, xq, wq, sx * sw), work)
+        record(case, "XLA bf16 dot", lambda: time_jax(bf16, x, w), work)
+        record(case, "torch._scaled_mm", lambda: _torch_scaled_mm(m, k, n), work)
+
+
+def _torch_scaled_mm(m: int, k: int, n: int) -> float:
+    import torch
+
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    return time_torch(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
