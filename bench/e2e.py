@@ -47,6 +47,9 @@ ROWS = {
                        "MaxText ~50 % (Llama2-7B, 8xH100); torchtitan 33-39 % (8B)"),
     "llama-1b train deterministic": ("train", "specs/bench/llama_1b_train.yaml", {"parallel.deterministic": True},
                                      "-"),
+    "llama-1b train fp8": ("train", "specs/bench/llama_1b_train.yaml",
+                           {"numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
+                           "torchtitan Float8: 1.28x bf16 tokens/s (Llama-3-8B)"),
     "20b-layers train": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml", {},
                          "NeMo AutoModel 20B: 28 %; torchtitan 20B: 16.5-19.5 %"),
 }
