@@ -5,13 +5,14 @@
     prog = tessera.compile(exp)
     params = prog.init(seed=0)
     logits = prog.forward(params, tokens)
+    prog, params = tessera.load_run("runs/<run>")   # a finished run's program and newest checkpoint
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "compile", "save_weights", "__version__"]
+__all__ = ["load", "compile", "load_run", "save_weights", "__version__"]
 
 
 def load(path, overrides=None):
@@ -26,6 +27,14 @@ def compile(exp):  # noqa: A001 - the public name is the verb users expect
     from tessera.run.main import default_compile
 
     return default_compile(exp)
+
+
+def load_run(run_dir, step=None):
+    """(program, params) of a run directory: its spec compiled as the run compiled it, and the parameters of
+    its newest checkpoint (or of checkpoint `step`)."""
+    from tessera.run.load import load_run as _load_run
+
+    return _load_run(run_dir, step)
 
 
 def save_weights(params, directory, exp=None):
