@@ -20,7 +20,7 @@ _TOKEN_WORDS = {"NAME": "a name", "INT": "an integer", "FLOAT": "a number", "LPA
                 "LBRACE": "`{`", "RBRACE": "`}`", "LSQB": "`[`", "RSQB": "`]`", "COMMA": "`,`",
                 "EQUAL": "`=`", "COLON": "`:`", "$END": "end of file", "MINUS": "`-`",
                 "ESCAPED_STRING": "a string", "QMARK": "`?`", "SLASH": "`/`", "ADDOP": "an operator",
-                "MULOP": "an operator", "COMPOP": "a comparison", "POW": "`**`"}
+                "MULOP": "an operator", "COMPOP": "a comparison", "POW": "`**`", "__ANON_0": "`->`"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,7 +134,17 @@ class _ToAst(lark.Transformer):
         return tuple(c)
 
     def block(self, meta, c):
-        return A.Block(str(c[0]), tuple(p for p in c[1:-1] if p is not None), c[-1], self._span(meta))
+        params = tuple(p for p in c[1:-2] if p is not None)
+        return A.Block(str(c[0]), params, c[-2], self._span(meta), adjoint=c[-1])
+
+    def adjoint(self, meta, c):
+        return A.Adjoint(tuple(str(t) for t in c[:-1] if t is not None), c[-1], self._span(meta))
+
+    def loss(self, meta, c):
+        name, rest = str(c[0]), [x for x in c[1:-1] if x is not None]
+        params = tuple(x for x in rest if isinstance(x, A.Param))
+        terms = tuple(str(x) for x in rest if not isinstance(x, A.Param)) or (name,)
+        return A.Block(name, params, c[-1], self._span(meta), terms=terms)
 
     def forward(self, meta, c):
         return A.Block("forward", tuple(p for p in c[:-1] if p is not None), c[-1], self._span(meta))
@@ -143,9 +153,14 @@ class _ToAst(lark.Transformer):
         name, rest = str(c[0]), [x for x in c[1:] if x is not None]
         params = tuple(x for x in rest if isinstance(x, A.Param))
         blocks: dict[str, A.Block] = {}
+        losses: dict[str, A.Block] = {}
         forward = None
         for b in (x for x in rest if isinstance(x, A.Block)):
-            if b.name == "forward":
+            if b.terms:
+                if b.name in losses:
+                    raise _fail(f"loss `{b.name}` is defined twice (first at line {losses[b.name].span.line})", b.span)
+                losses[b.name] = b
+            elif b.name == "forward":
                 if forward is not None:
                     raise _fail("a model has one `forward`", b.span)
                 forward = b
@@ -156,7 +171,7 @@ class _ToAst(lark.Transformer):
         span = self._span(meta)
         if forward is None:
             raise _fail(f"model `{name}` has no `forward(...)` block", span)
-        return A.Model(name, params, blocks, forward, span, self.file, self.text)
+        return A.Model(name, params, blocks, forward, span, self.file, self.text, losses)
 
     def start(self, meta, c):
         return c[0]

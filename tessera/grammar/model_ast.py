@@ -138,6 +138,18 @@ class Block:
     params: tuple[Param, ...]
     body: tuple[Assign | Return, ...]
     span: Span
+    terms: tuple[str, ...] = ()  # a `loss` entry: the names of the scalars it returns
+    adjoint: "Adjoint | None" = None  # a block's declared adjoint (custom VJP)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adjoint:
+    """`adjoint(x, ..., y, dy) { ... return dx, ... }` after a block: its inputs, result and the result's
+    cotangent by name; it returns one cotangent per tensor input."""
+
+    names: tuple[str, ...]
+    body: tuple[Assign | Return, ...]
+    span: Span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,3 +161,4 @@ class Model:
     span: Span
     file: str
     source: str = ""  # the text, for excerpts in diagnostics
+    losses: dict[str, Block] = dataclasses.field(default_factory=dict)  # `loss` entries, in source order

@@ -14,6 +14,7 @@ from tessera.ir.elaborate import Elaborator, LayerIndex, PTensor, Tensor, _Frame
 from tessera.ir.registry import OPS, OpError, check_value, get_op, struct_family_of
 from tessera.ir.types import Dim, DimName, Init, Op, Param, ParamRef, PerLayer, Region, Struct, TensorType, Value
 
+_DERIVATIVES = ("jvp", "vjp", "grad")
 _INITS = {"normal": Init("normal", 0.02), "ones": Init("ones"), "zeros": Init("zeros")}
 
 
@@ -23,7 +24,15 @@ def call(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
         return _repeat(el, e, env, frame)
     if e.func == "param":
         return _param(el, e, env, frame)
+    if e.func in _DERIVATIVES:
+        from tessera.ir.elab_diff import derivative
+
+        return derivative(el, e, env, frame)
     if e.func in el.model.blocks:
+        if el.model.blocks[e.func].adjoint is not None:
+            from tessera.ir.elab_diff import custom_vjp
+
+            return custom_vjp(el, e, env, frame)
         return _inline(el, e, env, frame)
     family = struct_family_of(e.func)
     if get_op(e.func) is not None and (e.args or family is None):
@@ -89,7 +98,7 @@ def _repeat(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
         benv[index_params[0].name] = LayerIndex(index, n)
     axis = "layers"
     inner = _Frame(Region([index] + args, [], []), _scope(frame, e, bname), frame.axes + ((axis, n),),
-                   frame.stack + (bname,))
+                   frame.stack + (bname,), root=_scope(frame, e, bname), shares=frame.shares)
     outs = el.exec_body(block, benv, inner)
     for k, (o, a) in enumerate(zip(outs, args)):
         if not isinstance(o, Tensor) or o.type != a.type:
@@ -131,6 +140,11 @@ def _declare(el: Elaborator, path: str, dims: tuple, init: Init, frame: _Frame, 
             have = f"it has {old.type}" if old else "no op declares it"
             raise el.error(f"this op reads `@{path}` as [{', '.join(map(str, dims))}], but {have}", span)
         return
+    if old is not None and (frame.shares or path in el.shared) and old.type == stacked and old.init == init:
+        el.shared.add(path)  # a loss or a derivative reads the model's parameter by its path
+        return
+    if frame.shares:
+        el.shared.add(path)
     if old is not None:
         first = f" (first at line {old.span.line})" if old.span else ""
         raise el.error(f"parameter `{path}` is declared twice{first}", span,
@@ -159,7 +173,8 @@ def _inline(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
     missing = [p.name for p in block.params if p.name not in names]
     if missing:
         raise el.error(f"block `{e.func}` needs argument `{missing[0]}`", e.span)
-    inner = _Frame(frame.region, _scope(frame, e, e.func), frame.axes, frame.stack + (e.func,))
+    inner = _Frame(frame.region, _scope(frame, e, e.func), frame.axes, frame.stack + (e.func,), frame.root,
+                   frame.shares)
     outs = el.exec_body(block, benv, inner)
     return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -62,6 +62,8 @@ class _Frame:
     prefix: tuple[str, ...]
     axes: tuple[tuple[str, int], ...]
     stack: tuple[str, ...]  # blocks being elaborated, for recursion errors
+    root: tuple[str, ...] = ()  # the scope derivative regions name their block from: the innermost repeat's
+    shares: bool = False  # in a loss or a derivative region: a param declared again the same way is the same param
 
 
 class Elaborator:
@@ -75,6 +77,7 @@ class Elaborator:
         self.arg_span = arg_span or (lambda name: None)  # where an argument's value was written
         self.arg_key_span = arg_key_span or self.arg_span  # ... and its name: an unknown one is wrong there
         self.params: dict[str, Param] = {}
+        self.shared: set[str] = set()  # params declared in a loss or a derivative region (others may read them)
         self.globals = self._bind_args(args)
 
     # ---- diagnostics
@@ -140,7 +143,33 @@ class Elaborator:
             if not isinstance(o, Tensor):
                 raise self.error(f"`forward` must return tensors, got {_kind(o)}", e.span)
         frame.region.outputs = [self.as_value(o, frame) for o in outs]
-        return Graph(self.model.name, frame.region, self.params)
+        losses = [self._loss(block) for block in self.model.losses.values()]
+        return Graph(self.model.name, frame.region, self.params, losses=losses)
+
+    def _loss(self, block: A.Block):
+        """A `loss` entry as an Objective: its inputs, its body, one float scalar per named term."""
+        from tessera.ir.types import Objective
+
+        env, args = dict(self.globals), []
+        for p in block.params:
+            if not isinstance(p.ann, A.TensorAnn):
+                raise self.error(f"`loss {block.name}` parameter `{p.name}` needs a tensor type like "
+                                 f"f32[points, coord = 2]", p.span)
+            v = Value(self._ann_type(p.ann, env, default_dtype="f32"), p.name)
+            args.append(v)
+            env[p.name] = v
+        frame = _Frame(Region(args, [], []), (), (), (f"loss {block.name}",), shares=True)
+        outs = self.exec_body(block, env, frame)
+        exprs = self._return_exprs(block)
+        if len(outs) != len(block.terms):
+            raise self.error(f"`loss {block.name}` names {len(block.terms)} term(s) ({', '.join(block.terms)}) "
+                             f"but returns {len(outs)} value(s)", exprs[0].span if exprs else block.span)
+        for o, e, term in zip(outs, exprs, block.terms):
+            if not isinstance(o, Tensor) or o.type.dims:
+                raise self.error(f"loss term `{term}` must be a scalar, got {_kind(o)}", e.span,
+                                 hint="reduce it, e.g. mean(r * r, over = [points])")
+        frame.region.outputs = [self.as_value(o, frame) for o in outs]
+        return Objective(block.name, block.terms, frame.region)
 
     def _return_exprs(self, block: A.Block) -> tuple:
         ret = next((s for s in block.body if isinstance(s, A.Return)), None)

@@ -11,17 +11,20 @@ import json
 import lark
 
 from tessera.diagnostics import Diagnostic, Span, TesseraError
-from tessera.ir.types import Dim, DimName, Graph, Init, Op, Param, ParamRef, PerLayer, Region, Struct, TensorType, Value
+from tessera.ir.types import (Dim, DimName, Graph, Init, Objective, Op, Param, ParamRef, PerLayer, Region, Struct,
+                              TensorType, Value)
 
 GRAMMAR = r"""
-start: "graph" NAME "{" gattr* ginput* gparam* op* ret "}"
+start: "graph" NAME "{" gattr* ginput* gparam* op* ret gloss* "}"
+gloss: "loss" NAME "->" "[" NAME ("," NAME)* "]" region
 gattr: "attr" NAME "=" value
 ginput: "input" VAR ":" type
 gparam: "param" PARAM ":" type "=" init
 init: NAME ["(" NUMBER ")"]
 ret: "return" [VAR ("," VAR)*]
 
-op: [VAR ("," VAR)* "="] NAME "(" [operand ("," operand)*] ")" [attrs] [region] ":" type ("," type)*
+op: [VAR ("," VAR)* "="] NAME "(" [operand ("," operand)*] ")" [attrs] [region [adjoint]] ":" type ("," type)*
+adjoint: "adjoint" region
 region: "^" "(" [rarg ("," rarg)*] ")" "{" op* yield_ "}"
 rarg: VAR ":" type
 yield_: "yield" [VAR ("," VAR)*]
@@ -156,7 +159,7 @@ class _Builder:
     def graph(self, tree) -> Graph:
         name, items = str(tree.children[0]), tree.children[1:]
         attrs, params, inputs = {}, {}, []
-        ops, outputs = [], []
+        ops, outputs, losses = [], [], []
         for item in items:
             kind = item.data
             if kind == "gattr":
@@ -170,9 +173,12 @@ class _Builder:
                 params[path] = Param(path, item.children[1], item.children[2])
             elif kind == "op":
                 ops.append(self.op(item))
+            elif kind == "gloss":
+                names = [str(t) for t in item.children[:-1]]
+                losses.append(Objective(names[0], tuple(names[1:]), self.region(item.children[-1])))
             else:  # ret
                 outputs = [self.use(t, item.meta) for t in item.children if t is not None]
-        return Graph(name, Region(inputs, ops, outputs), params, attrs, "\n".join(self.lines))
+        return Graph(name, Region(inputs, ops, outputs), params, attrs, "\n".join(self.lines), losses)
 
     def op(self, tree) -> Op:
         c = tree.children
@@ -187,12 +193,14 @@ class _Builder:
         operands = [self.use(t, tree.meta) for t in rest if isinstance(t, lark.Token)]
         attrs = next((t for t in rest if isinstance(t, dict)), None) or {}
         region_tree = next((t for t in rest if isinstance(t, lark.Tree) and t.data == "region"), None)
+        adjoint_tree = next((t for t in rest if isinstance(t, lark.Tree) and t.data == "adjoint"), None)
         types = [t for t in rest if isinstance(t, TensorType)]
         region = self.region(region_tree) if region_tree is not None else None
+        adjoint = self.region(adjoint_tree.children[0]) if adjoint_tree is not None else None
         if len(lhs) != len(types):
             raise self.fail(f"`{name}` names {len(lhs)} result(s) but gives {len(types)} type(s)", tree.meta)
         results = [self.define(tok, t, tree.meta) for tok, t in zip(lhs, types)]
-        return Op(name, operands, attrs, results, region, self.span(tree.meta))
+        return Op(name, operands, attrs, results, region, self.span(tree.meta), adjoint)
 
     def region(self, tree) -> Region:
         self.scopes.append({})

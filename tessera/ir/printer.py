@@ -90,7 +90,12 @@ def _op_lines(op: Op, namer: _Namer, indent: str) -> list[str]:
     lhs = ", ".join(namer.result(r) for r in op.results)  # results are numbered before the region
     body = _region_lines(op.region, namer, indent + "  ", "yield")
     lines.append(f"{indent}{lhs} = {head} ^({args}) {{")
-    return lines + body + [f"{indent}}}{tail}"]
+    lines += body
+    if op.adjoint is not None:  # custom_vjp: the declared adjoint, a second region
+        adj = ", ".join(f"{namer.arg(a)} : {a.type}" for a in op.adjoint.args)
+        lines.append(f"{indent}}} adjoint ^({adj}) {{")
+        lines += _region_lines(op.adjoint, namer, indent + "  ", "yield")
+    return lines + [f"{indent}}}{tail}"]
 
 
 def _region_lines(region: Region, namer: _Namer, indent: str, term: str) -> list[str]:
@@ -109,4 +114,9 @@ def print_graph(graph: Graph) -> str:
     lines += [f"  input {namer.arg(v)} : {v.type}" for v in graph.inputs]
     lines += [f"  param @{p.path} : {p.type} = {p.init}" for p in graph.params.values()]
     lines += _region_lines(graph.body, namer, "  ", "return")
+    for loss in graph.losses:  # loss entries: closed regions yielding one scalar per named term
+        args = ", ".join(f"{namer.arg(a)} : {a.type}" for a in loss.region.args)
+        lines.append(f"  loss {loss.name} -> [{', '.join(loss.terms)}] ^({args}) {{")
+        lines += _region_lines(loss.region, namer, "    ", "yield")
+        lines.append("  }")
     return "\n".join(lines) + "\n}\n"

@@ -108,6 +108,9 @@ class OpDef:
     seq_gather: SeqGatherRule | None = None
     whole_dims: Callable[[dict], tuple[str, ...]] | None = None
     region: bool = False  # holds a region (repeat)
+    # an op whose result types come from its region (jvp, grad, vjp, custom_vjp): (operand types, attrs, op)
+    # -> result types, checking the region's arguments and outputs against the operands; raises OpError
+    region_rule: Callable[[list[TensorType], dict, Op], list[TensorType]] | None = None
     doc: str = ""
 
     def attr(self, name: str) -> AttrDef | None:
@@ -132,7 +135,7 @@ def get_op(name: str) -> OpDef | None:
 
 
 def _load_library() -> None:
-    from tessera.ir import ops_core, ops_nn, ops_spectral  # noqa: F401  (registration happens on import)
+    from tessera.ir import ops_core, ops_diff, ops_nn, ops_spectral  # noqa: F401  (registration happens on import)
 
 
 # ---- structured attribute families -----------------------------------------------------------------

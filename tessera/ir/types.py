@@ -176,6 +176,7 @@ class Op:
     results: list[Value]
     region: "Region | None" = None
     span: Span | None = None  # where it came from (model source or IR text); not part of equality
+    adjoint: "Region | None" = None  # custom_vjp: the block's declared adjoint (inputs, result, cotangent)
 
     @property
     def values(self) -> list[Value]:
@@ -215,6 +216,18 @@ class Region:
             yield op
             if op.region is not None:
                 yield from op.region.walk()
+            if op.adjoint is not None:
+                yield from op.adjoint.walk()
+
+
+@dataclasses.dataclass(eq=False)
+class Objective:
+    """A model's `loss` entry: a region from its own inputs (collocation points, targets) to scalar terms,
+    one per name in `terms`, reading the model's parameters by path."""
+
+    name: str
+    terms: tuple[str, ...]
+    region: Region
 
 
 @dataclasses.dataclass(eq=False)
@@ -226,6 +239,7 @@ class Graph:
     params: dict[str, Param]
     attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
     source: str | None = None  # the IR text it was parsed from, for excerpts in diagnostics
+    losses: list[Objective] = dataclasses.field(default_factory=list)  # named loss terms (none: cross-entropy)
 
     @property
     def inputs(self) -> list[Value]:
@@ -236,7 +250,14 @@ class Graph:
         return self.body.outputs
 
     def walk(self):
-        return self.body.walk()
+        yield from self.body.walk()
+        for loss in self.losses:
+            yield from loss.region.walk()
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        """Every loss term the model names, in source order (empty: next-token cross-entropy)."""
+        return tuple(t for loss in self.losses for t in loss.terms)
 
     def __eq__(self, other) -> bool:  # graphs are equal when their canonical texts are
         from tessera.ir.printer import print_graph

@@ -109,7 +109,7 @@ class _Verifier:
                 n = axes[-1][1] if axes else 0
                 raise OpError(f"attribute `{name}` has {len(value.values)} per-layer entries; "
                               + (f"the enclosing repeat has {n} layers" if axes else "it is not inside a repeat"))
-        expected = opdef.type_rule(types, attrs)
+        expected = opdef.region_rule(types, attrs, op) if opdef.region_rule else opdef.type_rule(types, attrs)
         if len(expected) != len(op.results):
             raise OpError(f"has {len(op.results)} result(s), expected {len(expected)}")
         for k, (got, want) in enumerate(zip(op.results, expected)):
@@ -141,6 +141,13 @@ class _Verifier:
             raise OpError(f"params of one op must share one scope, got {', '.join(sorted(scopes))}")
 
     def region_op(self, op: Op, label: str, defined: set[int], axes) -> None:
+        if op.name != "repeat":  # derivative regions: closed (only their arguments), no stacking axis
+            if op.attrs.get("n") is not None:
+                self.report(op, label, "only `repeat` stacks its region's parameters")
+            self.region(op.region, set(), axes)
+            if op.adjoint is not None:
+                self.region(op.adjoint, set(), axes)
+            return
         n = op.attrs.get("n")
         axis = op.attrs.get("axis")
         carried = op.values
@@ -160,9 +167,28 @@ class _Verifier:
             self.report(op, label, str(exc))
         self.region(op.region, defined, axes + [(getattr(axis, "name", "layers"), n if isinstance(n, int) else 0)])
 
+    def loss(self, loss) -> None:
+        """A `loss` entry: a closed region (its own inputs only) yielding one float scalar per term."""
+        self.region(loss.region, set(), [])
+        outs = loss.region.outputs
+        if len(outs) != len(loss.terms):
+            self.problems.append(Diagnostic(f"loss `{loss.name}` names {len(loss.terms)} term(s) "
+                                            f"({', '.join(loss.terms)}) but yields {len(outs)} value(s)"))
+        for term, v in zip(loss.terms, outs):
+            if v.type.dims or not v.type.dtype.startswith(("f", "bf")):
+                self.problems.append(Diagnostic(f"loss term `{term}` of `{loss.name}` must be a float scalar, "
+                                                f"got {v.type}; reduce it, e.g. mean(r * r, over = [points])"))
+
     def run(self) -> None:
         g = self.graph
         self.region(g.body, set(), [])
+        seen: set[str] = set()
+        for loss in g.losses:
+            self.loss(loss)
+            for term in loss.terms:
+                if term in seen:
+                    self.problems.append(Diagnostic(f"loss term `{term}` is named twice"))
+                seen.add(term)
         for path in g.params:
             if path not in self.param_depth:
                 self.problems.append(Diagnostic(f"param `@{path}` is declared but never used"))

@@ -79,6 +79,11 @@ def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: 
         ins = [env[v] for v in op.values]
         if op.name == "repeat":
             outs, st = eval_repeat(op, ins, params, ctx, None if state is None else state[key], remat)
+        elif op.region is not None:  # jvp, vjp, grad, custom_vjp: a function of their region
+            from tessera.lower.derivatives import eval_region_op
+
+            with jax.named_scope(op.label(index, scope)):
+                outs, st = eval_region_op(op, ins, params, ctx, layer), None
         else:
             with jax.named_scope(op.label(index, scope)):
                 outs, st = _eval_op(op, ins, params, ctx, None if state is None else state.get(key), layer)

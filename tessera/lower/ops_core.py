@@ -45,7 +45,8 @@ def _unary(fn):
 
 
 for _name, _fn in [("silu", activations.silu), ("sigmoid", jax.nn.sigmoid), ("exp", jnp.exp),
-                   ("neg", jnp.negative), ("tanh", jnp.tanh)]:
+                   ("neg", jnp.negative), ("tanh", jnp.tanh), ("sin", jnp.sin), ("cos", jnp.cos),
+                   ("square", jnp.square)]:
     lowers(_name)(_unary(_fn))
 
 
@@ -73,7 +74,7 @@ def _sum(ctx, op, attrs, ins, params):
     axes = tuple(have.index(d.name) for d in attrs["over"])
     if accum_ref.narrow(ctx.accum_dtype) and jnp.issubdtype(ins[0].dtype, jnp.floating):
         return [_out(op, accum_ref.sum(ins[0], axes, accum=ctx.accum_dtype))]
-    x = ins[0] if jnp.iscomplexobj(ins[0]) else ins[0].astype(jnp.float32)  # complex sums keep their parts
+    x = ins[0].astype(jnp.promote_types(ins[0].dtype, jnp.float32))  # fp32 or wider (f64); complex keeps its parts
     return [_out(op, jnp.sum(x, axis=axes))]
 
 
@@ -157,3 +158,30 @@ def _cross_entropy(ctx, op, attrs, ins, params):
     x, moved = move_last(ins[0], have, attrs["dim"].name)
     y = align(ins[1], names(labels), moved[:-1])
     return [cross_entropy(x, y)]
+
+
+@lowers("take")
+def _take(ctx, op, attrs, ins, params):
+    return [jnp.take(ins[0], attrs["index"], axis=names(op.values[0]).index(attrs["dim"].name))]
+
+
+@lowers("basis")
+def _basis(ctx, op, attrs, ins, params):
+    x = ins[0]
+    axis = names(op.values[0]).index(attrs["dim"].name)
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    unit = (jnp.arange(x.shape[axis]) == attrs["index"]).astype(x.dtype).reshape(shape)
+    return [jnp.broadcast_to(unit, x.shape)]
+
+
+@lowers("mean")
+def _mean(ctx, op, attrs, ins, params):
+    have = names(op.values[0])
+    axes = tuple(have.index(d.name) for d in attrs["over"])
+    return [_out(op, jnp.mean(ins[0].astype(jnp.promote_types(ins[0].dtype, jnp.float32)), axis=axes))]
+
+
+@lowers("stack")
+def _stack(ctx, op, attrs, ins, params):
+    return [_out(op, jnp.stack(ins, axis=-1))]

@@ -102,8 +102,9 @@ def _linear(ctx, op, attrs, ins, params):
 
 
 def _plus_bias(y, bias):
-    """y + bias in fp32: a product stored in bf16 (named.stored_dtype) is widened before the add."""
-    return y.astype(jnp.float32) + bias.astype(jnp.float32)
+    """y + bias in fp32 (f64 for f64): a product stored in bf16 (named.stored_dtype) is widened before the add."""
+    wide = jnp.promote_types(y.dtype, jnp.float32)
+    return y.astype(wide) + bias.astype(wide)
 
 
 # ---- rope kinds: (head_dim, fields) -> (inv_freq, scaling of cos and sin) -----------------------------------

@@ -50,7 +50,7 @@ def apply_numerics(graph: Graph, ctx) -> Graph:
     compute = "bf16" if fp8 else canonical_dtype(default.base)
     for p in graph.params.values():
         p.type = p.type.with_dtype(param_dtype(p.path, policy))
-    for v in graph.inputs:
+    for v in [*graph.inputs, *(a for loss in graph.losses for a in loss.region.args)]:
         if is_float(v.type.dtype):
             v.type = v.type.with_dtype(compute)
     for region, _ in regions(graph):

@@ -34,13 +34,23 @@ class Builder:
 
 
 def regions(graph: Graph) -> Iterator[tuple[Region, list[tuple[str, int]]]]:
-    """Every region with the repeat axes around it (outermost first), body first."""
+    """Every region with the repeat axes around it (outermost first): the body first, derivative and adjoint
+    regions (no axis of their own), then each loss's region."""
     def walk(region, axes):
         yield region, axes
         for op in region.ops:
             if op.region is not None:
-                yield from walk(op.region, axes + [(op.attrs["axis"].name, op.attrs["n"])])
+                yield from walk(op.region, axes + _axis(op))
+            if op.adjoint is not None:
+                yield from walk(op.adjoint, axes)
     yield from walk(graph.body, [])
+    for loss in graph.losses:
+        yield from walk(loss.region, [])
+
+
+def _axis(op: Op) -> list[tuple[str, int]]:
+    """The stacking axis a region op adds around its region: repeat's layers, none for derivatives."""
+    return [(op.attrs["axis"].name, op.attrs["n"])] if op.name == "repeat" else []
 
 
 def use_counts(graph: Graph) -> dict[int, int]:
@@ -87,6 +97,16 @@ def dce(graph: Graph) -> Graph:
     return graph
 
 
+def _region_args(op: Op, types: list) -> tuple[list, list]:
+    """(region arguments that mirror operands, those operands' types): repeat's after its layer index; jvp's and
+    vjp's skip the tangent or cotangent (operand 1)."""
+    if op.name == "repeat":
+        return op.region.args[1:], types
+    if op.name in ("jvp", "vjp"):
+        return op.region.args, [types[0], *types[2:]]
+    return op.region.args, types
+
+
 def retype(graph: Graph) -> Graph:
     """Recompute every result type from operand types with the type rules (after dtype changes)."""
     from tessera.ir.verify import split_operands
@@ -97,10 +117,18 @@ def retype(graph: Graph) -> Graph:
             data, _ = split_operands(op, opdef)
             types = [param_type(graph, o.path, axes) if isinstance(o, ParamRef) else o.type for o in data]
             if op.region is not None:
-                for a, t in zip(op.region.args[1:], types):
+                for a, t in zip(*_region_args(op, types)):
                     a.type = t
-                walk(op.region, axes + [(op.attrs["axis"].name, op.attrs["n"])])
-            for r, t in zip(op.results, opdef.type_rule(types, op.attrs)):
+                walk(op.region, axes + _axis(op))
+            if op.adjoint is not None:
+                y = op.region.outputs[0].type
+                for a, t in zip(op.adjoint.args, [*types, y, y]):
+                    a.type = t
+                walk(op.adjoint, axes)
+            out = opdef.region_rule(types, op.attrs, op) if opdef.region_rule else opdef.type_rule(types, op.attrs)
+            for r, t in zip(op.results, out):
                 r.type = t
     walk(graph.body, [])
+    for loss in graph.losses:
+        walk(loss.region, [])
     return graph
