@@ -19,6 +19,7 @@ import lark
 # name -> (bits per element, jax.numpy dtype name or None for block formats, kind).
 # mxfp4 (OCP microscaling): 4-bit e2m1 elements plus one 8-bit shared scale per 32 → 4 + 8/32 bits.
 BASE_TYPES: dict[str, tuple[float, str | None, str]] = {
+    "fp64": (64, "float64", "float"),  # scientific models (L-BFGS to 1e-3): jax runs with jax_enable_x64
     "fp32": (32, "float32", "float"),
     "bf16": (16, "bfloat16", "float"),
     "fp16": (16, "float16", "float"),

@@ -69,7 +69,8 @@ def check_numeric_rules(exp, graph: Graph) -> list[Diagnostic]:
     return out
 
 
-COMPUTE_TYPES = ("fp32", "bf16", "fp16")  # what activations can be computed in (tessera/lower/context.py)
+COMPUTE_TYPES = ("fp32", "bf16", "fp16", "fp64")  # what activations can be computed in (tessera/lower/context.py);
+# fp64: models with loss entries only (check_objectives)
 
 
 FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tessera/lower/reference/fp8.py)
@@ -138,7 +139,7 @@ def _first_op(graph: Graph, name: str):
 # Element types a parameter may be held in as written: plain arrays of their own dtype (fp8 included: one byte
 # each, on its grid), or mxfp4's packed codes + per-32 scales. fp6/fp4_e2m1 have no XLA array type to hold them
 # in, and int8 has no scale to map weights onto its integers, so a rule giving them is refused.
-STORAGE_TYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4")
+STORAGE_TYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "fp64")
 INFERENCE_STORAGE = ("fp8_e4m3", "fp8_e5m2")  # (mxfp4's task check is storage.check_packed's)
 
 
@@ -280,7 +281,16 @@ def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:
     return out
 
 
-CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims]
+def check_objectives(exp, graph: Graph) -> list[Diagnostic]:
+    """A model with `loss` entries: the spec's loss weights name its terms, its data feeds every loss input, and
+    it runs on one device; a model without them (cross-entropy) takes no loss weights."""
+    from tessera.ir.check_objectives import objective_problems
+
+    return objective_problems(exp, graph)
+
+
+CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
+          check_objectives]
 
 
 def experiment_graph(exp) -> Graph:

@@ -265,13 +265,49 @@ class Program:
         return sharded_forward(self, self.plan, mode)
 
     def forward(self, params: Params, tokens) -> jax.Array:
-        """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
-        return self._jit("forward", self._make_forward)(params, jnp.asarray(tokens, jnp.int32))
+        """Logits [batch, seq, vocab] for int32 tokens [batch, seq]; for a model of float inputs (a PINN's
+        points [N, d]) its output ([N, 3]: u, v, p), the input cast to the model's input type."""
+        dtype = jnp_dtype(self.graph.inputs[0].type.dtype)
+        return self._jit("forward", self._make_forward)(params, jnp.asarray(tokens, dtype))
 
     def _make_forward(self):
         return jax.jit(self.forward_fn("forward"))
 
+    # ---- named loss terms (models with `loss` entries) ----------------------------------------------
+    def loss_terms(self, params, batch: dict) -> dict[str, jax.Array]:
+        """Each loss term the model names, unweighted: its `loss` entries run on the batch's inputs by name."""
+        ctx = self.lower_ctx(mode="train")
+        terms = {}
+        for loss in self.graph.losses:
+            args = [jnp.asarray(batch[a.name], jnp_dtype(a.type.dtype)) for a in loss.region.args]
+            values, _ = eval_region(loss.region, args, params, ctx)
+            terms.update(zip(loss.terms, values))
+        return terms
+
+    def objective(self, params, batch: dict):
+        """(Σ weight · term, {term: value}) with task.loss_weights (a term left out weighs 1)."""
+        terms = self.loss_terms(params, batch)
+        weights = getattr(self.exp.task, "loss_weights", None) or {}
+        total = sum(float(weights.get(name, 1.0)) * value for name, value in terms.items())
+        return total, terms
+
+    def _objective_step(self, state: TrainState, batch):
+        """One step on the weighted terms; the optimizer may be L-BFGS, which re-evaluates the objective in its
+        line search (`value_fn`)."""
+        (loss, terms), grads = jax.value_and_grad(self.objective, has_aux=True)(state.params, batch)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params, value=loss, grad=grads,
+                                                       value_fn=lambda p: self.objective(p, batch)[0])
+            params = optax.apply_updates(state.params, updates)
+            params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **terms}
+        if self.lr_fn is not None:
+            metrics["lr"] = self.lr_fn(opt_state)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
     def _loss(self, params, batch):
+        if self.graph.losses:
+            return self.objective(params, batch)[0]
         if self.deterministic:
             return self._det().loss(params, batch)
         if self.plan is not None:
@@ -295,6 +331,8 @@ class Program:
         if self.optimizer is None:
             raise ValueError("this program was compiled without an optimizer (task is not `train`)")
         state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+        if self.graph.losses:  # L-BFGS's state may hold the same buffer twice: each leaf its own, to be donated
+            state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)
         return jax.tree.map(self._on_mesh, state)
 
     def _on_mesh(self, x):
@@ -321,6 +359,8 @@ class Program:
         return {"moe_dropped": jnp.sum(counts.get("moe_dropped", jnp.zeros((), jnp.int32)))}
 
     def _train_step(self, state: TrainState, batch):
+        if self.graph.losses:
+            return self._objective_step(state, batch)
         if self.deterministic:  # dropless: the whole model per canonical shard
             state, metrics = self._det().train_step(state, batch)
             return state, {**metrics, **self._counters({})}
@@ -548,7 +588,7 @@ def program_hash(exp, graph: Graph) -> str:
     spec = exp.resolved()
     relevant = {k: spec.get(k) for k in ("model", "mesh", "parallel", "numerics", "kernels")}
     relevant["task"] = {k: v for k, v in spec.get("task", {}).items()
-                        if k in ("kind", "optimizer", "schedule", "microbatches", "steps")}  # steps: the schedule
+                        if k in ("kind", "optimizer", "schedule", "microbatches", "steps", "loss_weights")}  # steps: the schedule
     text = print_graph(graph) + "\n" + repr(sorted(_flatten(relevant).items()))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -576,6 +616,8 @@ def program_graph(exp) -> Graph:
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
     """Build, check and lower the experiment's graph; cached on the program hash."""
     graph = program_graph(exp)
+    if graph.attrs.get("compute") == "f64" or any(p.type.dtype == "f64" for p in graph.params.values()):
+        jax.config.update("jax_enable_x64", True)  # f64 arrays exist only with x64 on (a process-wide setting)
     h = program_hash(exp, graph)
     if h not in _PROGRAMS:
         storage.check_packed(exp, graph)  # packed params: an inference task, groups that fit the shape and mesh

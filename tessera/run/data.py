@@ -210,7 +210,7 @@ def _sha(obj) -> str:
 
 
 def build_source(task, vocab: int, base_dir: Path | None = None) -> Source:
-    """The batch source a train task names (`task.data.kind`: synthetic | tokens)."""
+    """The batch source a train task names (`task.data.kind`: synthetic | tokens | collocation)."""
     data = task.data
     if data.kind == "synthetic":
         return SyntheticSource(data.task, int(data.seed), int(task.batch), int(task.seq_len), int(vocab))
@@ -219,4 +219,8 @@ def build_source(task, vocab: int, base_dir: Path | None = None) -> Source:
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
         return TokenFileSource(path, int(data.seed), int(task.batch), int(task.seq_len), int(vocab))
+    if data.kind == "collocation":
+        from tessera.run.collocation import CollocationSource
+
+        return CollocationSource(data)
     raise RunError(f"unknown data kind {data.kind!r}")

@@ -8,7 +8,7 @@ optimizer state (`current_lr`) for the step's metrics.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,9 +87,49 @@ def _sgd(learning_rate, b1, b2, eps, weight_decay, momentum) -> optax.GradientTr
 OPTIMIZERS = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
 
 
+class SwitchState(NamedTuple):
+    """The state of `then_lbfgs`: the first optimizer's, L-BFGS's, and the step count."""
+
+    first: Any
+    lbfgs: Any
+    count: jax.Array
+
+
+def then_lbfgs(first: optax.GradientTransformation, after: int, memory: int) -> optax.GradientTransformationExtraArgs:
+    """`first` for `after` steps, then L-BFGS (optax.lbfgs, zoom line search): one transformation with one state,
+    so a checkpoint of either phase resumes. The update needs the objective's `value`, `grad` and `value_fn`."""
+    lbfgs = optax.lbfgs(memory_size=memory)
+
+    def init(params):
+        return SwitchState(first.init(params), lbfgs.init(params), jnp.zeros((), jnp.int32))
+
+    def update(grads, state, params=None, *, value, grad, value_fn, **extra):
+        def use_first(_):
+            u, s = first.update(grads, state.first, params)
+            return u, s, state.lbfgs
+
+        def use_lbfgs(_):
+            u, s = lbfgs.update(grads, state.lbfgs, params, value=value, grad=grad, value_fn=value_fn)
+            return u, state.first, s
+
+        u, a, b = jax.lax.cond(state.count < after, use_first, use_lbfgs, None)
+        return u, SwitchState(a, b, state.count + 1)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def build_optimizer(exp) -> optax.GradientTransformation:
-    """AdamW (or as exp.task.optimizer.name says) with the schedule, global-norm clipping and weight decay."""
+    """AdamW (or as exp.task.optimizer.name says) with the schedule, global-norm clipping and weight decay;
+    L-BFGS alone (`name: lbfgs`) or after `lbfgs_after` steps of the named optimizer."""
     opt = getattr(exp.task, "optimizer", None)
+    if getattr(opt, "name", None) == "lbfgs":
+        return optax.lbfgs(memory_size=int(opt.lbfgs_memory))
+    first = _build_first(exp, opt)
+    after = getattr(opt, "lbfgs_after", None)
+    return first if after is None else then_lbfgs(first, int(after), int(opt.lbfgs_memory))
+
+
+def _build_first(exp, opt) -> optax.GradientTransformation:
     if opt is None:
         opt = types.SimpleNamespace(name="adamw", lr=DEFAULT_LR, b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     name = getattr(opt, "name", "adamw")
@@ -111,5 +151,11 @@ def build_optimizer(exp) -> optax.GradientTransformation:
 
 
 def current_lr(opt_state) -> jax.Array:
-    """The learning rate the last update used, read from the state `build_optimizer`'s optimizer keeps."""
-    return loss_scale.inner_state(opt_state)[1].hyperparams["learning_rate"]
+    """The learning rate the last update used, read from the state `build_optimizer`'s optimizer keeps (Adam then
+    L-BFGS: Adam's schedule, L-BFGS taking its steps from its line search; L-BFGS alone: 0)."""
+    if isinstance(opt_state, SwitchState):
+        return current_lr(opt_state.first)
+    inner = loss_scale.inner_state(opt_state)
+    if not (isinstance(inner, tuple) and len(inner) > 1 and hasattr(inner[1], "hyperparams")):
+        return jnp.zeros((), jnp.float32)
+    return inner[1].hyperparams["learning_rate"]

@@ -14,7 +14,9 @@ SYNTHETIC_TASKS = ("copy", "reverse", "sort", "add")
 class Optimizer(Section):
     """The optimizer (optax) and its hyper-parameters."""
 
-    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="adamw | adam | sgd")
+    name: Literal["adamw", "adam", "sgd", "lbfgs"] = Field(
+        "adamw", description="adamw | adam | sgd | lbfgs (optax.lbfgs with its zoom line search; lr, schedule and "
+        "clipping do not apply)")
     lr: float = Field(3e-4, gt=0, description="peak learning rate (the schedule scales it)")
     b1: float = Field(0.9, ge=0, lt=1, description="first-moment decay (adam, adamw)")
     b2: float = Field(0.95, ge=0, lt=1, description="second-moment decay (adam, adamw)")
@@ -22,6 +24,9 @@ class Optimizer(Section):
     momentum: float = Field(0.0, ge=0, lt=1, description="momentum (sgd); 0 disables it")
     weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (adamw, sgd)")
     clip_norm: float | None = Field(1.0, gt=0, description="clip gradients to this global norm; null disables")
+    lbfgs_after: int | None = Field(None, ge=0, description="switch to L-BFGS after this many steps of `name` "
+                                    "(Adam then L-BFGS, the usual PINN recipe); null: never")
+    lbfgs_memory: int = Field(20, ge=1, description="L-BFGS history: how many past (step, gradient change) pairs")
 
 
 class Schedule(Section):
@@ -51,13 +56,71 @@ class TokenData(Section):
     seed: int = Field(0, ge=0, description="seed of the order in which windows are drawn")
 
 
+class PointSet(Section):
+    """One named set of collocation points, drawn afresh every `resample_every` steps."""
+
+    where: Literal["interior", "boundary", "initial"] = Field(
+        description="interior: inside the box; boundary: on its faces (the time coordinate's excluded); "
+                    "initial: the slice where the time coordinate is at its lower bound")
+    n: int = Field(ge=1, description="points per draw")
+    method: Literal["uniform", "sobol", "latin"] = Field(
+        "sobol", description="uniform (independent draws) | sobol (scrambled Sobol sequence) | latin (Latin hypercube)")
+    target: Literal["none", "exact"] = Field(
+        "none", description="exact: the batch also holds `<name>_target`, the exact solution at the points "
+                            "(Dirichlet boundary or initial values)")
+
+
+class Exact(Section):
+    """A closed-form solution the points' targets and the error metrics come from."""
+
+    kind: Literal["kovasznay", "taylor_green"] = Field(
+        description="kovasznay: steady 2-D Navier-Stokes at Reynolds number `re` (x, y); taylor_green: the decaying "
+                    "2-D Taylor-Green vortex at viscosity `nu` (x, y, t)")
+    re: float = Field(20.0, gt=0, description="Reynolds number (kovasznay)")
+    nu: float = Field(0.01, gt=0, description="kinematic viscosity (taylor_green)")
+
+
+class CollocationData(Section):
+    """Collocation points in a box, for models that name their own loss terms (`loss` entries): a pure function
+    of (seed, step // resample_every)."""
+
+    kind: Literal["collocation"] = Field(description="collocation")
+    seed: int = Field(0, ge=0, description="seed of the point draws")
+    domain: dict[str, list[float]] = Field(
+        description="the box: coordinate name -> [low, high], in the order of the model input's coordinate dim")
+    time: str | None = Field(None, description="the coordinate that is time (needed by `where: initial`)")
+    sets: dict[str, PointSet] = Field(min_length=1, description="point sets by name; each loss input of that "
+                                      "name (or `<name>_target`) receives it")
+    resample_every: int = Field(0, ge=0, description="draw new points every this many steps; 0: draw once")
+    exact: Exact | None = Field(None, description="the exact solution: targets, and rel_l2_u/v/p in the metrics")
+    eval_points: int = Field(4096, ge=1, description="held-out uniform interior points the errors are measured on")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CollocationData":
+        for name, (lo_hi) in self.domain.items():
+            if len(lo_hi) != 2 or not lo_hi[0] < lo_hi[1]:
+                raise fail("domain", f"coordinate `{name}` needs [low, high] with low < high, got {lo_hi}",
+                           at=("domain", name))
+        if self.time is not None and self.time not in self.domain:
+            raise fail("domain", f"time coordinate `{self.time}` is not in the domain ({', '.join(self.domain)})",
+                       at=("time",))
+        for name, s in self.sets.items():
+            if s.where == "initial" and self.time is None:
+                raise fail("point_set", "`where: initial` needs `time:` to name the time coordinate",
+                           at=("sets", name, "where"))
+            if s.target == "exact" and self.exact is None:
+                raise fail("point_set", "`target: exact` needs an `exact:` solution", at=("sets", name, "target"))
+        return self
+
+
 def _data_kind(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("kind", "synthetic")
     return getattr(value, "kind", None)
 
 
-Data = Annotated[Union[Annotated[SyntheticData, Tag("synthetic")], Annotated[TokenData, Tag("tokens")]],
+Data = Annotated[Union[Annotated[SyntheticData, Tag("synthetic")], Annotated[TokenData, Tag("tokens")],
+                       Annotated[CollocationData, Tag("collocation")]],
                  Discriminator(_data_kind)]
 
 
@@ -80,6 +143,9 @@ class TrainTask(Section):
     optimizer: Optimizer = Field(default_factory=Optimizer, description="the optimizer")
     schedule: Schedule = Field(default_factory=Schedule, description="the learning-rate schedule")
     data: Data = Field(default_factory=SyntheticData, description="where training sequences come from")
+    loss_weights: dict[str, float] = Field(
+        default_factory=dict, description="weight of each loss term the model names (`loss` entries); terms left "
+        "out weigh 1. Models without loss entries train on next-token cross-entropy and take none")
     eval_every: int = Field(0, ge=0, description="evaluate every this many steps; 0 only at the end")
     eval_batches: int = Field(4, ge=1, description="batches per evaluation")
     log_every: int = Field(10, ge=1, description="log metrics every this many steps")

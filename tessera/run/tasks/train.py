@@ -95,7 +95,7 @@ class Trainer:
             offer = "no older checkpoint is kept here; remove it to start over"
         return f"checkpoint at step {step} in {self.ckpts.directory} is damaged: {exc}; {offer}"
 
-    def flush(self, eval_loss: float | None = None) -> list[dict]:
+    def flush(self, eval_loss: float | None = None, extra: dict | None = None) -> list[dict]:
         """Bring pending metrics to the host, stop on a non-finite loss, record them (eval loss on the last)."""
         if not self.pending:
             return []
@@ -113,6 +113,7 @@ class Trainer:
                 self._fail_nonfinite(rec, bad[0])
         if eval_loss is not None:
             new[-1]["eval_loss"] = eval_loss
+        new[-1].update(extra or {})
         self.records.extend(new)
         self.ctx.metrics.append(new)  # every record, at once; the manifest follows unless that costs too much
         self.ctx.manifest.update(metrics=self.records, lazy=True)
@@ -156,6 +157,14 @@ class Trainer:
         losses = [self.prog.eval_loss(params, self.source.batch(i, STREAM_EVAL)) for i in range(n)]
         return float(np.mean([_to_float(x) for x in jax.device_get(losses)], dtype=np.float64))
 
+    def errors(self) -> dict:
+        """Errors against the data's exact solution on its held-out points (rel_l2_u/v/p), when it names one."""
+        errors = getattr(self.source, "errors", None)
+        if errors is None:
+            return {}
+        params = _params(self.state)
+        return errors(lambda pts: self.prog.forward(params, pts))
+
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` steps with everything needed to continue exactly."""
         meta = {"step": step, "data_step": step, "seed": int(self.task.seed), "spec": self.exp.resolved(),
@@ -177,7 +186,7 @@ class Trainer:
             evaluate = done == self.steps or (self.eval_every and done % self.eval_every == 0)
             checkpoint = self.every and done % self.every == 0
             if done % self.log_every == 0 or done == self.steps or evaluate or checkpoint:
-                new = self.flush(self.evaluate() if evaluate else None)
+                new = self.flush(self.evaluate() if evaluate else None, self.errors() if evaluate else None)
                 rate = (done - last) * self.tokens_per_step / max(time.perf_counter() - t0, 1e-9)
                 t0, last = time.perf_counter(), done
                 progress.update(done, {**new[-1], "tok/s": rate})

@@ -1,0 +1,69 @@
+"""Checks of a scientific model against its spec: loss weights, collocation data and the model's inputs agree."""
+
+from __future__ import annotations
+
+from tessera.diagnostics import Diagnostic, did_you_mean
+from tessera.ir.types import Graph
+
+
+def _data_problems(exp, graph: Graph, data) -> list[Diagnostic]:
+    out = []
+    coords = len(data.domain)
+    feeds = set(data.sets) | {f"{n}_target" for n, s in data.sets.items() if s.target == "exact"}
+    for loss in graph.losses:
+        for a in loss.region.args:
+            if a.name not in feeds:
+                out.append(Diagnostic(f"loss `{loss.name}` takes input `{a.name}`, which no point set gives",
+                                      span=exp.span("task.data.sets") or exp.span("task.data"), key="task.data.sets",
+                                      hint=did_you_mean(a.name, sorted(feeds)) or
+                                      f"the sets give {', '.join(sorted(feeds))}"))
+            elif a.name in data.sets and (not a.type.dims or a.type.dims[-1].size != coords):
+                out.append(Diagnostic(f"loss `{loss.name}` input `{a.name}` is {a.type}, but the domain has {coords} "
+                                      f"coordinates ({', '.join(data.domain)}); its last dim must be of size {coords}",
+                                      span=exp.span("task.data.domain"), key="task.data.domain"))
+    for v in graph.inputs:
+        if v.type.dims and v.type.dims[-1].size not in (None, coords):
+            out.append(Diagnostic(f"the model's input `{v.name}` is {v.type}, but the domain has {coords} coordinates",
+                                  span=exp.span("task.data.domain"), key="task.data.domain"))
+    return out
+
+
+def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
+    """Positioned problems of loss weights, data and mesh for `graph`'s loss entries."""
+    task = exp.task
+    weights = getattr(task, "loss_weights", None) or {}
+    data = getattr(task, "data", None)
+    out = []
+    if not graph.losses:
+        for name in weights:
+            out.append(Diagnostic(f"model `{graph.name}` names no loss terms (it trains on next-token cross-entropy)",
+                                  span=exp.key_span(f"task.loss_weights.{name}"), key=f"task.loss_weights.{name}"))
+        if getattr(data, "kind", None) == "collocation":
+            out.append(Diagnostic(f"collocation points feed `loss` entries, and model `{graph.name}` has none",
+                                  span=exp.span("task.data.kind"), key="task.data.kind",
+                                  hint="use synthetic or tokens data for a language model"))
+        return out
+    terms = graph.terms
+    for name, w in weights.items():
+        if name not in terms:
+            out.append(Diagnostic(f"model `{graph.name}` has no loss term `{name}` (terms: {', '.join(terms)})",
+                                  span=exp.key_span(f"task.loss_weights.{name}"), key=f"task.loss_weights.{name}",
+                                  hint=did_you_mean(name, terms)))
+        elif not w >= 0:
+            out.append(Diagnostic(f"loss weight of `{name}` must be 0 or more, got {w}",
+                                  span=exp.span(f"task.loss_weights.{name}"), key=f"task.loss_weights.{name}"))
+    if task.kind == "train" and getattr(data, "kind", None) != "collocation":
+        out.append(Diagnostic(f"model `{graph.name}` names loss terms ({', '.join(terms)}): it trains on collocation "
+                              f"points, not `{getattr(data, 'kind', None)}` data",
+                              span=exp.span("task.data.kind") or exp.span("task"), key="task.data.kind",
+                              hint="write data: {kind: collocation, domain: ..., sets: ...}"))
+    elif task.kind == "train":
+        out += _data_problems(exp, graph, data)
+    if task.kind != "train":
+        out.append(Diagnostic(f"model `{graph.name}` is a scientific model (loss entries): task `{task.kind}` is for "
+                              "language models", span=exp.span("task.kind"), key="task.kind",
+                              hint="train it, then evaluate it with tessera.load_run"))
+    if exp.mesh.size > 1:
+        out.append(Diagnostic("models with loss entries run on one device for now", span=exp.span("mesh"),
+                              key="mesh", hint="remove the mesh section"))
+    return out
