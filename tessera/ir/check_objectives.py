@@ -14,7 +14,7 @@ def _data_problems(exp, graph: Graph, data) -> list[Diagnostic]:
         for a in loss.region.args:
             if a.name not in feeds:
                 out.append(Diagnostic(f"loss `{loss.name}` takes input `{a.name}`, which no point set gives",
-                                      span=exp.span("task.data.sets") or exp.span("task.data"), key="task.data.sets",
+                                      span=exp.key_span("task.data.sets") or exp.span("task.data"), key="task.data.sets",
                                       hint=did_you_mean(a.name, sorted(feeds)) or
                                       f"the sets give {', '.join(sorted(feeds))}"))
             elif a.name in data.sets and (not a.type.dims or a.type.dims[-1].size != coords):

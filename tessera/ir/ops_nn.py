@@ -107,6 +107,10 @@ def _linear_rule(ins, attrs):
     x, over = ins[0], [d.name for d in attrs["over"]]
     for n in over:
         _sized(x, n)
+    for d in attrs["out"]:  # a weight [hidden, hidden] would name one dim twice (its diagonal, as einsum reads it)
+        if d.name in over or (x.dim(d.name) is not None):
+            raise OpError(f"output dim `{d.name}` is already a dim of the input {x}; name it otherwise "
+                          f"(e.g. `{d.name}_out`) and `rename` it back")
     return [x.with_dims(tuple(d for d in x.dims if d.name not in over) + attrs["out"])]
 
 

@@ -44,9 +44,9 @@ def _directions(dim: int) -> np.ndarray:
 
 
 def sobol(n: int, dim: int, rng: np.random.Generator) -> np.ndarray:
-    """n points of the Sobol sequence in [0, 1)^dim (index 1..n), scrambled by a random digital shift."""
+    """The first n points of the Sobol sequence in [0, 1)^dim, scrambled by a random digital shift."""
     v = _directions(dim)
-    idx = np.arange(1, n + 1, dtype=np.uint64)
+    idx = np.arange(n, dtype=np.uint64)  # an aligned block of 2^m indices is a (t, m, d)-net
     x = np.zeros((n, dim), dtype=np.uint64)
     for k in range(_BITS):
         bit = (idx >> np.uint64(k)) & np.uint64(1)

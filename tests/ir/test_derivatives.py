@@ -19,7 +19,7 @@ from tessera.lower.interpret import eval_region
 MODEL = """
 model m(width: int = 6) {
   block layer(h: [points, hidden]) {
-    return tanh(linear(h, [hidden = width], over = [hidden], bias = true) * 20.0)
+    return tanh(rename(linear(h, [hidden_out = width], over = [hidden], bias = true), hidden_out, hidden) * 20.0)
   }
   block net(x: [points, coord]) {
     h = tanh(linear(x, [hidden = width], over = [coord], bias = true) as input * 20.0)

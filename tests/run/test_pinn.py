@@ -1,0 +1,179 @@
+"""Physics-informed training from a spec: collocation samplers, exact solutions, short PINN runs whose error
+against the analytic solution falls, `tessera.load_run` on them, and positioned spec errors."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tessera
+from tessera.diagnostics import TesseraError
+from tessera.run.collocation import CollocationSource, kovasznay, latin, sobol, taylor_green
+from tessera.run.main import run_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+KOV, TG = ROOT / "specs" / "pinn_kovasznay.yaml", ROOT / "specs" / "pinn_taylor_green.yaml"
+
+
+def _data(path, **overrides):
+    return tessera.load(path, overrides=overrides).task.data
+
+
+def test_samplers_are_pure_functions_of_seed_and_draw():
+    src = CollocationSource(_data(TG, **{"task.data.resample_every": 10}))
+    a, b = src.batch(3), src.batch(7)
+    assert set(a) == {"interior", "initial", "initial_target"}
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])  # one draw for steps 0..9
+    c = src.batch(10)
+    assert not np.array_equal(a["interior"], c["interior"])
+    np.testing.assert_array_equal(c["interior"], CollocationSource(src.data).batch(19)["interior"])
+    other = CollocationSource(_data(TG, **{"task.data.resample_every": 10, "task.data.seed": 1}))
+    assert not np.array_equal(other.batch(3)["interior"], a["interior"])
+    fixed = CollocationSource(_data(TG))  # resample_every 0: the same points every step
+    np.testing.assert_array_equal(fixed.batch(0)["interior"], fixed.batch(999)["interior"])
+
+
+def test_point_sets_lie_where_they_say():
+    src = CollocationSource(_data(KOV))
+    inner, edge = src.batch(0)["interior"], src.batch(0)["boundary"]
+    lo, hi = np.array([-0.5, -0.5]), np.array([1.0, 1.5])
+    assert ((inner > lo) & (inner < hi)).all() and inner.shape == (1000, 2)
+    on_face = np.isclose(edge, lo) | np.isclose(edge, hi)
+    assert on_face.any(axis=1).all()
+    sides = np.isclose(edge[:, 0], lo[0]).mean(), np.isclose(edge[:, 1], lo[1]).mean()
+    assert abs(sides[0] - 2 / 7) < 0.06 and abs(sides[1] - 1.5 / 7) < 0.06  # a face ∝ its length (perimeter 7)
+    np.testing.assert_allclose(src.batch(0)["boundary_target"], kovasznay(edge, src.data.exact))
+    tg = CollocationSource(_data(TG)).batch(0)
+    assert (tg["initial"][:, 2] == 0.0).all() and (tg["interior"][:, 2] > 0).all()
+
+
+def test_sobol_and_latin_hypercube_stratify():
+    rng = np.random.default_rng(0)
+    pts = sobol(64, 3, rng)
+    for d in range(3):  # a (0, m, 1)-net in each coordinate: one point per interval of width 1/64
+        assert sorted(np.floor(pts[:, d] * 64).astype(int).tolist()) == list(range(64))
+    cells = np.floor(pts[:, :2] * 8).astype(int)  # dims 1-2 of Sobol: one point in each of the 8 x 8 squares
+    assert len({tuple(c) for c in cells}) == 64
+    lh = latin(50, 2, rng)
+    for d in range(2):
+        assert sorted(np.floor(lh[:, d] * 50).astype(int).tolist()) == list(range(50))
+    assert not np.array_equal(sobol(64, 3, np.random.default_rng(1)), pts)  # the shift depends on the seed
+
+
+def _fd_residuals(exact_fn, exact, pts, h, time):
+    """Momentum and continuity residuals of an exact solution by central differences."""
+    f = lambda p: exact_fn(p, exact)  # noqa: E731
+    d = lambda k: (f(pts + h * np.eye(pts.shape[1])[k]) - f(pts - h * np.eye(pts.shape[1])[k])) / (2 * h)  # noqa: E731
+    dd = lambda k: (f(pts + h * np.eye(pts.shape[1])[k]) - 2 * f(pts) + f(pts - h * np.eye(pts.shape[1])[k])) / h ** 2  # noqa: E731
+    F, fx, fy = f(pts), d(0), d(1)
+    ft = d(2) if time else 0 * F
+    nu = exact.nu if time else 1 / exact.re
+    lap = dd(0) + dd(1)
+    u, v = F[:, 0], F[:, 1]
+    mx = ft[:, 0] + u * fx[:, 0] + v * fy[:, 0] + fx[:, 2] - nu * lap[:, 0]
+    my = ft[:, 1] + u * fx[:, 1] + v * fy[:, 1] + fy[:, 2] - nu * lap[:, 1]
+    return np.abs(mx).max(), np.abs(my).max(), np.abs(fx[:, 0] + fy[:, 1]).max()
+
+
+@pytest.mark.parametrize("spec, fn, time", [(KOV, kovasznay, False), (TG, taylor_green, True)])
+def test_exact_solutions_solve_navier_stokes(spec, fn, time):
+    src = CollocationSource(_data(spec))
+    assert max(_fd_residuals(fn, src.data.exact, src.held_out()[:500], 1e-4, time)) < 1e-5
+
+
+TINY = {"numerics.default": "fp32", "numerics.params": "fp32", "task.optimizer.lbfgs_after": None,
+        "task.optimizer.lr": 3e-3, "task.log_every": 50, "task.eval_every": 150, "checkpoint.every": 0}
+
+
+@pytest.fixture(scope="module")
+def kovasznay_run(tmp_path_factory):
+    overrides = {**TINY, "model.args.width": 16, "model.args.depth": 2, "task.steps": 300,
+                 "task.data.sets.interior.n": 256, "task.data.sets.boundary.n": 128, "task.data.eval_points": 512}
+    exp = tessera.load(KOV, overrides=overrides)
+    out = tmp_path_factory.mktemp("kov") / "run"
+    return run_experiment(exp, out=out, stream=io.StringIO(), tensorboard=False)
+
+
+def _untrained_errors(run_dir) -> dict:
+    """rel_l2 of the run's network at its initial parameters, on the run's held-out points."""
+    prog, _ = tessera.load_run(run_dir)
+    params = prog.init(int(prog.exp.task.seed))
+    return CollocationSource(prog.exp.task.data).errors(lambda pts: prog.forward(params, pts))
+
+
+def test_a_short_kovasznay_run_brings_the_error_down(kovasznay_run):
+    evals = [r for r in kovasznay_run.metrics if "rel_l2_u" in r]
+    assert [r["step"] for r in evals] == [150, 300]
+    first, last = kovasznay_run.metrics[0], kovasznay_run.metrics[-1]
+    assert {"momentum_x", "momentum_y", "continuity", "boundary", "loss"} <= set(last)
+    weighted = last["momentum_x"] + last["momentum_y"] + last["continuity"] + 10 * last["boundary"]
+    assert math.isclose(last["loss"], weighted, rel_tol=1e-5)  # task.loss_weights: boundary 10, the rest 1
+    assert last["loss"] < 0.2 * first["loss"]
+    before = _untrained_errors(kovasznay_run.run_dir)
+    assert evals[-1]["rel_l2_u"] < 0.5 * before["rel_l2_u"] and evals[-1]["rel_l2_p"] < 0.5 * before["rel_l2_p"]
+
+
+def test_load_run_evaluates_a_trained_pinn_on_points(kovasznay_run):
+    prog, params = tessera.load_run(kovasznay_run.run_dir)
+    src = CollocationSource(prog.exp.task.data)
+    pts = src.held_out()
+    uvp = np.asarray(prog.forward(params, pts))
+    assert uvp.shape == (512, 3)
+    from tessera.run.collocation import relative_errors
+
+    got = relative_errors(uvp.astype(np.float64), src.exact(pts))
+    assert math.isclose(got["rel_l2_u"], kovasznay_run.metrics[-1]["rel_l2_u"], rel_tol=1e-6)
+
+
+def test_a_short_taylor_green_run_brings_the_error_down(tmp_path):
+    overrides = {**TINY, "model.args.width": 16, "model.args.depth": 2, "task.steps": 300,
+                 "task.data.sets.interior.n": 256, "task.data.sets.initial.n": 128, "task.data.eval_points": 512}
+    result = run_experiment(tessera.load(TG, overrides=overrides), out=tmp_path / "run", stream=io.StringIO(),
+                            tensorboard=False)
+    before = _untrained_errors(result.run_dir)
+    after = result.metrics[-1]
+    assert after["rel_l2_u"] < 0.3 * before["rel_l2_u"] and after["rel_l2_v"] < 0.3 * before["rel_l2_v"]
+    assert result.metrics[-1]["loss"] < 0.2 * result.metrics[0]["loss"]
+
+
+@pytest.mark.parametrize("old, new, key, message, word", [
+    ("boundary: 10.0}", "boundery: 10.0}", "task.loss_weights.boundery",
+     "model `kovasznay` has no loss term `boundery`", "boundery"),
+    ("      boundary: {where", "      edge: {where", "task.data.sets", "takes input `boundary`, which no point set gives",
+     "sets:"),
+    ("domain: {x: [-0.5, 1.0], y: [-0.5, 1.5]}", "domain: {x: [-0.5, 1.0], y: [-0.5, 1.5], z: [0, 1]}",
+     "task.data.domain", "the domain has 3 coordinates", "z: [0, 1]"),
+    ("kind: collocation", "kind: synthetic", "task.data.kind", "it trains on collocation points, not `synthetic` data",
+     "synthetic"),
+])
+def test_spec_mistakes_are_positioned_errors(tmp_path, old, new, key, message, word):
+    from tessera.ir.check import check_experiment
+
+    text = KOV.read_text().replace("../models/kovasznay.tsl", str(ROOT / "models" / "kovasznay.tsl"))
+    assert old in text
+    if new.startswith("kind: synthetic"):  # a language-model data section: the collocation keys go too
+        text = text.split("  data:")[0] + "  data: {kind: synthetic}\n" + text.split("  eval_every")[1].join(["  eval_every", ""])
+    else:
+        text = text.replace(old, new)
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(TesseraError) as exc:
+        check_experiment(tessera.load(path))
+    d = exc.value.diagnostics[0]
+    assert message in d.message and d.key == key
+    assert d.span is not None and d.span.file.endswith("spec.yaml")
+    line = text.splitlines()[d.span.line - 1]
+    assert word in line
+
+
+def test_a_language_model_takes_no_loss_weights(tmp_path):
+    from tessera.ir.check import check_experiment
+
+    exp = tessera.load(ROOT / "specs" / "llama_tiny.yaml", overrides={"task.loss_weights": {"boundary": 1.0}})
+    with pytest.raises(TesseraError, match="names no loss terms"):
+        check_experiment(exp)
