@@ -48,6 +48,7 @@ class LowerCtx:
     aux: Any = None  # a dict of step counters lowerings add int32 scalars to ({name: count}), e.g. moe_dropped
     unroll: bool = False
     fp8: str | None = None  # "per_tensor": products with weights run in fp8 (tessera/lower/reference/fp8.py)
+    scan_unroll: bool = False  # `repeat` is still one lax.scan, which XLA unrolls (scientific models: see program.py)
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

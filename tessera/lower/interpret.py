@@ -178,7 +178,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     if ctx.mode == "train" and remat in _REMAT_POLICIES:
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
     xs = (jnp.arange(n // p, dtype=jnp.int32), xs_params, state)
-    carry, (new_state, aux) = jax.lax.scan(body, tuple(ins), xs)
+    carry, (new_state, aux) = jax.lax.scan(body, tuple(ins), xs, unroll=bool(ctx.scan_unroll))
     for name, per_step in (aux or {}).items():
         ctx.aux[name] = ctx.aux.get(name, 0) + jnp.sum(per_step)
     return list(carry), new_state

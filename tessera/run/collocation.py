@@ -111,6 +111,7 @@ class CollocationSource:
     """Point sets over the box of `data` (a CollocationData spec section), redrawn every resample_every steps."""
 
     data: object
+    _last: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the last draw, on the device
 
     @property
     def coords(self) -> list[str]:
@@ -145,10 +146,19 @@ class CollocationSource:
             unit[np.arange(spec.n), np.asarray(spatial)[face]] = side
         return self._box(unit)
 
-    def batch(self, step: int, stream: int = STREAM_TRAIN) -> dict[str, np.ndarray]:
-        """Every set's points (and exact targets) for optimizer step `step`."""
+    def batch(self, step: int, stream: int = STREAM_TRAIN) -> dict:
+        """Every set's points (and exact targets) for optimizer step `step`, as device arrays: the last draw is
+        kept, since a numpy batch cost more to pass into the jitted step (0.16 s on the CPU) than the step."""
         every = int(self.data.resample_every)
         draw = step // every if every else 0
+        if self._last.get("key") != (draw, stream):
+            import jax
+
+            self._last.update(key=(draw, stream), batch=jax.device_put(self.draw(draw, stream)))
+        return self._last["batch"]
+
+    def draw(self, draw: int, stream: int = STREAM_TRAIN) -> dict[str, np.ndarray]:
+        """Draw number `draw` of every set (and the exact targets) as float64 numpy arrays."""
         out = {}
         for name, spec in self.data.sets.items():
             pts = self.points(name, draw, stream)

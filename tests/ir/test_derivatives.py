@@ -119,6 +119,8 @@ def test_a_declared_adjoint_is_the_one_differentiation_uses(tmp_path):
 
 
 @pytest.mark.parametrize("body, message, line, col", [
+    ("  forward(x: f32[points, coord = 2]) { return linear(net(x), [field = 2], over = [field]) }",
+     "output dim `field` is already a dim of the input", 3, 47),
     ("  forward(t: i32[points, coord = 2]) { return jvp(net, t, t) }",
      "cannot differentiate with respect to the integer input", 3, 56),
     ("  forward(x: f32[points, coord = 2]) { return grad(net, x) }",

@@ -32,6 +32,7 @@ def test_samplers_are_pure_functions_of_seed_and_draw():
     c = src.batch(10)
     assert not np.array_equal(a["interior"], c["interior"])
     np.testing.assert_array_equal(c["interior"], CollocationSource(src.data).batch(19)["interior"])
+    np.testing.assert_allclose(np.asarray(c["interior"]), src.draw(1)["interior"], rtol=1e-6)  # f32 without x64
     other = CollocationSource(_data(TG, **{"task.data.resample_every": 10, "task.data.seed": 1}))
     assert not np.array_equal(other.batch(3)["interior"], a["interior"])
     fixed = CollocationSource(_data(TG))  # resample_every 0: the same points every step
@@ -40,15 +41,15 @@ def test_samplers_are_pure_functions_of_seed_and_draw():
 
 def test_point_sets_lie_where_they_say():
     src = CollocationSource(_data(KOV))
-    inner, edge = src.batch(0)["interior"], src.batch(0)["boundary"]
+    inner, edge = src.draw(0)["interior"], src.draw(0)["boundary"]
     lo, hi = np.array([-0.5, -0.5]), np.array([1.0, 1.5])
     assert ((inner > lo) & (inner < hi)).all() and inner.shape == (1000, 2)
     on_face = np.isclose(edge, lo) | np.isclose(edge, hi)
     assert on_face.any(axis=1).all()
     sides = np.isclose(edge[:, 0], lo[0]).mean(), np.isclose(edge[:, 1], lo[1]).mean()
     assert abs(sides[0] - 2 / 7) < 0.06 and abs(sides[1] - 1.5 / 7) < 0.06  # a face ∝ its length (perimeter 7)
-    np.testing.assert_allclose(src.batch(0)["boundary_target"], kovasznay(edge, src.data.exact))
-    tg = CollocationSource(_data(TG)).batch(0)
+    np.testing.assert_allclose(src.draw(0)["boundary_target"], kovasznay(edge, src.data.exact))
+    tg = CollocationSource(_data(TG)).draw(0)
     assert (tg["initial"][:, 2] == 0.0).all() and (tg["interior"][:, 2] > 0).all()
 
 
@@ -177,3 +178,54 @@ def test_a_language_model_takes_no_loss_weights(tmp_path):
     exp = tessera.load(ROOT / "specs" / "llama_tiny.yaml", overrides={"task.loss_weights": {"boundary": 1.0}})
     with pytest.raises(TesseraError, match="names no loss terms"):
         check_experiment(exp)
+
+
+def _reference_kovasznay(params: dict, batch: dict, width: int, re: float):
+    """The Kovasznay objective written directly in JAX: the model file's network (Glorot-scaled linear layers)
+    and residuals, independently of the model language."""
+    import jax
+    import jax.numpy as jnp
+
+    k_in, k_h, k_out = (math.sqrt(2 / (width + 2)) / 0.02, math.sqrt(1 / width) / 0.02,
+                        math.sqrt(2 / (width + 3)) / 0.02)
+
+    def net(xy):
+        h = jnp.tanh(k_in * (xy @ params["net/input/weight"] + params["net/input/bias"]))
+        for w, b in zip(params["net/layers/linear/weight"], params["net/layers/linear/bias"]):
+            h = jnp.tanh(k_h * (h @ w + b))
+        return k_out * (h @ params["net/output/weight"] + params["net/output/bias"])
+
+    xy = jnp.asarray(batch["interior"])
+    ex, ey = jnp.zeros_like(xy).at[:, 0].set(1.0), jnp.zeros_like(xy).at[:, 1].set(1.0)
+    d = lambda f, e: (lambda z: jax.jvp(f, (z,), (e,))[1])  # noqa: E731
+    f, fx, fy = net(xy), d(net, ex)(xy), d(net, ey)(xy)
+    lap = d(d(net, ex), ex)(xy) + d(d(net, ey), ey)(xy)
+    u, v = f[:, 0], f[:, 1]
+    mx = u * fx[:, 0] + v * fy[:, 0] + fx[:, 2] - lap[:, 0] / re
+    my = u * fx[:, 1] + v * fy[:, 1] + fy[:, 2] - lap[:, 1] / re
+    miss = net(jnp.asarray(batch["boundary"])) - jnp.asarray(batch["boundary_target"])
+    terms = {"momentum_x": jnp.mean(mx ** 2), "momentum_y": jnp.mean(my ** 2),
+             "continuity": jnp.mean((fx[:, 0] + fy[:, 1]) ** 2), "boundary": jnp.mean(jnp.sum(miss ** 2, axis=1))}
+    return terms["momentum_x"] + terms["momentum_y"] + terms["continuity"] + 10 * terms["boundary"], terms
+
+
+def test_the_kovasznay_objective_and_its_gradient_match_plain_jax():
+    import jax
+
+    overrides = {**TINY, "model.args.width": 8, "model.args.depth": 3, "task.data.sets.interior.n": 64,
+                 "task.data.sets.boundary.n": 32}
+    exp = tessera.load(KOV, overrides=overrides)
+    prog = tessera.compile(exp)
+    batch = CollocationSource(exp.task.data).batch(0)
+    key = jax.random.key(1)
+    params = {k: v + 0.01 * jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype)  # biases not all 0
+              for i, (k, v) in enumerate(prog.init(0).items())}
+    got, got_terms = prog.objective(params, batch)
+    want, want_terms = _reference_kovasznay(params, batch, 8, 20.0)
+    for name in want_terms:
+        assert math.isclose(float(got_terms[name]), float(want_terms[name]), rel_tol=2e-4), name
+    g_got = jax.grad(lambda p: prog.objective(p, batch)[0])(params)
+    g_want = jax.grad(lambda p: _reference_kovasznay(p, batch, 8, 20.0)[0])(params)
+    for path in params:
+        np.testing.assert_allclose(np.asarray(g_got[path]), np.asarray(g_want[path]), rtol=2e-3, atol=1e-4,
+                                   err_msg=path)
