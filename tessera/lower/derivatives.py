@@ -9,7 +9,6 @@ a `repeat` sees that layer's slice. Other operands than x are held constant.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from tessera.ir.types import Op
 
@@ -69,5 +68,3 @@ def eval_region_op(op: Op, ins: list, params: dict, ctx, layer):
     """The results of a derivative or custom_vjp op."""
     return REGION_LOWERINGS[op.name](op, ins, params, ctx, layer)
 
-
-__all__ = ["REGION_LOWERINGS", "eval_region_op", "jnp"]

@@ -133,7 +133,8 @@ def test_load_run_evaluates_a_trained_pinn_on_points(kovasznay_run):
 
 def test_a_short_taylor_green_run_brings_the_error_down(tmp_path):
     overrides = {**TINY, "model.args.width": 16, "model.args.depth": 2, "task.steps": 300,
-                 "task.data.sets.interior.n": 256, "task.data.sets.initial.n": 128, "task.data.eval_points": 512}
+                 "task.data.sets.interior.n": 256, "task.data.sets.initial.n": 128, "task.data.sets.boundary.n": 64,
+                 "task.data.eval_points": 512}
     result = run_experiment(tessera.load(TG, overrides=overrides), out=tmp_path / "run", stream=io.StringIO(),
                             tensorboard=False)
     before = _untrained_errors(result.run_dir)
