@@ -19,7 +19,6 @@ import lark
 # name -> (bits per element, jax.numpy dtype name or None for block formats, kind).
 # mxfp4 (OCP microscaling): 4-bit e2m1 elements plus one 8-bit shared scale per 32 → 4 + 8/32 bits.
 BASE_TYPES: dict[str, tuple[float, str | None, str]] = {
-    "fp64": (64, "float64", "float"),  # scientific models (L-BFGS to 1e-3): jax runs with jax_enable_x64
     "fp32": (32, "float32", "float"),
     "bf16": (16, "bfloat16", "float"),
     "fp16": (16, "float16", "float"),
@@ -30,6 +29,7 @@ BASE_TYPES: dict[str, tuple[float, str | None, str]] = {
     "fp4_e2m1": (4, "float4_e2m1fn", "float"),
     "mxfp4": (4 + 8 / 32, None, "block"),
     "int8": (8, "int8", "int"),
+    "fp64": (64, "float64", "float"),  # scientific models (L-BFGS to 1e-3): jax runs with jax_enable_x64
 }
 MX_BLOCK = 32  # elements sharing one scale in the microscaling formats
 ACCUM_TYPES = ("fp32", "bf16", "fp16")  # types a matmul/reduction can accumulate in

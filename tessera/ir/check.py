@@ -159,6 +159,9 @@ def _numeric_problems(t, where: str, span, key: str, *, compute: bool, accum: st
         out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` on a rule would not be honoured: the loss is "
                               "scaled once for the whole program", span=span, key=key,
                               hint="write it on numerics.default or as numerics.loss_scale"))
+    if compute and t.base == "fp64" and t.accum is not None:
+        out.append(Diagnostic(f"{where}fp64 computes and accumulates in fp64; `@accum({t.accum})` would not be "
+                              "honoured", span=span, key=key, hint="write fp64 without @accum"))
     if not compute and t.accum is not None and t.accum != accum:
         out.append(Diagnostic(f"{where}the program accumulates in {accum} (numerics.default's @accum); a rule's "
                               f"`@accum({t.accum})` would not be honoured: a rule sets how a parameter is held, "

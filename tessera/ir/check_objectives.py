@@ -28,6 +28,17 @@ def _data_problems(exp, graph: Graph, data) -> list[Diagnostic]:
     return out
 
 
+def _no_fp64(exp, graph: Graph) -> list[Diagnostic]:
+    """fp64 turns on jax_enable_x64 for the whole process; it is for models with loss entries only, for now."""
+    num = exp.numerics
+    found = [("numerics.default", num.default), ("numerics.params", num.params)]
+    found += [(f"numerics.rules.{glob}", t) for glob, t in (num.rules or {}).items()]
+    return [Diagnostic(f"fp64 is for models with `loss` entries (scientific models); model `{graph.name}` trains "
+                       "on cross-entropy", span=exp.span(key) or exp.span("numerics.rules"),
+                       key="numerics.rules" if ".rules." in key else key, hint="use fp32, bf16 or fp16")
+            for key, t in found if t.base == "fp64"]
+
+
 def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
     """Positioned problems of loss weights, data and mesh for `graph`'s loss entries."""
     task = exp.task
@@ -35,9 +46,16 @@ def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
     data = getattr(task, "data", None)
     out = []
     if not graph.losses:
+        out += _no_fp64(exp, graph)
         for name in weights:
             out.append(Diagnostic(f"model `{graph.name}` names no loss terms (it trains on next-token cross-entropy)",
                                   span=exp.key_span(f"task.loss_weights.{name}"), key=f"task.loss_weights.{name}"))
+        opt = getattr(task, "optimizer", None)
+        if opt is not None and (opt.name == "lbfgs" or opt.lbfgs_after is not None):
+            key = "task.optimizer.name" if opt.name == "lbfgs" else "task.optimizer.lbfgs_after"
+            out.append(Diagnostic("L-BFGS needs a deterministic objective over fixed points: it trains models with "
+                                  f"`loss` entries, and model `{graph.name}` has none", span=exp.span(key), key=key,
+                                  hint="use adamw, adam or sgd for a language model"))
         if getattr(data, "kind", None) == "collocation":
             out.append(Diagnostic(f"collocation points feed `loss` entries, and model `{graph.name}` has none",
                                   span=exp.span("task.data.kind"), key="task.data.kind",

@@ -24,7 +24,7 @@ DEFAULT_RULES: dict[str, str | list[str] | None] = {
     "batch": ["dp", "fsdp"], "embed": "fsdp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp",
     "experts": "ep", "seq": "sp",
 }
-PARAM_TYPES = ("fp64", "fp32", "bf16", "fp16")  # master weights are kept in a plain float type
+PARAM_TYPES = ("fp32", "bf16", "fp16", "fp64")  # master weights are kept in a plain float type
 
 
 class Model(Section):

@@ -26,7 +26,7 @@ def _data(path, **overrides):
 def test_samplers_are_pure_functions_of_seed_and_draw():
     src = CollocationSource(_data(TG, **{"task.data.resample_every": 10}))
     a, b = src.batch(3), src.batch(7)
-    assert set(a) == {"interior", "initial", "initial_target"}
+    assert set(a) == {"interior", "initial", "initial_target", "boundary", "boundary_target"}
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])  # one draw for steps 0..9
     c = src.batch(10)
@@ -173,11 +173,16 @@ def test_spec_mistakes_are_positioned_errors(tmp_path, old, new, key, message, w
     assert word in line
 
 
-def test_a_language_model_takes_no_loss_weights(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    ({"task.loss_weights": {"boundary": 1.0}}, "names no loss terms"),
+    ({"task.optimizer.name": "lbfgs"}, "L-BFGS needs a deterministic objective"),
+    ({"task.optimizer.lbfgs_after": 10}, "L-BFGS needs a deterministic objective"),
+])
+def test_a_language_model_takes_no_loss_weights_nor_lbfgs(overrides, message):
     from tessera.ir.check import check_experiment
 
-    exp = tessera.load(ROOT / "specs" / "llama_tiny.yaml", overrides={"task.loss_weights": {"boundary": 1.0}})
-    with pytest.raises(TesseraError, match="names no loss terms"):
+    exp = tessera.load(ROOT / "specs" / "llama_tiny.yaml", overrides=overrides)
+    with pytest.raises(TesseraError, match=message):
         check_experiment(exp)
 
 
