@@ -42,7 +42,18 @@ def _norm(attrs) -> None:
         raise OpError(f"norm must be one of {', '.join(repr(n) for n in NORMS)}, got {attrs['norm']!r}")
 
 
-def _over(x: TensorType, attrs, to_kind: str) -> tuple[list[Dim], list]:
+def _operand(ins, attrs, complex_: bool, hint: str = "") -> TensorType:
+    """The transformed operand, checked: numpy's norm, and a complex (c64, c128) or a real (f32, f64) type."""
+    x = ins[0]
+    _norm(attrs)
+    if complex_ and not is_complex(x.dtype):
+        raise OpError(f"operand must be complex (c64 or c128), got {x}{hint}")
+    if not complex_ and x.dtype not in COMPLEX_OF:
+        raise OpError(f"operand must be f32 or f64, got {x}: " + _NO_FFT.format(dtype=x.dtype))
+    return x
+
+
+def _over(x: TensorType, attrs) -> tuple[list[Dim], list]:
     over = [need_dim(x, d.name) for d in attrs["over"]]
     if not 1 <= len(over) <= 2:
         raise OpError(f"`over` names 1 or 2 dimensions (1-D or 2-D transforms), got {len(over)}")
@@ -64,32 +75,23 @@ def _replace(x: TensorType, old: list[Dim], new: list[Dim], dtype: str) -> Tenso
 
 
 def _fft_rule(ins, attrs):
-    x = ins[0]
-    _norm(attrs)
-    if not is_complex(x.dtype):
-        raise OpError(f"operand must be complex (c64 or c128), got {x}; `rfft` transforms real input")
-    over, to = _over(x, attrs, "dims")
+    x = _operand(ins, attrs, True, "; `rfft` transforms real input")
+    over, to = _over(x, attrs)
     new = [Dim(t.name if t is not None else d.name, d.size) for t, d in zip(to, over)]
     return [_replace(x, over, new, x.dtype)]
 
 
 def _rfft_rule(ins, attrs):
-    x = ins[0]
-    _norm(attrs)
-    if x.dtype not in COMPLEX_OF:
-        raise OpError(f"operand must be f32 or f64, got {x}: " + _NO_FFT.format(dtype=x.dtype))
-    over, to = _over(x, attrs, "dims")
+    x = _operand(ins, attrs, False)
+    over, to = _over(x, attrs)
     sizes = [d.size for d in over[:-1]] + [None if over[-1].size is None else over[-1].size // 2 + 1]
     new = [Dim(t.name if t is not None else d.name, n) for t, d, n in zip(to, over, sizes)]
     return [_replace(x, over, new, COMPLEX_OF[x.dtype])]
 
 
 def _irfft_rule(ins, attrs):
-    x = ins[0]
-    _norm(attrs)
-    if not is_complex(x.dtype):
-        raise OpError(f"operand must be complex (c64 or c128), got {x}")
-    over, to = _over(x, attrs, "shape")
+    x = _operand(ins, attrs, True)
+    over, to = _over(x, attrs)
     if any(t is None for t in to):
         raise OpError("`to` gives the real output's sized dims, e.g. `to = [space = 64]`")
     for t, d in list(zip(to, over))[:-1]:
