@@ -6,7 +6,29 @@ from tessera.diagnostics import Diagnostic, did_you_mean
 from tessera.ir.types import Graph
 
 
+SCIENTIFIC_DATA = ("collocation", "burgers")  # the data kinds that feed `loss` entries
+
+
+def _pairs_problems(exp, graph: Graph, data) -> list[Diagnostic]:
+    """burgers data gives `u0` and `u1` [pairs, resolution]: loss inputs must be those, of that many points."""
+    out = []
+    for loss in graph.losses:
+        for a in loss.region.args:
+            if a.name not in ("u0", "u1"):
+                out.append(Diagnostic(f"loss `{loss.name}` takes input `{a.name}`; burgers data gives `u0` (initial "
+                                      "conditions) and `u1` (solutions at t = 1)", span=exp.span("task.data.kind"),
+                                      key="task.data.kind", hint=did_you_mean(a.name, ["u0", "u1"])))
+    for v in [a for loss in graph.losses for a in loss.region.args] + list(graph.inputs):
+        if v.type.dims and v.type.dims[-1].size not in (None, data.resolution):
+            out.append(Diagnostic(f"`{v.name}` is {v.type}, but the data has {data.resolution} points per function",
+                                  span=exp.span("task.data.resolution") or exp.span("task.data"),
+                                  key="task.data.resolution", hint=f"use resolution: {v.type.dims[-1].size}"))
+    return out
+
+
 def _data_problems(exp, graph: Graph, data) -> list[Diagnostic]:
+    if data.kind == "burgers":
+        return _pairs_problems(exp, graph, data)
     out = []
     coords = len(data.domain)
     feeds = set(data.sets) | {f"{n}_target" for n, s in data.sets.items() if s.target == "exact"}
@@ -56,8 +78,8 @@ def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
             out.append(Diagnostic("L-BFGS needs a deterministic objective over fixed points: it trains models with "
                                   f"`loss` entries, and model `{graph.name}` has none", span=exp.span(key), key=key,
                                   hint="use adamw, adam or sgd for a language model"))
-        if getattr(data, "kind", None) == "collocation":
-            out.append(Diagnostic(f"collocation points feed `loss` entries, and model `{graph.name}` has none",
+        if getattr(data, "kind", None) in SCIENTIFIC_DATA:
+            out.append(Diagnostic(f"{data.kind} data feeds `loss` entries, and model `{graph.name}` has none",
                                   span=exp.span("task.data.kind"), key="task.data.kind",
                                   hint="use synthetic or tokens data for a language model"))
         return out
@@ -70,9 +92,9 @@ def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
         elif not w >= 0:
             out.append(Diagnostic(f"loss weight of `{name}` must be 0 or more, got {w}",
                                   span=exp.span(f"task.loss_weights.{name}"), key=f"task.loss_weights.{name}"))
-    if task.kind == "train" and getattr(data, "kind", None) != "collocation":
+    if task.kind == "train" and getattr(data, "kind", None) not in SCIENTIFIC_DATA:
         out.append(Diagnostic(f"model `{graph.name}` names loss terms ({', '.join(terms)}): it trains on collocation "
-                              f"points, not `{getattr(data, 'kind', None)}` data",
+                              f"points or burgers pairs, not `{getattr(data, 'kind', None)}` data",
                               span=exp.span("task.data.kind") or exp.span("task"), key="task.data.kind",
                               hint="write data: {kind: collocation, domain: ..., sets: ...}"))
     elif task.kind == "train":

@@ -210,7 +210,7 @@ def _sha(obj) -> str:
 
 
 def build_source(task, vocab: int, base_dir: Path | None = None) -> Source:
-    """The batch source a train task names (`task.data.kind`: synthetic | tokens | collocation)."""
+    """The batch source a train task names (`task.data.kind`: synthetic | tokens | collocation | burgers)."""
     data = task.data
     if data.kind == "synthetic":
         return SyntheticSource(data.task, int(data.seed), int(task.batch), int(task.seq_len), int(vocab))
@@ -223,4 +223,8 @@ def build_source(task, vocab: int, base_dir: Path | None = None) -> Source:
         from tessera.run.collocation import CollocationSource
 
         return CollocationSource(data)
+    if data.kind == "burgers":
+        from tessera.run.pde import BurgersSource
+
+        return BurgersSource(data, int(task.batch))
     raise RunError(f"unknown data kind {data.kind!r}")

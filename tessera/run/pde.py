@@ -131,3 +131,42 @@ def burgers_pairs(n: int, resolution: int, seed: int, *, cache: Path | None = No
     np.savez(tmp, u0=u0, u1=u1, what=json.dumps(what))
     os.replace(tmp, path)  # atomic: a reader sees the whole set or none
     return u0, u1
+
+
+class BurgersSource:
+    """Batches of (u0, u1) pairs for a train task: the first `train` pairs of `seed`, shuffled each epoch by
+    (seed, epoch); evaluation batches and `eval_rel_l2` from the next `eval` pairs (held out)."""
+
+    def __init__(self, data, batch: int):
+        self.data, self.size = data, int(batch)
+        u0, u1 = burgers_pairs(int(data.train) + int(data.eval), int(data.resolution), int(data.seed))
+        n = int(data.train)
+        self.train, self.eval = (u0[:n], u1[:n]), (u0[n:], u1[n:])
+        self._last: dict = {}
+
+    @property
+    def fingerprint(self) -> str:
+        text = json.dumps(self.data.model_dump(mode="json"), sort_keys=True)
+        return "burgers:" + hashlib.sha256(text.encode() + self.train[0].tobytes()[:4096]).hexdigest()[:16]
+
+    def batch(self, step: int, stream: int = 0) -> dict:
+        """Step `step`'s pairs {u0, u1} [batch, resolution] (stream 0: training, else the held-out pairs)."""
+        from tessera.run.data import STREAM_EVAL
+
+        u0, u1 = self.eval if stream == STREAM_EVAL else self.train
+        n, b = len(u0), min(self.size, len(u0))
+        per_epoch = max(n // b, 1)
+        epoch, k = divmod(int(step), per_epoch)
+        order = np.random.default_rng([int(self.data.seed), int(stream), epoch]).permutation(n)
+        idx = order[k * b:(k + 1) * b]
+        key = (stream, epoch, k)
+        if self._last.get("key") != key:
+            self._last.update(key=key, batch=jax.device_put({"u0": u0[idx], "u1": u1[idx]}))
+        return self._last["batch"]
+
+    def errors(self, forward) -> dict[str, float]:
+        """eval_rel_l2: the mean over held-out pairs of ||forward(u0) - u1|| / ||u1||."""
+        u0, u1 = self.eval
+        pred = np.concatenate([np.asarray(forward(u0[i:i + 256]), np.float64) for i in range(0, len(u0), 256)])
+        rel = np.linalg.norm(pred - u1, axis=1) / np.linalg.norm(u1, axis=1)
+        return {"eval_rel_l2": float(rel.mean())}

@@ -113,6 +113,24 @@ class CollocationData(Section):
         return self
 
 
+class BurgersData(Section):
+    """Input/solution pairs of 1-D viscous Burgers made by the project's solver (tessera/run/pde.py): initial
+    conditions u0 and solutions u1 at t = 1, both [pairs, resolution]; loss inputs `u0` and `u1` receive them."""
+
+    kind: Literal["burgers"] = Field(description="burgers")
+    seed: int = Field(0, ge=0, description="seed of the initial conditions (pair i is a function of seed and i)")
+    train: int = Field(1000, ge=1, description="training pairs (an epoch), shuffled per epoch")
+    eval: int = Field(200, ge=1, description="held-out pairs, after the training ones: eval_loss and eval_rel_l2")
+    resolution: int = Field(64, ge=1, description="points per function, a divisor of the solver's 1024")
+
+    @model_validator(mode="after")
+    def _divides(self) -> "BurgersData":
+        if 1024 % self.resolution:
+            raise fail("burgers", f"resolution {self.resolution} must divide the solver's 1024 points",
+                       at=("resolution",))
+        return self
+
+
 def _data_kind(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("kind", "synthetic")
@@ -120,7 +138,7 @@ def _data_kind(value: Any) -> str | None:
 
 
 Data = Annotated[Union[Annotated[SyntheticData, Tag("synthetic")], Annotated[TokenData, Tag("tokens")],
-                       Annotated[CollocationData, Tag("collocation")]],
+                       Annotated[CollocationData, Tag("collocation")], Annotated[BurgersData, Tag("burgers")]],
                  Discriminator(_data_kind)]
 
 
