@@ -73,8 +73,15 @@ def _scope(frame: _Frame, e: A.Call, default: str) -> tuple[str, ...]:
 
 
 def _repeat(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
-    if len(e.args) < 3 or not isinstance(e.args[1], A.Name) or e.kwargs:
+    if len(e.args) < 3 or not isinstance(e.args[1], A.Name):
         raise el.error("write repeat(n, block, x, ...): a count, a block name, then the carried tensors", e.span)
+    shared = False
+    for k in e.kwargs:
+        value = el.eval(k.value, env) if k.name == "shared" else None
+        if k.name != "shared" or not isinstance(value, bool):
+            raise el.error("repeat takes one keyword, `shared = true` (one set of weights for every iteration)"
+                           if k.name != "shared" else f"`shared` is true or false, got {_kind(value)}", k.span)
+        shared = value
     n = el.size(e.args[0], env, "repeat count")
     bname = e.args[1].id
     block = el.model.blocks.get(bname)
@@ -96,8 +103,12 @@ def _repeat(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
         benv[p.name] = v
     if index_params:
         benv[index_params[0].name] = LayerIndex(index, n)
-    axis = "layers"
-    inner = _Frame(Region([index] + args, [], []), _scope(frame, e, bname), frame.axes + ((axis, n),),
+    # a stacked repeat's params gain a leading axis, named apart from the axes of repeats around it
+    taken = {a for a, _ in frame.axes}
+    axis = None if shared else next(f"layers{k}" if k else "layers" for k in range(len(taken) + 1)
+                                    if (f"layers{k}" if k else "layers") not in taken)
+    inner = _Frame(Region([index] + args, [], []), _scope(frame, e, bname),
+                   frame.axes + (() if shared else ((axis, n),)),
                    frame.stack + (bname,), root=_scope(frame, e, bname), shares=frame.shares)
     outs = el.exec_body(block, benv, inner)
     for k, (o, a) in enumerate(zip(outs, args)):
@@ -109,7 +120,8 @@ def _repeat(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
     inner.region.outputs = [el.as_value(o, inner) for o in outs]
     results = [Value(a.type) for a in args]
     operands = [el.as_value(c, frame) for c in carried]
-    frame.region.ops.append(Op("repeat", operands, {"n": n, "axis": DimName(axis)}, results, inner.region, e.span))
+    frame.region.ops.append(Op("repeat", operands, {"n": n, "axis": None if shared else DimName(axis)}, results,
+                               inner.region, e.span))
     return results[0] if len(results) == 1 else tuple(results)
 
 

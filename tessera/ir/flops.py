@@ -24,8 +24,10 @@ def _concrete(t: TensorType, sizes: dict) -> TensorType:
 def op_flops(op: Op, graph: Graph, sizes: dict, axes=()) -> float:
     """Forward FLOPs of one op (its region once per layer), dynamic dims taken from `sizes`."""
     if op.region is not None:
-        inner = list(axes) + [(op.attrs["axis"].name, op.attrs["n"])]
-        return op.attrs["n"] * sum(op_flops(o, graph, sizes, inner) for o in op.region.ops)
+        from tessera.ir.passes.rewrite import stacking
+
+        inner = list(axes) + stacking(op)
+        return op.attrs.get("n", 1) * sum(op_flops(o, graph, sizes, inner) for o in op.region.ops)
     opdef = get_op(op.name)
     data, _ = split_operands(op, opdef)
     ins = [_concrete(param_type(graph, o.path, list(axes)) if isinstance(o, ParamRef) else o.type, sizes)

@@ -456,7 +456,8 @@ register(OpDef("moe", (1, 1), (AttrDef("experts", "int"), AttrDef("top_k", "int"
 
 # ---- repeat --------------------------------------------------------------------------------------
 
-register(OpDef("repeat", (1, 64), (AttrDef("n", "int"), AttrDef("axis", "dim", DimName("layers"))),
+register(OpDef("repeat", (1, 64), (AttrDef("n", "int"), AttrDef("axis", "dim?", DimName("layers"))),
                lambda ins, attrs: list(ins), region=True,
                doc="run the region n times carrying the operands; params stacked on a leading `axis` "
-                   "(one lax.scan); the region's first argument is the layer index"))
+                   "(one lax.scan); `axis = none`: one set of params shared by every iteration (a weight-shared "
+                   "recurrence); the region's first argument is the iteration index"))

@@ -187,6 +187,13 @@ class Op:
     def result(self) -> Value:
         return self.results[0]
 
+    @property
+    def scope_name(self) -> str:
+        """The name scope a region op's inner ops are labelled under: a repeat's axis (`layers`), `shared` for a
+        weight-shared repeat, the op's name for other region ops."""
+        axis = self.attrs.get("axis") if self.name == "repeat" else None
+        return axis.name if axis is not None else ("shared" if self.name == "repeat" else self.name)
+
     def label(self, index: int, scope: str = "") -> str:
         """This op's name in HLO name scopes and profiles: the directory its parameters share
         (`layers/attention`), with the op's name added where the directory is not named after it

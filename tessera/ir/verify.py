@@ -153,8 +153,8 @@ class _Verifier:
         carried = op.values
         args = op.region.args
         try:
-            if not isinstance(n, int) or axis is None:
-                raise OpError("a repeat needs attributes `n` and `axis`")
+            if not isinstance(n, int):
+                raise OpError("a repeat needs attribute `n`")
             if len(args) != len(carried) + 1 or args[0].type != TensorType("i32", ()):
                 raise OpError("the region takes the layer index (i32[]) then one argument per operand")
             for k, (a, v, y) in enumerate(zip(args[1:], carried, op.region.outputs)):
@@ -165,7 +165,8 @@ class _Verifier:
                 raise OpError(f"the region yields {len(op.region.outputs)} value(s), expected {len(carried)}")
         except OpError as exc:
             self.report(op, label, str(exc))
-        self.region(op.region, defined, axes + [(getattr(axis, "name", "layers"), n if isinstance(n, int) else 0)])
+        stacked = [] if axis is None else [(axis.name, n if isinstance(n, int) else 0)]  # none: weights shared
+        self.region(op.region, defined, axes + stacked)
 
     def loss(self, loss) -> None:
         """A `loss` entry: a closed region (its own inputs only) yielding one float scalar per term."""

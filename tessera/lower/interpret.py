@@ -118,6 +118,8 @@ def region_param_paths(region: Region) -> list[str]:
 def _stacked_paths(op: Op, params: dict) -> list[str]:
     """The parameters of a `repeat` op held stacked, one slice per layer ([n, ...])."""
     n = op.attrs["n"]
+    if op.attrs.get("axis") is None:  # weight-shared: every iteration reads the same params
+        return []
     return [path for path in region_param_paths(op.region)
             if not isinstance(params[path], list) and params[path].ndim and params[path].shape[0] == n]
 
@@ -127,7 +129,7 @@ def stacked_layers(region: Region, shapes: dict) -> dict[str, int]:
     anything with a `.shape` (arrays, ShapeDtypeStructs, packed MXFP4)."""
     out = {}
     for op in region.ops:
-        if op.name == "repeat":
+        if op.name == "repeat" and op.attrs.get("axis") is not None:  # a weight-shared repeat stacks nothing
             n = op.attrs["n"]
             out.update({path: n for path in region_param_paths(op.region)
                         if tuple(shapes[path].shape)[:1] == (n,)})
@@ -154,7 +156,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     or with `ctx.unroll` its n layers one after another over per-layer parameters and states."""
     if ctx.unroll:
         return _eval_unrolled(op, ins, params, ctx, state)
-    n, region, axis = op.attrs["n"], op.region, op.attrs["axis"].name
+    n, region, axis = op.attrs["n"], op.region, op.scope_name
     p = period(region, n)
     stacked = _stacked_paths(op, params)
     xs_params = {path: jax.tree.map(lambda a: a.reshape((n // p, p) + a.shape[1:]), params[path])
@@ -187,7 +189,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
 def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list | None):
     """`repeat` as n unrolled layers; layer i reads `params[path][i]` for a split parameter (a list)
     and `state[i]`, and gets its static attributes."""
-    n, region, axis = op.attrs["n"], op.region, op.attrs["axis"].name
+    n, region, axis = op.attrs["n"], op.region, op.scope_name
     if _stacked_paths(op, params):
         raise ValueError(f"an unrolled repeat needs its stacked parameters split first (split_layers): "
                          f"{_stacked_paths(op, params)[:3]}")
@@ -203,8 +205,10 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
         return phases[j]
 
     carry, new_states = list(ins), []
+    paths = region_param_paths(region)  # this repeat's params; a weight-shared one's are whole, not per layer
+    split = op.attrs.get("axis") is not None
     for i in range(n):
-        here = {path: (v[i] if isinstance(v, list) else v) for path, v in params.items()}
+        here = {path: (params[path][i] if split and isinstance(params[path], list) else params[path]) for path in paths}
         carry, st = phase(i % p)(jnp.int32(i), carry, here, None if state is None else state[i])
         new_states.append(st)
     return carry, (None if state is None else new_states)

@@ -48,9 +48,14 @@ def regions(graph: Graph) -> Iterator[tuple[Region, list[tuple[str, int]]]]:
         yield from walk(loss.region, [])
 
 
-def _axis(op: Op) -> list[tuple[str, int]]:
-    """The stacking axis a region op adds around its region: repeat's layers, none for derivatives."""
-    return [(op.attrs["axis"].name, op.attrs["n"])] if op.name == "repeat" else []
+def stacking(op: Op) -> list[tuple[str, int]]:
+    """The stacking axis a region op adds around its region's params: a repeat's (`layers`, n); none for a
+    weight-shared repeat (`axis = none`) and for derivative regions."""
+    axis = op.attrs.get("axis") if op.name == "repeat" else None
+    return [(axis.name, op.attrs["n"])] if axis is not None else []
+
+
+_axis = stacking
 
 
 def use_counts(graph: Graph) -> dict[int, int]:
