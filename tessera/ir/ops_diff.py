@@ -117,6 +117,11 @@ for _name, _rule, _lo, _doc in [
 for _name, _doc in [("sin", "sin(x)"), ("cos", "cos(x)"), ("square", "x * x")]:
     register(OpDef(_name, (1, 1), (), _unary_rule, flops=_elementwise_flops, doc=_doc))
 
+# x forward, no gradient back: a recurrence trained through its last step only (the one-step gradient) writes
+# h = stop_gradient(repeat(n - 1, f, h, shared = true)) then f(h); the first n - 1 steps keep no residuals
+register(OpDef("stop_gradient", (1, 1), (), lambda ins, attrs: [ins[0]],
+               doc="x in the forward pass; its gradient is zero (jax.lax.stop_gradient)"))
+
 
 def _take_rule(ins, attrs):
     x, d = ins[0], need_dim(ins[0], attrs["dim"].name)

@@ -46,7 +46,7 @@ def _unary(fn):
 
 for _name, _fn in [("silu", activations.silu), ("sigmoid", jax.nn.sigmoid), ("exp", jnp.exp),
                    ("neg", jnp.negative), ("tanh", jnp.tanh), ("sin", jnp.sin), ("cos", jnp.cos),
-                   ("square", jnp.square)]:
+                   ("square", jnp.square), ("stop_gradient", jax.lax.stop_gradient)]:
     lowers(_name)(_unary(_fn))
 
 

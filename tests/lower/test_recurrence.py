@@ -110,3 +110,43 @@ def test_shared_takes_true_or_false(tmp_path):
     path.write_text(MODEL.replace("shared = shared", "tied = true"))
     with pytest.raises(TesseraError, match="repeat takes one keyword, `shared = true`"):
         build_graph(path, {})
+
+
+
+STOP = """
+model stop(width: int = 4, n: int = 3) {
+  block step(h: [points, hidden]) {
+    y = linear(h, [hidden_out = width], over = [hidden], bias = true)
+    return tanh(rename(y, hidden_out, hidden))
+  }
+  forward(x: f32[points, hidden = width]) {
+    h = stop_gradient(repeat(n, step, x, shared = true) as cell)
+    return square(x) + h
+  }
+}
+"""
+
+
+def test_stop_gradient_passes_values_and_no_gradient(tmp_path):
+    """The first steps of a one-step gradient: a recurrence under stop_gradient gives its value forward and
+    neither its input nor its weights get a gradient from it (nor keeps residuals for one)."""
+    path = tmp_path / "stop.tsl"
+    path.write_text(STOP)
+    graph = build_graph(path, {})
+    params = _params(graph)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 4)), jnp.float32)
+
+    def run(p, x):
+        (out,), _ = eval_region(graph.body, [x], p, LowerCtx())
+        return out
+
+    w, b = params["cell/linear/weight"], params["cell/linear/bias"]
+    h = x
+    for _ in range(3):
+        h = jnp.tanh(h @ w + b)
+    np.testing.assert_allclose(run(params, x), x * x + h, rtol=1e-5, atol=1e-6)
+    gp, gx = jax.grad(lambda p, x: jnp.sum(run(p, x)), argnums=(0, 1))(params, x)
+    np.testing.assert_allclose(gx, 2 * x, rtol=1e-6)                 # square's gradient only
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in gp.values())  # the weights get none
+    text = print_graph(graph)
+    assert "stop_gradient" in text and print_graph(parse_graph(text)) == text
