@@ -19,6 +19,7 @@ import optax
 
 from tessera.ir.types import Graph
 from tessera.lower.context import LowerCtx, jnp_dtype
+from tessera.lower.generation import generate_tokens
 from tessera.lower.interpret import eval_region, init_state, split_layers, stacked_layers
 from tessera.lower.reference import mxfp4
 from tessera.lower.reference.losses import cross_entropy
@@ -451,44 +452,14 @@ class Program:
         """(params, prompts [batch, P], seed, max_new) -> tokens [batch, P + capacity]: the generation program
         `generate` jits, unjitted; it decodes max_new <= capacity tokens (the slots after them are 0). On a
         mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)."""
-        run = lambda p, x, s, n, shard=None: self._generate(p, x, s, n, capacity, rule, stop_tokens, shard)
+        def run(p, x, s, n, shard=None):
+            ctx = functools.partial(self.lower_ctx, shard=shard, unroll=True)
+            return generate_tokens(self.graph.body, ctx, p, x, s, n, capacity, rule, stop_tokens, shard)
+
         if self.plan is None:
             return run
         from tessera.lower.shard.step import sharded_generate
         return sharded_generate(self.plan, run, batch, self.param_specs(params))
-
-    def _generate(self, params, prompts, seed, max_new, capacity: int, rule, stop_tokens, shard=None):
-        b, p = prompts.shape
-        body = self.graph.body
-        # layers unrolled over their own weights and caches (interpret.py: a scan would copy them per token);
-        # stacked weights are split here, copied once per call (held twice meanwhile); split ones pass as they are
-        params = split_layers(body, params)
-        ctx = functools.partial(self.lower_ctx, shard=shard, unroll=True)
-        state = init_state(body, ctx(mode="prefill"), b, p + capacity)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
-        with jax.named_scope("prefill"):
-            (logits,), state = eval_region(body, [prompts], params, ctx(mode="prefill", positions=positions), state)
-        logits = whole(logits)
-        key = jax.random.key(seed)
-        first = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, 0))
-        done = sampling.is_stop(first, stop_tokens)
-
-        @jax.named_scope("decode")
-        def step(i, carry):
-            token, done, state, out = carry
-            pos = jnp.full((b, 1), p + i, jnp.int32)
-            (logits,), state = eval_region(body, [token[:, None]], params, ctx(mode="decode", positions=pos), state)
-            logits = whole(logits)
-            nxt = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, i + 1))
-            nxt = jnp.where(done, token, nxt)  # a finished row repeats its stop token
-            out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
-            return nxt, done | sampling.is_stop(nxt, stop_tokens), state, out
-
-        rest = jnp.zeros((b, capacity - 1), jnp.int32)
-        # a loop of max_new - 1 steps, that many known only when it runs (one program for every length)
-        _, _, _, rest = jax.lax.fori_loop(0, jnp.minimum(max_new, capacity) - 1, step, (first, done, state, rest))
-        return jnp.concatenate([prompts, first[:, None], rest], axis=1)
 
     # ---- accounting ----------------------------------------------------------------------------
     def kernel_report(self) -> dict[str, str]:
