@@ -82,9 +82,7 @@ def walk_counted(region: Region, axes=(), times: int = 1):
     """(op, repeat axes around it, how many times it runs) for every non-repeat op, depth first."""
     for op in region.ops:
         if op.region is not None:
-            from tessera.ir.passes.rewrite import stacking
-
-            yield from walk_counted(op.region, tuple(axes) + tuple(stacking(op)), times * op.attrs.get("n", 1))
+            yield from walk_counted(op.region, tuple(axes) + tuple(op.stacking), times * op.attrs.get("n", 1))
         else:
             yield op, tuple(axes), times
 
@@ -94,10 +92,8 @@ def walk_labeled(region: Region, axes=(), times: int = 1, scope: str = ""):
     name scope the lowering traces the op under (`Op.label`), so profiles and the plan meet on it."""
     for index, op in enumerate(region.ops):
         if op.region is not None:
-            from tessera.ir.passes.rewrite import stacking
-
             n = op.attrs.get("n", 1)
-            yield from walk_labeled(op.region, tuple(axes) + tuple(stacking(op)), times * n, op.scope_name)
+            yield from walk_labeled(op.region, tuple(axes) + tuple(op.stacking), times * n, op.scope_name)
         else:
             yield op.label(index, scope), op, tuple(axes), times
 

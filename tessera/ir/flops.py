@@ -24,9 +24,7 @@ def _concrete(t: TensorType, sizes: dict) -> TensorType:
 def op_flops(op: Op, graph: Graph, sizes: dict, axes=()) -> float:
     """Forward FLOPs of one op (its region once per layer), dynamic dims taken from `sizes`."""
     if op.region is not None:
-        from tessera.ir.passes.rewrite import stacking
-
-        inner = list(axes) + stacking(op)
+        inner = list(axes) + op.stacking
         return op.attrs.get("n", 1) * sum(op_flops(o, graph, sizes, inner) for o in op.region.ops)
     opdef = get_op(op.name)
     data, _ = split_operands(op, opdef)

@@ -188,6 +188,13 @@ class Op:
         return self.results[0]
 
     @property
+    def stacking(self) -> list[tuple[str, int]]:
+        """The stacking axis a region op adds around its region's params: a repeat's (`layers`, n); none for a
+        weight-shared repeat (`axis = none`) and for derivative regions."""
+        axis = self.attrs.get("axis") if self.name == "repeat" else None
+        return [(axis.name, self.attrs["n"])] if axis is not None else []
+
+    @property
     def scope_name(self) -> str:
         """The name scope a region op's inner ops are labelled under: a repeat's axis (`layers`), `shared` for a
         weight-shared repeat, the op's name for other region ops."""

@@ -40,7 +40,7 @@ def regions(graph: Graph) -> Iterator[tuple[Region, list[tuple[str, int]]]]:
         yield region, axes
         for op in region.ops:
             if op.region is not None:
-                yield from walk(op.region, axes + _axis(op))
+                yield from walk(op.region, axes + op.stacking)
             if op.adjoint is not None:
                 yield from walk(op.adjoint, axes)
     yield from walk(graph.body, [])
@@ -48,14 +48,6 @@ def regions(graph: Graph) -> Iterator[tuple[Region, list[tuple[str, int]]]]:
         yield from walk(loss.region, [])
 
 
-def stacking(op: Op) -> list[tuple[str, int]]:
-    """The stacking axis a region op adds around its region's params: a repeat's (`layers`, n); none for a
-    weight-shared repeat (`axis = none`) and for derivative regions."""
-    axis = op.attrs.get("axis") if op.name == "repeat" else None
-    return [(axis.name, op.attrs["n"])] if axis is not None else []
-
-
-_axis = stacking
 
 
 def use_counts(graph: Graph) -> dict[int, int]:
@@ -124,7 +116,7 @@ def retype(graph: Graph) -> Graph:
             if op.region is not None:
                 for a, t in zip(*_region_args(op, types)):
                     a.type = t
-                walk(op.region, axes + _axis(op))
+                walk(op.region, axes + op.stacking)
             if op.adjoint is not None:
                 y = op.region.outputs[0].type
                 for a, t in zip(op.adjoint.args, [*types, y, y]):
