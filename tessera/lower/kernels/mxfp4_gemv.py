@@ -260,4 +260,7 @@ def gemv(lhs, rhs: ref.MXFP4, experts, cfg: GemvConfig, out_dtype):
     )(experts, xw, codes, scales)
     if splits == 1:
         return out.reshape(r, n)
-    return out.reshape(splits, r, n).sum(axis=0).astype(out_dtype)
+    # The split-K sum as a reduce of its own: fused into its consumer (the expert combine, the residual
+    # add), XLA made one loop fusion of ~2,900 threads, each summing 30 splits x 4 pairs strided; with the
+    # barrier, GPT-OSS-20B's batch-1 decode ran 4.6 % faster on an H100 (bench/experiments/decode_variants).
+    return lax.optimization_barrier(out.reshape(splits, r, n).sum(axis=0).astype(out_dtype))

@@ -1,0 +1,142 @@
+"""Batch-1 decode of a GPT-OSS spec, timed as `tessera run` times it, with lowering variants patched in.
+
+Each variant replaces one function of the lowering before a fresh Program compiles its generate program,
+so every variant runs in one process on the same weights, interleaved (`--rounds`), with CUDA graphs on
+(the profiler's executable has them off, which inflates small kernels: docs/profile.md).
+
+    python -m bench.experiments.decode_variants [--spec specs/gpt_oss_20b.yaml] [--new 32] [--only a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+from tessera.run.main import configure_allocator
+
+configure_allocator()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tessera.lower.kernels import mxfp4_gemv  # noqa: E402
+from tessera.lower.reference import moe  # noqa: E402
+
+F32 = dict(preferred_element_type=jnp.float32)
+
+
+def _route_rows2(x, *, router, router_bias, top_k, accum=None):
+    # one token's router product as two rows: cuBLAS instead of XLA's column reduce
+    pad = jnp.concatenate([x, x[:1]]) if x.shape[0] == 1 else x
+    logits = jnp.einsum("td,de->te", pad, router.astype(x.dtype), **F32)[:x.shape[0]]
+    return _finish(logits, router_bias, top_k)
+
+
+def _route_wt(x, *, router, router_bias, top_k, accum=None):
+    # over router.T: a row reduce (each expert's 2880 weights contiguous) if XLA keeps the transpose
+    logits = jnp.einsum("td,ed->te", x, router.astype(x.dtype).T, **F32)
+    return _finish(logits, router_bias, top_k)
+
+
+def _finish(logits, router_bias, top_k):
+    if router_bias is not None:
+        logits = logits + router_bias.astype(logits.dtype)
+    top, experts = jax.lax.top_k(logits, top_k)
+    return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+
+
+_gemv = mxfp4_gemv.gemv
+
+
+def _gemv_fewer_splits(lhs, rhs, experts, cfg, out_dtype):
+    import dataclasses
+    return _gemv(lhs, rhs, experts, dataclasses.replace(cfg, programs=264), out_dtype)
+
+
+# Ablations (wrong tokens, for timing only): what a part of the layer costs with CUDA graphs on
+def _no_gemv(lhs, rhs, experts, cfg, out_dtype):
+    return jnp.zeros((lhs.shape[0], rhs.shape[-1]), out_dtype) + lhs[:, :1].astype(out_dtype)
+
+
+def _no_moe(x, **kw):
+    return x * 0
+
+
+VARIANTS = {
+    "base": [],
+    "router rows2": [(moe, "route", _route_rows2)],
+    "router w.T": [(moe, "route", _route_wt)],
+    "gemv 264 programs": [(mxfp4_gemv, "gemv", _gemv_fewer_splits)],
+    "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv)],
+    "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
+}
+
+
+@contextlib.contextmanager
+def patched(patches):
+    old = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    try:
+        for m, name, fn in patches:
+            setattr(m, name, fn)
+        yield
+    finally:
+        for m, name, fn in old:
+            setattr(m, name, fn)
+
+
+def main(argv=None) -> int:
+    from tessera.lower import program
+    from tessera.lower.program import compile_experiment
+    from tessera.spec import load_experiment
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="specs/gpt_oss_20b.yaml")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default=None)
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    exp = load_experiment(args.spec)
+    first = getattr(exp.task, "prompts", None) or [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    prompt = np.asarray([first[0]] * args.batch, np.int32)
+    base = compile_experiment(exp)
+    params = base.init(0, split_layers=True)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.spec}, batch {args.batch}, "
+          f"{args.new} new tokens", flush=True)
+    progs, ref = {}, None
+    for name in names:
+        with patched(VARIANTS[name]):
+            program._PROGRAMS.clear()  # a Program of its own: programs are cached on the spec's hash
+            prog = compile_experiment(exp)
+            t = time.perf_counter()
+            out = np.asarray(prog.generate(params, prompt, max_new_tokens=args.new))
+            compile_s = time.perf_counter() - t
+        ref = out if ref is None else ref
+        progs[name] = prog
+        print(f"{name:<20} compiled in {compile_s:5.1f} s; tokens equal the first variant's: "
+              f"{bool((out == ref).all())}", flush=True)
+    best: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name in names:
+            prog = progs[name]
+            times = {}
+            for n in (args.new, 1):
+                ts = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    jax.block_until_ready(prog.generate(params, prompt, max_new_tokens=n, capacity=args.new))
+                    ts.append(time.perf_counter() - t)
+                times[n] = min(ts)
+            step = (times[args.new] - times[1]) / (args.new - 1)
+            best[name] = min(best.get(name, float("inf")), step)
+    for name in names:
+        print(f"{name:<20} {best[name] * 1e3:7.3f} ms a token  {args.batch / best[name]:8.1f} tok/s  "
+              f"{best['base' if 'base' in best else names[0]] / best[name]:5.3f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
