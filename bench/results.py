@@ -185,7 +185,8 @@ def _body(section: str) -> list[str]:
 def render(measured: dict[str, list[dict]], kept: dict[str, str] | None = None, note: str | None = None,
            kept_note: str = "") -> str:
     """The file: the header, then each suite of TITLES in order. A measured suite's table holds its new rows,
-    then the rows `kept` has for cases not measured now; a suite not measured keeps its section. `note`
+    then the rows `kept` has for cases not measured now; a suite not measured keeps its section, and so does
+    a section of `kept` that is no suite's (written by hand), after the suites. `note`
     (None: `kept_note`, while any old row is kept) follows the header."""
     kept, sections, carried = kept or {}, [], 0
     for suite, title in TITLES.items():
@@ -197,6 +198,8 @@ def render(measured: dict[str, list[dict]], kept: dict[str, str] | None = None, 
         elif title in kept:
             carried += len(_body(kept[title]))
             sections.append(kept[title])
+    # sections no suite writes (measured by hand: the scientific models) stay, after the suites, in order
+    sections += [text for title, text in kept.items() if title not in TITLES.values()]
     note = (kept_note if carried else "") if note is None else note
     quoted = "".join(f"> {line}\n" for line in note.strip().splitlines()) if note else ""
     return "\n".join([HEADER + (f"\n{quoted}" if quoted else "")] + sections)

@@ -254,11 +254,15 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
             "published: NeMo 28 % |") in lines
     assert "## MoE grouped GEMM" not in text  # not measured, nothing to keep
 
-    # a partial run rewrites the rows of the cases it ran and keeps the other rows, sections and the note
+    # a partial run rewrites the rows of the cases it ran and keeps the other rows, sections and the note,
+    # and the sections written by hand (no suite's) after the suites
+    hand = "## Scientific models: by hand\n\nA paragraph.\n\n| spec | error |\n|---|---|\n| pinn | 1e-3 |\n"
+    out.write_text(text + "\n" + hand)
     b8 = dict(e2e[0], commit="abc1234", note="")
     again = results.write(out, {"e2e": [b8]})
     sections = results.sections_of(again)
-    assert list(sections) == [results.TITLES["attention"], results.TITLES["e2e"]]
+    assert list(sections) == [results.TITLES["attention"], results.TITLES["e2e"], "Scientific models: by hand"]
+    assert sections["Scientific models: by hand"] == hand
     assert sections[results.TITLES["attention"]] == results.sections_of(text)[results.TITLES["attention"]]
     e2e_lines = [line for line in sections[results.TITLES["e2e"]].splitlines() if line.startswith("| ")][1:]
     assert e2e_lines[0] == "| 20b decode b8 | tessera run, decode | 5.000 ms | 1,600.0 tok/s | 2.00x " \
