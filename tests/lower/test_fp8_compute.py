@@ -46,6 +46,25 @@ def test_the_product_and_its_gradients_are_the_fp8_arithmetic():
     assert dx.dtype == dw.dtype == jnp.bfloat16
 
 
+def test_a_bf16_product_is_the_fp32_one_rounded_and_remat_saves_it_in_bf16(capsys):
+    import jax.ad_checkpoint
+
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((64, 96)) * 3, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 48)) * 0.02, jnp.bfloat16)
+    f = lambda out: lambda a, b: fp8.einsum("mk,kn->mn", a, b, accum=jnp.float32, preferred_element_type=out)
+    y16, y32 = f(jnp.bfloat16)(x, w), f(jnp.float32)(x, w)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y16, np.float32), np.asarray(y32.astype(jnp.bfloat16), np.float32))
+    # under the `dots` remat policy what the backward keeps of the product is bf16, not an fp32 result
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    loss = jax.checkpoint(lambda a, b: jnp.sum(jnp.tanh(f(jnp.bfloat16)(a, b)).astype(jnp.float32)), policy=policy)
+    jax.ad_checkpoint.print_saved_residuals(loss, x, w)  # one line a residual: "bf16[64,48] output of ..."
+    saved = capsys.readouterr().out.splitlines()
+    products = [line for line in saved if "[64,48]" in line]
+    assert products and all(line.startswith("bf16[64,48]") for line in products), saved
+
+
 def test_the_experts_grouped_product_is_the_fp8_arithmetic():
     rng = np.random.default_rng(1)
     lhs, rhs, g = rng.standard_normal((10, 32)), rng.standard_normal((3, 32, 4)) * 0.02, rng.standard_normal((10, 4))

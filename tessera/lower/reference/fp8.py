@@ -46,7 +46,15 @@ def _product(spec, a_q, b_q, scale, accum, out_dtype):
     if accum_ref.narrow(accum):  # the blocked narrow accumulation, on the fp8 values widened (exactly) to bf16
         y = accum_ref.einsum(spec, a_q.astype(jnp.bfloat16), b_q.astype(jnp.bfloat16), accum=accum,
                              preferred_element_type=jnp.float32)
-    else:  # XLA gets the fp8 operands themselves, accumulating in fp32 (the CPU widens them: exact)
+    elif jnp.dtype(out_dtype) == jnp.bfloat16:
+        # XLA gets the fp8 operands themselves, accumulating in fp32 and storing bf16 (the CPU widens them:
+        # exact). bf16 has fp32's exponent range and the scale is a power of two, so rounding before the
+        # division is bitwise rounding after it; and the product a remat policy saves is the bf16 one: an
+        # fp32 result held for the backward doubled the saved matmul outputs (the Llama-1B bench step ran
+        # out of memory on an H100, a 35.4 GiB temporary).
+        y = jnp.einsum(spec, a_q, b_q, preferred_element_type=jnp.bfloat16)
+        return y / scale.astype(jnp.bfloat16)
+    else:  # fp32 (or fp16, whose range the unscaled product may pass) results from the fp32 accumulator
         y = jnp.einsum(spec, a_q, b_q, preferred_element_type=jnp.float32)
     return (y / scale).astype(out_dtype)
 
