@@ -24,13 +24,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_GROUPS = ("attention", "moe", "decode", "mxfp4", "rmsnorm")
+KERNEL_GROUPS = ("attention", "moe", "decode", "mxfp4", "rmsnorm", "fp8")
 TITLES = {  # suite -> its section's heading, in the file's order
     "attention": "Attention: flash_attention (bench/suites/attention.py)",
     "moe": "MoE grouped GEMM (bench/suites/moe.py)",
     "decode": "Decode attention (bench/suites/decode.py)",
     "mxfp4": "MXFP4 expert matmul (bench/suites/mxfp4.py)",
     "rmsnorm": "RMSNorm (bench/suites/rms_norm.py)",
+    "fp8": "fp8 GEMM (bench/suites/fp8.py)",
     "e2e": "Whole programs: `tessera run` (bench/e2e.py)",
 }
 HEADER = """# Benchmark results
