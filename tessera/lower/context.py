@@ -35,6 +35,8 @@ class LowerCtx:
     tokens being processed. shard: inside `shard_map`, which mesh axes split which logical axes and the
     collectives that go with them (lowerings then see local blocks). unroll: `repeat` runs its layers
     unrolled over per-layer parameters and states (generation; tessera/lower/interpret.py says why).
+    last_only: the caller reads only the last position's output (generation's prefill samples from it), so
+    `unembed` projects that position alone: a prompt's [batch, seq, vocab] logits are never made.
     """
 
     accum_dtype: Any = jnp.float32
@@ -48,6 +50,7 @@ class LowerCtx:
     aux: Any = None  # a dict of step counters lowerings add int32 scalars to ({name: count}), e.g. moe_dropped
     unroll: bool = False
     fp8: str | None = None  # "per_tensor": products with weights run in fp8 (tessera/lower/reference/fp8.py)
+    last_only: bool = False
     scan_unroll: bool = False  # `repeat` is still one lax.scan, which XLA unrolls (scientific models: see program.py)
 
     def replace(self, **changes) -> "LowerCtx":

@@ -26,7 +26,8 @@ def generate_tokens(body: Region, ctx, params, prompts, seed, max_new, capacity:
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
     with jax.named_scope("prefill"):
-        (logits,), state = eval_region(body, [prompts], params, ctx(mode="prefill", positions=positions), state)
+        (logits,), state = eval_region(body, [prompts], params, ctx(mode="prefill", positions=positions,
+                                                                    last_only=True), state)
     logits = whole(logits)
     key = jax.random.key(seed)
     first = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, 0))
@@ -44,6 +45,6 @@ def generate_tokens(body: Region, ctx, params, prompts, seed, max_new, capacity:
         return nxt, done | sampling.is_stop(nxt, stop_tokens), state, out
 
     rest = jnp.zeros((b, capacity - 1), jnp.int32)
-    # a loop of max_new - 1 steps, that many known only when it runs (one program for every length)
-    _, _, _, rest = jax.lax.fori_loop(0, jnp.minimum(max_new, capacity) - 1, step, (first, done, state, rest))
+    if capacity > 1:  # a loop of max_new - 1 steps, that many known only when it runs (one program for every length)
+        _, _, _, rest = jax.lax.fori_loop(0, jnp.minimum(max_new, capacity) - 1, step, (first, done, state, rest))
     return jnp.concatenate([prompts, first[:, None], rest], axis=1)

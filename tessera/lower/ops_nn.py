@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from tessera.ir.ops_nn import cache_len
@@ -66,6 +67,8 @@ def _unembed(ctx, op, attrs, ins, params):
     out = names(op.results[0])
     if ctx.shard is not None:  # logits stay split over vocab: [..., vocab / tp]
         x = ctx.shard.seq_gather(x, axis=have.index("seq"))
+    if ctx.last_only and "seq" in have:  # only the last position is read (prefill): [batch, 1, vocab]
+        x = jax.lax.slice_in_dim(x, x.shape[have.index("seq")] - 1, None, axis=have.index("seq"))
     store = stored_dtype(dt, ctx.accum_dtype)
     if attrs["tied"]:
         table = mxfp4.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]

@@ -90,3 +90,19 @@ def test_one_generation_program_serves_every_length_up_to_its_capacity(prog):
     fn = prog._cache[prog.last_key]
     assert len(prog._cache) == before and fn.__wrapped__._cache_size() == 1
     assert not np.array_equal(full[:, 3:], np.zeros_like(full[:, 3:]))
+
+
+def test_prefill_projects_only_the_last_position_onto_the_vocabulary(prog):
+    """Generation samples from the prompt's last position: a long prompt's [batch, seq, vocab] logits (1.6 GB
+    in fp32 for GPT-OSS-20B's 2,048 tokens) are never made; the tokens are those of the full forward."""
+    params = prog.init(0, split_layers=True)
+    prompts = np.random.default_rng(0).integers(1, prog.vocab, (2, 40)).astype(np.int32)
+    fn = prog.generate_fn(params, 2, 4, prog_rule())
+    text = str(jax.make_jaxpr(fn)(params, prompts, jnp.uint32(0), jnp.int32(4))).replace(" ", "")
+    assert f"[2,40,{prog.vocab}]" not in text and f"[2,1,{prog.vocab}]" in text
+    stacked = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) if isinstance(v, list) else v for k, v in params.items()}
+    want = np.asarray(prog.forward(stacked, prompts))[:, -1].argmax(-1)
+    for capacity in (1, 4):  # a one-token program (no decode loop) and a longer one
+        out = np.asarray(prog.generate(params, prompts, max_new_tokens=1, capacity=capacity))
+        assert out.shape == (2, 41)
+        np.testing.assert_array_equal(out[:, -1], want)
