@@ -78,22 +78,34 @@ def task_dims(exp) -> dict[str, int]:
 
 # ---- walking ------------------------------------------------------------------------------------------
 
+def _inner(op: Op, axes: tuple):
+    """(region, the repeat axes inside it, how many times it runs per run of `op`, the name scope of its ops) for
+    each region of a region op that runs in the forward pass: a loop's twice (its condition under `until`)."""
+    runs = get_op(op.name).runs(op.attrs)
+    scopes = (op.scope_name, f"{op.scope_name}/{get_op(op.name).second}")
+    for region, inner, n, scope in zip((op.region, op.second), (axes + tuple(op.stacking), axes), runs, scopes):
+        if region is not None and n:
+            yield region, inner, n, scope
+
+
 def walk_counted(region: Region, axes=(), times: int = 1):
-    """(op, repeat axes around it, how many times it runs) for every non-repeat op, depth first."""
+    """(op, repeat axes around it, how many times it runs) for every op outside of a region op, depth first; a
+    loop's ops count at its cap."""
     for op in region.ops:
         if op.region is not None:
-            yield from walk_counted(op.region, tuple(axes) + tuple(op.stacking), times * op.attrs.get("n", 1))
+            for inner, inner_axes, n, _ in _inner(op, tuple(axes)):
+                yield from walk_counted(inner, inner_axes, times * n)
         else:
             yield op, tuple(axes), times
 
 
 def walk_labeled(region: Region, axes=(), times: int = 1, scope: str = ""):
-    """(label, op, repeat axes around it, how many times it runs) for every non-repeat op; the label is the
-    name scope the lowering traces the op under (`Op.label`), so profiles and the plan meet on it."""
+    """(label, op, repeat axes around it, how many times it runs) for every op outside of a region op; the label is
+    the name scope the lowering traces the op under (`Op.label`), so profiles and the plan meet on it."""
     for index, op in enumerate(region.ops):
         if op.region is not None:
-            n = op.attrs.get("n", 1)
-            yield from walk_labeled(op.region, tuple(axes) + tuple(op.stacking), times * n, op.scope_name)
+            for inner, inner_axes, n, inner_scope in _inner(op, tuple(axes)):
+                yield from walk_labeled(inner, inner_axes, times * n, inner_scope)
         else:
             yield op.label(index, scope), op, tuple(axes), times
 
@@ -209,7 +221,7 @@ def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t:
         if op.region is None:
             outside += size(saved_tensors(op, sizes))
             continue
-        layers = op.attrs["n"]
+        layers = _kept(op)
         carry += sum(nbytes(t, per_device(t)) for t in (concrete(v.type, sizes) for v in op.values))
         items = [x for o, _, _ in walk_counted(op.region) for x in saved_tensors(o, sizes)]
         block_all += size(items)
@@ -218,6 +230,12 @@ def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t:
     peak_extra = block_all if remat == "full" else 0.0
     return {"per_layer": per_layer, "layers": layers, "outside_block": outside,
             "total": layers * per_layer + peak_extra + outside}
+
+
+def _kept(op: Op) -> int:
+    """How many runs of a region op's region keep activations for backward: every one, or one (`grad = last`)."""
+    opdef = get_op(op.name)
+    return opdef.kept(op.attrs) if opdef.kept is not None else opdef.runs(op.attrs)[0]
 
 
 def working_set_bytes(graph: Graph, sizes: dict, per_device=lambda t: t.numel()) -> float:

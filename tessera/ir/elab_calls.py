@@ -1,4 +1,5 @@
-"""Elaboration of calls: registered ops, user blocks (inlined), `repeat`, `param`, struct values.
+"""Elaboration of calls: registered ops, user blocks (inlined), `param`, struct values (`repeat` and `loop`:
+elab_recurrence.py).
 
 Scopes: a call's parameter scope is its `as` path, else the op's (or block's) name; parameter paths are
 the enclosing scopes joined with `/` plus the name the op declares (`layers/attention/q`).
@@ -12,7 +13,7 @@ from tessera.diagnostics import Span, did_you_mean
 from tessera.grammar import model_ast as A
 from tessera.ir.elaborate import Elaborator, LayerIndex, PTensor, Tensor, _Frame, _kind
 from tessera.ir.registry import OPS, OpError, check_value, get_op, struct_family_of
-from tessera.ir.types import Dim, DimName, Init, Op, Param, ParamRef, PerLayer, Region, Struct, TensorType, Value
+from tessera.ir.types import Dim, DimName, Init, Op, Param, ParamRef, PerLayer, Struct, TensorType, Value
 
 _DERIVATIVES = ("jvp", "vjp", "grad")
 _INITS = {"normal": Init("normal", 0.02), "ones": Init("ones"), "zeros": Init("zeros")}
@@ -20,8 +21,10 @@ _INITS = {"normal": Init("normal", 0.02), "ones": Init("ones"), "zeros": Init("z
 
 def call(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
     """Evaluate a call expression."""
-    if e.func == "repeat":
-        return _repeat(el, e, env, frame)
+    if e.func in ("repeat", "loop"):
+        from tessera.ir import elab_recurrence
+
+        return getattr(elab_recurrence, e.func)(el, e, env, frame)
     if e.func == "param":
         return _param(el, e, env, frame)
     if e.func in _DERIVATIVES:
@@ -41,7 +44,7 @@ def call(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
         return _struct(el, e, env)
     if e.func in _INITS:
         return _init(el, e, env)
-    names = list(OPS) + list(el.model.blocks) + ["repeat", "param"]
+    names = list(OPS) + list(el.model.blocks) + ["param"]
     raise el.error(f"unknown op or block `{e.func}`", e.span, hint=did_you_mean(e.func, names))
 
 
@@ -66,63 +69,10 @@ def _init(el: Elaborator, e: A.Call, env: dict) -> Init:
     return Init("normal", float(vals[0]))
 
 
-# ---- repeat, param, block inlining ------------------------------------------------------------
+# ---- param, block inlining (repeat and loop: elab_recurrence.py) ------------------------------------------------------------
 
 def _scope(frame: _Frame, e: A.Call, default: str) -> tuple[str, ...]:
     return frame.prefix + tuple((e.scope or default).split("/"))
-
-
-def _repeat(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
-    if len(e.args) < 3 or not isinstance(e.args[1], A.Name):
-        raise el.error("write repeat(n, block, x, ...): a count, a block name, then the carried tensors", e.span)
-    shared = False
-    for k in e.kwargs:
-        value = el.eval(k.value, env) if k.name == "shared" else None
-        if k.name != "shared" or not isinstance(value, bool):
-            raise el.error("repeat takes one keyword, `shared = true` (one set of weights for every iteration)"
-                           if k.name != "shared" else f"`shared` is true or false, got {_kind(value)}", k.span)
-        shared = value
-    n = el.size(e.args[0], env, "repeat count")
-    bname = e.args[1].id
-    block = el.model.blocks.get(bname)
-    if block is None:
-        raise el.error(f"unknown block `{bname}`", e.args[1].span, hint=did_you_mean(bname, el.model.blocks))
-    if bname in frame.stack:
-        raise el.error(f"block `{bname}` repeats itself ({' → '.join(frame.stack + (bname,))})", e.span)
-    carried = [el.eval(a, env, frame) for a in e.args[2:]]
-    tensor_params = [p for p in block.params if isinstance(p.ann, A.TensorAnn)]
-    index_params = [p for p in block.params if not isinstance(p.ann, A.TensorAnn)]
-    if len(tensor_params) != len(carried) or len(index_params) > 1:
-        raise el.error(f"block `{bname}` must take {len(carried)} tensor(s) and at most one layer index "
-                       f"to be repeated with {len(carried)} carried value(s)", e.span)
-    index = Value(TensorType("i32", ()), index_params[0].name if index_params else "i")
-    args = [Value(_tensor(el, c, a).type, p.name) for c, a, p in zip(carried, e.args[2:], tensor_params)]
-    benv = dict(el.globals)
-    for p, v, a in zip(tensor_params, args, e.args[2:]):
-        _check_ann(el, p, v.type, a.span, bname)
-        benv[p.name] = v
-    if index_params:
-        benv[index_params[0].name] = LayerIndex(index, n)
-    # a stacked repeat's params gain a leading axis, named apart from the axes of repeats around it
-    taken = {a for a, _ in frame.axes}
-    axis = None if shared else next(f"layers{k}" if k else "layers" for k in range(len(taken) + 1)
-                                    if (f"layers{k}" if k else "layers") not in taken)
-    inner = _Frame(Region([index] + args, [], []), _scope(frame, e, bname),
-                   frame.axes + (() if shared else ((axis, n),)),
-                   frame.stack + (bname,), root=_scope(frame, e, bname), shares=frame.shares)
-    outs = el.exec_body(block, benv, inner)
-    for k, (o, a) in enumerate(zip(outs, args)):
-        if not isinstance(o, Tensor) or o.type != a.type:
-            raise el.error(f"block `{bname}` is repeated, so it must return what it takes: value {k} should be "
-                           f"{a.type}, got {_kind(o)}", block.span)
-    if len(outs) != len(args):
-        raise el.error(f"block `{bname}` returns {len(outs)} value(s) but carries {len(args)}", block.span)
-    inner.region.outputs = [el.as_value(o, inner) for o in outs]
-    results = [Value(a.type) for a in args]
-    operands = [el.as_value(c, frame) for c in carried]
-    frame.region.ops.append(Op("repeat", operands, {"n": n, "axis": None if shared else DimName(axis)}, results,
-                               inner.region, e.span))
-    return results[0] if len(results) == 1 else tuple(results)
 
 
 def _param(el: Elaborator, e: A.Call, env: dict, frame: _Frame) -> PTensor:

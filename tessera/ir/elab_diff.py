@@ -103,7 +103,7 @@ def custom_vjp(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
     outs = el.exec_body(A.Block(f"{e.func} adjoint", (), adj.body, adj.span), benv, inner)
     inner.region.outputs = [el.as_value(o, inner) for o in outs if isinstance(o, Tensor)]
     op = Op("custom_vjp", [el.as_value(v, frame) for v in values], {"block": e.func}, [], region, e.span,
-            adjoint=inner.region)
+            second=inner.region)
     try:
         types = get_op("custom_vjp").region_rule([v.type for v in values], op.attrs, op)
     except OpError as exc:

@@ -1,7 +1,8 @@
 """Forward FLOPs from the IR: each OpDef's `flops` hook on concrete types (dynamic dims filled in).
 
 MoE counts only the top_k experts each token visits; attention counts only visible (query, key) pairs,
-averaged over per-layer windows. Ops inside a repeat count once per layer.
+averaged over per-layer windows. Ops inside a repeat count once per layer, inside a loop once per step up to its
+cap (a loop that halts early costs less than counted).
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ def _concrete(t: TensorType, sizes: dict) -> TensorType:
 
 def op_flops(op: Op, graph: Graph, sizes: dict, axes=()) -> float:
     """Forward FLOPs of one op (its region once per layer), dynamic dims taken from `sizes`."""
-    if op.region is not None:
+    if op.region is not None:  # each region as many times as it runs (`OpDef.runs`: a loop at its cap)
+        runs, runs_second = get_op(op.name).runs(op.attrs)
         inner = list(axes) + op.stacking
-        return op.attrs.get("n", 1) * sum(op_flops(o, graph, sizes, inner) for o in op.region.ops)
+        total = runs * sum(op_flops(o, graph, sizes, inner) for o in op.region.ops)
+        if op.second is not None and runs_second:
+            total += runs_second * sum(op_flops(o, graph, sizes, list(axes)) for o in op.second.ops)
+        return total
     opdef = get_op(op.name)
     data, _ = split_operands(op, opdef)
     ins = [_concrete(param_type(graph, o.path, list(axes)) if isinstance(o, ParamRef) else o.type, sizes)

@@ -86,14 +86,14 @@ def _grad_rule(ins, attrs, op):
 def _custom_vjp_rule(ins, attrs, op):
     _args_match(op, list(ins), "the operands")
     y = _one_output(op)
-    if op.adjoint is None:
+    if op.second is None:
         raise OpError("custom_vjp needs its adjoint region")
     want = [*ins, y, y]
-    args = [a.type for a in op.adjoint.args]
+    args = [a.type for a in op.second.args]
     if [(a.dtype, a.dims) for a in args] != [(t.dtype, t.dims) for t in want]:
         raise OpError(f"the adjoint takes the inputs, the result and its cotangent ({', '.join(map(str, want))}), "
                       f"got ({', '.join(map(str, args))})")
-    outs = [v.type for v in op.adjoint.outputs]
+    outs = [v.type for v in op.second.outputs]
     if [(t.dtype, t.dims) for t in outs] != [(t.dtype, t.dims) for t in ins]:
         raise OpError(f"the adjoint must return one cotangent per input ({', '.join(map(str, ins))}), "
                       f"got ({', '.join(map(str, outs))})")
@@ -104,12 +104,23 @@ def _no_type_rule(ins, attrs):  # region ops are typed by region_rule
     raise OpError("typed by its region")
 
 
-for _name, _rule, _lo, _doc in [
-        ("jvp", _jvp_rule, 2, "directional derivative J_f(x) v of the region f at x (jax.jvp)"),
-        ("vjp", _vjp_rule, 2, "cotangent pullback J_f(x)^T ct of the region f at x (jax.vjp)"),
-        ("grad", _grad_rule, 1, "gradient of the scalar region f at x (jax.grad)"),
-        ("custom_vjp", _custom_vjp_rule, 1, "f(xs), differentiated by the adjoint region (jax.custom_vjp)")]:
-    register(OpDef(_name, (_lo, 64), _BLOCK, _no_type_rule, region=True, region_rule=_rule, doc=_doc))
+def _skip_operand_1(types, op):  # jvp's tangent, vjp's cotangent: no argument of the region
+    return [[types[0], *types[2:]]]
+
+
+def _adjoint_args(types, op):  # the block's inputs; the adjoint's: the inputs, the result, its cotangent
+    y = op.region.outputs[0].type
+    return [list(types), [*types, y, y]]
+
+
+for _name, _rule, _lo, _args, _doc in [
+        ("jvp", _jvp_rule, 2, _skip_operand_1, "directional derivative J_f(x) v of the region f at x (jax.jvp)"),
+        ("vjp", _vjp_rule, 2, _skip_operand_1, "cotangent pullback J_f(x)^T ct of the region f at x (jax.vjp)"),
+        ("grad", _grad_rule, 1, None, "gradient of the scalar region f at x (jax.grad)"),
+        ("custom_vjp", _custom_vjp_rule, 1, _adjoint_args,
+         "f(xs), differentiated by the adjoint region (jax.custom_vjp)")]:
+    register(OpDef(_name, (_lo, 64), _BLOCK, _no_type_rule, region=True, region_rule=_rule, region_args=_args,
+                   second="adjoint" if _name == "custom_vjp" else None, doc=_doc))
 
 
 # ---- primitives residuals need ---------------------------------------------------------------------

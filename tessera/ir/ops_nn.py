@@ -452,12 +452,3 @@ register(OpDef("moe", (1, 1), (AttrDef("experts", "int"), AttrDef("top_k", "int"
                native_split=(("experts/*", ("experts", "mlp")), ("router*", ())), decompose=_moe_decompose,
                doc="router logits = x @ router + bias → top_k → softmax over the k chosen → "
                    "sum_k w_k * expert_k(x), each expert an mlp with biases"))
-
-
-# ---- repeat --------------------------------------------------------------------------------------
-
-register(OpDef("repeat", (1, 64), (AttrDef("n", "int"), AttrDef("axis", "dim?", DimName("layers"))),
-               lambda ins, attrs: list(ins), region=True,
-               doc="run the region n times carrying the operands; params stacked on a leading `axis` "
-                   "(one lax.scan); `axis = none`: one set of params shared by every iteration (a weight-shared "
-                   "recurrence); the region's first argument is the iteration index"))

@@ -11,6 +11,7 @@ import json
 import lark
 
 from tessera.diagnostics import Diagnostic, Span, TesseraError
+from tessera.ir.printer import second_keyword
 from tessera.ir.types import (Dim, DimName, Graph, Init, Objective, Op, Param, ParamRef, PerLayer, Region, Struct,
                               TensorType, Value)
 
@@ -23,8 +24,8 @@ gparam: "param" PARAM ":" type "=" init
 init: NAME ["(" NUMBER ")"]
 ret: "return" [VAR ("," VAR)*]
 
-op: [VAR ("," VAR)* "="] NAME "(" [operand ("," operand)*] ")" [attrs] [region [adjoint]] ":" type ("," type)*
-adjoint: "adjoint" region
+op: [VAR ("," VAR)* "="] NAME "(" [operand ("," operand)*] ")" [attrs] [region [second]] ":" type ("," type)*
+second: NAME region
 region: "^" "(" [rarg ("," rarg)*] ")" "{" op* yield_ "}"
 rarg: VAR ":" type
 yield_: "yield" [VAR ("," VAR)*]
@@ -193,14 +194,21 @@ class _Builder:
         operands = [self.use(t, tree.meta) for t in rest if isinstance(t, lark.Token)]
         attrs = next((t for t in rest if isinstance(t, dict)), None) or {}
         region_tree = next((t for t in rest if isinstance(t, lark.Tree) and t.data == "region"), None)
-        adjoint_tree = next((t for t in rest if isinstance(t, lark.Tree) and t.data == "adjoint"), None)
+        second_tree = next((t for t in rest if isinstance(t, lark.Tree) and t.data == "second"), None)
         types = [t for t in rest if isinstance(t, TensorType)]
         region = self.region(region_tree) if region_tree is not None else None
-        adjoint = self.region(adjoint_tree.children[0]) if adjoint_tree is not None else None
+        second = None
+        if second_tree is not None:
+            keyword, want = str(second_tree.children[0]), second_keyword(name)
+            if keyword != want:
+                raise self.fail(f"`{name}` has no second region" if want is None else
+                                f"the second region of `{name}` is written `{want} ^(...)`, got `{keyword}`",
+                                second_tree.meta)
+            second = self.region(second_tree.children[1])
         if len(lhs) != len(types):
             raise self.fail(f"`{name}` names {len(lhs)} result(s) but gives {len(types)} type(s)", tree.meta)
         results = [self.define(tok, t, tree.meta) for tok, t in zip(lhs, types)]
-        return Op(name, operands, attrs, results, region, self.span(tree.meta), adjoint)
+        return Op(name, operands, attrs, results, region, self.span(tree.meta), second)
 
     def region(self, tree) -> Region:
         self.scopes.append({})

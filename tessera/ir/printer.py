@@ -5,7 +5,7 @@ are equal exactly when their texts are. Example:
       input %tokens : i32[batch, seq]
       param @embed/table : f32[vocab=256, embed=64] = normal(0.02)
       %0 = embed(%tokens, @embed/table) {vocab = 256, dim = 64, dtype = "f32"} : f32[batch, seq, embed=64]
-      %1 = repeat(%0) {n = 2, axis = layers} ^(%i : i32[], %x : f32[batch, seq, embed=64]) {
+      %1 = repeat(%0) {n = 2, axis = layers, grad = "all"} ^(%i : i32[], %x : f32[batch, seq, embed=64]) {
         ...
         yield %7
       } : f32[batch, seq, embed=64]
@@ -91,11 +91,20 @@ def _op_lines(op: Op, namer: _Namer, indent: str) -> list[str]:
     body = _region_lines(op.region, namer, indent + "  ", "yield")
     lines.append(f"{indent}{lhs} = {head} ^({args}) {{")
     lines += body
-    if op.adjoint is not None:  # custom_vjp: the declared adjoint, a second region
-        adj = ", ".join(f"{namer.arg(a)} : {a.type}" for a in op.adjoint.args)
-        lines.append(f"{indent}}} adjoint ^({adj}) {{")
-        lines += _region_lines(op.adjoint, namer, indent + "  ", "yield")
+    if op.second is not None:  # custom_vjp's adjoint, a loop's `until`: after the first, under its keyword
+        args = ", ".join(f"{namer.arg(a)} : {a.type}" for a in op.second.args)
+        lines.append(f"{indent}}} {second_keyword(op.name) or 'region'} ^({args}) {{")
+        lines += _region_lines(op.second, namer, indent + "  ", "yield")
     return lines + [f"{indent}}}{tail}"]
+
+
+def second_keyword(op_name: str) -> str | None:
+    """The keyword an op's second region is written under (`OpDef.second`): None for an op without one, `region`
+    for an unknown op."""
+    from tessera.ir.registry import get_op
+
+    opdef = get_op(op_name)
+    return "region" if opdef is None else opdef.second
 
 
 def _region_lines(region: Region, namer: _Namer, indent: str, term: str) -> list[str]:

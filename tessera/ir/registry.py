@@ -65,6 +65,17 @@ StateRule = Callable[[dict, str, int, int], list[list[TensorType]]]
 SeqGatherRule = Callable[[dict, list[TensorType], str], list[TensorType]]
 
 
+# attrs -> how many times its region and its second region run in one forward pass, at most: what FLOPs and
+# costs count (a repeat n times, a loop its cap; a declared adjoint never: it runs in the backward pass)
+RunsRule = Callable[[dict], tuple[int, int]]
+# attrs -> how many of its region's runs keep activations for the backward pass (the one-step gradient: 1)
+KeptRule = Callable[[dict], int]
+
+
+def _runs_once(attrs):
+    return (1, 0)
+
+
 def _no_params(attrs, types):
     return []
 
@@ -90,7 +101,9 @@ class OpDef:
     decompose`); None for a primitive. state: what it keeps between decode steps (its KV cache; None:
     nothing). seq_gather: what it gathers over the sequence under sequence parallelism (None: nothing).
     whole_dims: the dims (by name, from its attrs) it needs whole on every device (a Fourier transform's);
-    `tessera check` refuses a mesh that splits one.
+    `tessera check` refuses a mesh that splits one. runs: how many times its regions run in a forward pass
+    (FLOPs and costs count them so: a data-dependent loop at its cap). kept: how many of those runs keep
+    activations for backward (None: all of them).
     """
 
     name: str
@@ -107,10 +120,16 @@ class OpDef:
     state: StateRule | None = None
     seq_gather: SeqGatherRule | None = None
     whole_dims: Callable[[dict], tuple[str, ...]] | None = None
-    region: bool = False  # holds a region (repeat)
-    # an op whose result types come from its region (jvp, grad, vjp, custom_vjp): (operand types, attrs, op)
+    region: bool = False  # holds a region (repeat, loop, the derivatives)
+    # an op whose result types come from its region (jvp, grad, vjp, custom_vjp, loop): (operand types, attrs, op)
     # -> result types, checking the region's arguments and outputs against the operands; raises OpError
     region_rule: Callable[[list[TensorType], dict, Op], list[TensorType]] | None = None
+    second: str | None = None  # the keyword of its second region in the IR text (`adjoint`, `until`); None: none
+    # (operand types, op) -> the argument types of each of its regions (the first, then the second), which
+    # `retype` gives them after the operands change type; None: every region takes the operand types
+    region_args: Callable[[list[TensorType], Op], list[list[TensorType]]] | None = None
+    runs: RunsRule = _runs_once
+    kept: KeptRule | None = None
     doc: str = ""
 
     def attr(self, name: str) -> AttrDef | None:
@@ -135,7 +154,7 @@ def get_op(name: str) -> OpDef | None:
 
 
 def _load_library() -> None:
-    from tessera.ir import ops_core, ops_diff, ops_nn, ops_spectral  # noqa: F401  (registration happens on import)
+    from tessera.ir import ops_core, ops_diff, ops_nn, ops_recurrence, ops_spectral  # noqa: F401  (they register)
 
 
 # ---- structured attribute families -----------------------------------------------------------------

@@ -176,7 +176,9 @@ class Op:
     results: list[Value]
     region: "Region | None" = None
     span: Span | None = None  # where it came from (model source or IR text); not part of equality
-    adjoint: "Region | None" = None  # custom_vjp: the block's declared adjoint (inputs, result, cotangent)
+    # a second region, written after the first under its op's keyword (`OpDef.second`): custom_vjp's declared
+    # adjoint (inputs, result, cotangent), a loop's `until` condition (the carried state -> a halting predicate)
+    second: "Region | None" = None
 
     @property
     def values(self) -> list[Value]:
@@ -230,8 +232,8 @@ class Region:
             yield op
             if op.region is not None:
                 yield from op.region.walk()
-            if op.adjoint is not None:
-                yield from op.adjoint.walk()
+            if op.second is not None:
+                yield from op.second.walk()
 
 
 @dataclasses.dataclass(eq=False)

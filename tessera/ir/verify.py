@@ -141,12 +141,12 @@ class _Verifier:
             raise OpError(f"params of one op must share one scope, got {', '.join(sorted(scopes))}")
 
     def region_op(self, op: Op, label: str, defined: set[int], axes) -> None:
-        if op.name != "repeat":  # derivative regions: closed (only their arguments), no stacking axis
+        if op.name != "repeat":  # loops and derivatives: closed regions (only their arguments), no stacking axis
             if op.attrs.get("n") is not None:
                 self.report(op, label, "only `repeat` stacks its region's parameters")
             self.region(op.region, set(), axes)
-            if op.adjoint is not None:
-                self.region(op.adjoint, set(), axes)
+            if op.second is not None:
+                self.region(op.second, set(), axes)
             return
         n = op.attrs.get("n")
         axis = op.attrs.get("axis")

@@ -52,7 +52,7 @@ def _custom_vjp(op, ins, params, ctx, layer):
 
     def bwd(saved, ct):
         xs, y = saved
-        outs, _ = eval_region(op.adjoint, [*xs, y, ct], params, ctx, layer=layer)
+        outs, _ = eval_region(op.second, [*xs, y, ct], params, ctx, layer=layer)
         return tuple(o.astype(x.dtype) for o, x in zip(outs, xs))
 
     f = jax.custom_vjp(primal)

@@ -18,11 +18,13 @@ layer's kernels were lowered again before (GPT-OSS-20B: 8.2 s of tracing and 19.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from tessera.ir.ops_recurrence import invariant
 from tessera.ir.registry import get_op
 from tessera.ir.types import Op, ParamRef, PerLayer, Region
 from tessera.lower.context import REMAT_SAVED, LowerCtx
@@ -79,6 +81,10 @@ def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: 
         ins = [env[v] for v in op.values]
         if op.name == "repeat":
             outs, st = eval_repeat(op, ins, params, ctx, None if state is None else state[key], remat)
+        elif op.name == "loop":
+            from tessera.lower.loop import eval_loop
+
+            outs, st = eval_loop(op, ins, params, ctx, layer, remat), None
         elif op.region is not None:  # jvp, vjp, grad, custom_vjp: a function of their region
             from tessera.lower.derivatives import eval_region_op
 
@@ -156,6 +162,8 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     or with `ctx.unroll` its n layers one after another over per-layer parameters and states."""
     if ctx.unroll:
         return _eval_unrolled(op, ins, params, ctx, state)
+    if op.attrs.get("grad") == "last" and state is None:
+        return _last_step_grad(op, ins, params, ctx, remat), None
     n, region, axis = op.attrs["n"], op.region, op.scope_name
     p = period(region, n)
     stacked = _stacked_paths(op, params)
@@ -184,6 +192,20 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     for name, per_step in (aux or {}).items():
         ctx.aux[name] = ctx.aux.get(name, 0) + jnp.sum(per_step)
     return list(carry), new_state
+
+
+def _last_step_grad(op: Op, ins: list, params: dict, ctx: LowerCtx, remat: str) -> list:
+    """A weight-shared repeat's one-step gradient (`grad = "last"`): its first n - 1 steps on stop_gradient'ed
+    inputs and params, which keeps no residuals, then step n - 1 with the gradient. Carried values the region
+    yields unchanged enter that step as they came in, with their gradient."""
+    n, sg = op.attrs["n"], jax.lax.stop_gradient
+    carry = list(ins)
+    if n > 1:
+        head = dataclasses.replace(op, attrs={**op.attrs, "n": n - 1, "grad": "all"})
+        carry, _ = eval_repeat(head, [sg(x) for x in ins], jax.tree.map(sg, params), ctx, None, remat)
+    carry = [x if inv else c for x, c, inv in zip(ins, carry, invariant(op.region.args[1:], op.region.outputs))]
+    out, _ = eval_region(op.region, [jnp.int32(n - 1), *carry], params, ctx, scope=op.scope_name)
+    return out
 
 
 def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list | None):
@@ -228,7 +250,7 @@ def init_state(region: Region, ctx: LowerCtx, batch: int, max_len: int) -> State
             per_layer = [_init_layer(op.region, ctx, batch, max_len, j) for j in range(p)]
             state[str(index)] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n // p,) + a.shape), per_layer)
             continue
-        st = _init_op(op, ctx, batch, max_len, None)
+        st = None if op.region is not None else _init_op(op, ctx, batch, max_len, None)  # loops keep none
         if st is not None:
             state[str(index)] = st
     return state
@@ -239,7 +261,7 @@ def _init_layer(region: Region, ctx: LowerCtx, batch: int, max_len: int, layer: 
     for index, op in enumerate(region.ops):
         if op.name == "repeat":
             raise NotImplementedError("a stateful op inside a nested repeat")
-        st = _init_op(op, ctx, batch, max_len, layer)
+        st = None if op.region is not None else _init_op(op, ctx, batch, max_len, layer)
         if st is not None:
             state[str(index)] = st
     return state

@@ -16,6 +16,10 @@ def _first_line(body: str, args=None, **kw) -> str:
     return info.value.diagnostics[0].render().splitlines()[0]
 
 
+# a block to loop over x (its state) and a halting block (a predicate per batch entry)
+_LOOP = ("  block b(x: [batch, seq, embed]) {\n    return tanh(x)\n  }\n"
+         "  block halt(x: [batch, seq, embed]) {\n    return sum(x, over = [embed, seq])\n  }\n")
+
 CASES = {
     "unknown op": (FWD + "    return embedd(x)\n  }\n}",
                    "m.tsl:4:12: error: unknown op or block `embedd`; did you mean `embed`?"),
@@ -70,6 +74,31 @@ CASES = {
     "tied unembedding without a table": (
         "  forward(t: [batch, seq, embed = d]) {\n    return unembed(t, 10, tied = true)\n  }\n}",
         "m.tsl:3:12: error: this op reads `@embed/table` as [vocab=10, embed=64], but no op declares it"),
+    "loop without a cap": (
+        _LOOP + FWD + "    return loop(b, x, until = halt)\n  }\n}",
+        "m.tsl:10:12: error: a loop needs a cap on its iterations: add `max = N` (at most N steps; FLOPs count N)"),
+    "loop state that changes shape": (
+        _LOOP.replace("return tanh(x)", "return sum(x, over = [embed])") + FWD
+        + "    return loop(b, x, until = halt, max = 4)\n  }\n}",
+        "m.tsl:3:12: error: block `b` is looped, so it must return what it takes: value 0 should be "
+        "f32[batch, seq, embed=64], got a tensor f32[batch, seq]"),
+    "loop state that changes element type": (
+        _LOOP.replace("return tanh(x)", "return tanh(x), sum(x, over = [embed])").replace(
+            "b(x: [batch, seq, embed])", "b(x: [batch, seq, embed], t: i32[batch, seq])").replace(
+            "halt(x: [batch, seq, embed])", "halt(x: [batch, seq, embed], t: i32[batch, seq])")
+        + FWD + "    y, u = loop(b, x, t, until = halt, max = 4)\n    return y\n  }\n}",
+        "m.tsl:3:21: error: block `b` is looped, so it must return what it takes: value 1 should be i32[batch, seq], "
+        "got a tensor f32[batch, seq]"),
+    "halting predicate on a dim the state lacks": (
+        _LOOP.replace("sum(x, over = [embed, seq])", "rename(sum(x, over = [batch, seq]), embed, cells)") + FWD
+        + "    return loop(b, x, until = halt, max = 4)\n  }\n}",
+        "m.tsl:6:12: error: halting block `halt`: the halting predicate f32[cells=64] has dim `cells=64`, but carried "
+        "value 0 is f32[batch, seq, embed=64]: every carried value needs the predicate's dims (each entry halts the "
+        "state it indexes)"),
+    "one-step gradient of a stacked repeat": (
+        _LOOP + FWD + "    return repeat(2, b, x, grad = last)\n  }\n}",
+        "m.tsl:10:28: error: `grad = last` needs `shared = true`: the one-step gradient of a stacked repeat would "
+        "leave its other layers without one"),
     "block without return": ("  block b(x: [batch, seq, embed]) {\n    y = x\n  }\n" + FWD + "    return b(x)\n  }\n}",
                              "m.tsl:2:3: error: block `b` has no `return`"),
 }

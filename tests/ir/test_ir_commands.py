@@ -25,7 +25,7 @@ def test_ir_after_decompose_with_an_override(capsys):
     assert main(["ir", str(ROOT / "specs" / "llama_tiny.yaml"), "--after", "decompose",
                  "--set", "model.args.layers=3"]) == 0
     out = capsys.readouterr().out
-    assert "= softmax(" in out and "{n = 3, axis = layers}" in out
+    assert "= softmax(" in out and "{n = 3, axis = layers, grad = \"all\"}" in out
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.stem for s in SPECS])

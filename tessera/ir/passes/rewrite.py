@@ -34,15 +34,16 @@ class Builder:
 
 
 def regions(graph: Graph) -> Iterator[tuple[Region, list[tuple[str, int]]]]:
-    """Every region with the repeat axes around it (outermost first): the body first, derivative and adjoint
-    regions (no axis of their own), then each loss's region."""
+    """Every region with the repeat axes around it (outermost first): the body first, the regions of loops,
+    derivatives and their second regions (adjoints, halting conditions: no axis of their own), then each loss's
+    region."""
     def walk(region, axes):
         yield region, axes
         for op in region.ops:
             if op.region is not None:
                 yield from walk(op.region, axes + op.stacking)
-            if op.adjoint is not None:
-                yield from walk(op.adjoint, axes)
+            if op.second is not None:
+                yield from walk(op.second, axes)
     yield from walk(graph.body, [])
     for loss in graph.losses:
         yield from walk(loss.region, [])
@@ -94,14 +95,10 @@ def dce(graph: Graph) -> Graph:
     return graph
 
 
-def _region_args(op: Op, types: list) -> tuple[list, list]:
-    """(region arguments that mirror operands, those operands' types): repeat's after its layer index; jvp's and
-    vjp's skip the tangent or cotangent (operand 1)."""
-    if op.name == "repeat":
-        return op.region.args[1:], types
-    if op.name in ("jvp", "vjp"):
-        return op.region.args, [types[0], *types[2:]]
-    return op.region.args, types
+def _region_args(op: Op, types: list) -> list[list[TensorType]]:
+    """The argument types of each of an op's regions (the first, then the second) from its operand types."""
+    rule = get_op(op.name).region_args
+    return rule(types, op) if rule is not None else [list(types), list(types)]
 
 
 def retype(graph: Graph) -> Graph:
@@ -114,14 +111,13 @@ def retype(graph: Graph) -> Graph:
             data, _ = split_operands(op, opdef)
             types = [param_type(graph, o.path, axes) if isinstance(o, ParamRef) else o.type for o in data]
             if op.region is not None:
-                for a, t in zip(*_region_args(op, types)):
+                for a, t in zip(op.region.args, _region_args(op, types)[0]):
                     a.type = t
                 walk(op.region, axes + op.stacking)
-            if op.adjoint is not None:
-                y = op.region.outputs[0].type
-                for a, t in zip(op.adjoint.args, [*types, y, y]):
+            if op.second is not None:  # typed after the first: an adjoint's arguments include the block's result
+                for a, t in zip(op.second.args, _region_args(op, types)[1]):
                     a.type = t
-                walk(op.adjoint, axes)
+                walk(op.second, axes)
             out = opdef.region_rule(types, op.attrs, op) if opdef.region_rule else opdef.type_rule(types, op.attrs)
             for r, t in zip(op.results, out):
                 r.type = t

@@ -106,8 +106,9 @@ def _annotate_region(region: Region, rules: AxisRules, seen: set) -> None:
             seen.add(id(v))
             v.type = _annotate(v.type, rules, activation=True)
     for op in region.ops:
-        if op.region is not None:
-            _annotate_region(op.region, rules, seen)
+        for inner in (op.region, op.second):
+            if inner is not None:
+                _annotate_region(inner, rules, seen)
 
 
 def shard(graph: Graph, ctx: PassContext) -> Graph:
