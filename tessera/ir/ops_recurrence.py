@@ -41,9 +41,21 @@ def kept_steps(attrs: dict, steps: int) -> int:
     return 1 if attrs.get("grad") == "last" else steps
 
 
-def invariant(region_args: list, region_outputs: list) -> list[bool]:
-    """Which carried values the region yields unchanged (inputs every step reads, not state)."""
-    return [y is a for a, y in zip(region_args, region_outputs)]
+def carried_args(op: Op) -> list:
+    """The region arguments of a recurrence that its operands bind: a repeat's after the iteration index."""
+    return op.region.args[1:] if op.name == "repeat" else op.region.args
+
+
+def invariant(op: Op) -> list[bool]:
+    """Which carried values a recurrence's region yields unchanged (inputs every step reads, not state): the
+    argument itself, or what a recurrence inside carries through unchanged from it (HRM's input embedding)."""
+    same = {a.id: a.id for a in carried_args(op)}  # value -> the argument it equals
+    for inner in op.region.ops:
+        if inner.name in ("repeat", "loop"):
+            for v, r, through in zip(inner.values, inner.results, invariant(inner)):
+                if through and v.id in same:
+                    same[r.id] = same[v.id]
+    return [same.get(y.id) == a.id for a, y in zip(carried_args(op), op.region.outputs)]
 
 
 # ---- repeat --------------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ def _last_step_grad(op: Op, ins: list, params: dict, ctx: LowerCtx, remat: str) 
     if n > 1:
         head = dataclasses.replace(op, attrs={**op.attrs, "n": n - 1, "grad": "all"})
         carry, _ = eval_repeat(head, [sg(x) for x in ins], jax.tree.map(sg, params), ctx, None, remat)
-    carry = [x if inv else c for x, c, inv in zip(ins, carry, invariant(op.region.args[1:], op.region.outputs))]
+    carry = [x if inv else c for x, c, inv in zip(ins, carry, invariant(op))]
     out, _ = eval_region(op.region, [jnp.int32(n - 1), *carry], params, ctx, scope=op.scope_name)
     return out
 

@@ -105,6 +105,6 @@ def _last_step_grad(op, ins, params, cap, apply, step, halted, keep):
     took0 = jnp.zeros_like(done0)
     (state, prev, done, took), _ = jax.lax.scan(scan_body, (state0, state0, done0, took0), None, length=cap - 1)
     start = keep(done, prev, state)  # halted: the state before its last step; running: the current state
-    start = tuple(x if inv else s for x, s, inv in zip(ins, start, invariant(op.region.args, op.region.outputs)))
+    start = tuple(x if inv else s for x, s, inv in zip(ins, start, invariant(op)))
     out = apply(start, params)
     return keep(done & ~took, ins, out)  # halted before any step: its input
