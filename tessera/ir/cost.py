@@ -9,7 +9,8 @@ Assumptions:
   embedding table is a lookup (one row), norm scales are per-channel scales (the published GPT-OSS counts
   leave both out), a MoE reads top_k of its experts plus its router; every other parameter is read whole.
 - a training step is forward + backward; backward costs 2x forward for contractions (`OpDef.contraction`: a
-  gradient for the input and one for the weight) and 1x forward for everything else. Rematerialisation
+  gradient for the input and one for the weight) and 1x forward for everything else, over the steps it
+  differentiates (a loop at its cap; under `grad = last` only the last step of a recurrence). Rematerialisation
   recomputes the forward of the repeated block: all of it (`full`) or its non-contraction ops (`dots`).
 """
 
@@ -78,23 +79,27 @@ def task_dims(exp) -> dict[str, int]:
 
 # ---- walking ------------------------------------------------------------------------------------------
 
-def _inner(op: Op, axes: tuple):
+def _inner(op: Op, axes: tuple, backward: bool = False):
     """(region, the repeat axes inside it, how many times it runs per run of `op`, the name scope of its ops) for
-    each region of a region op that runs in the forward pass: a loop's twice (its condition under `until`)."""
-    runs = get_op(op.name).runs(op.attrs)
+    each region of a region op that runs in the forward pass: a loop's twice (its condition under `until`).
+    `backward`: how many runs the backward pass differentiates instead (one under `grad = last`; no condition)."""
+    opdef = get_op(op.name)
+    runs = opdef.runs(op.attrs)
+    if backward:
+        runs = (runs[0] if opdef.kept is None else opdef.kept(op.attrs), 0)
     scopes = (op.scope_name, f"{op.scope_name}/{get_op(op.name).second}")
     for region, inner, n, scope in zip((op.region, op.second), (axes + tuple(op.stacking), axes), runs, scopes):
         if region is not None and n:
             yield region, inner, n, scope
 
 
-def walk_counted(region: Region, axes=(), times: int = 1):
+def walk_counted(region: Region, axes=(), times: int = 1, backward: bool = False):
     """(op, repeat axes around it, how many times it runs) for every op outside of a region op, depth first; a
-    loop's ops count at its cap."""
+    loop's ops count at its cap. `backward`: how many times the backward pass differentiates it."""
     for op in region.ops:
         if op.region is not None:
-            for inner, inner_axes, n, _ in _inner(op, tuple(axes)):
-                yield from walk_counted(inner, inner_axes, times * n)
+            for inner, inner_axes, n, _ in _inner(op, tuple(axes), backward):
+                yield from walk_counted(inner, inner_axes, times * n, backward)
         else:
             yield op, tuple(axes), times
 
@@ -163,21 +168,25 @@ def param_summary(graph: Graph) -> dict:
 # ---- FLOPs --------------------------------------------------------------------------------------------
 
 def flop_counts(graph: Graph, sizes: dict) -> dict[str, float]:
-    """Forward FLOPs split into contractions / other, and in the repeated block (what remat recomputes)."""
-    out = {"contraction": 0.0, "other": 0.0, "block_contraction": 0.0, "block_other": 0.0}
-    for op, axes, times in walk_counted(graph.body):
-        f = times * op_flops(op, graph, sizes, list(axes))
-        kind = "contraction" if get_op(op.name).contraction else "other"
-        out[kind] += f
-        if axes:
-            out["block_" + kind] += f
+    """Forward FLOPs split into contractions / other; those the backward pass differentiates (all of them but the
+    steps before the last under `grad = last`), and of those the ones in the repeated block (what remat
+    recomputes)."""
+    out = {"contraction": 0.0, "other": 0.0, "backward_contraction": 0.0, "backward_other": 0.0,
+           "block_contraction": 0.0, "block_other": 0.0}
+    for backward in (False, True):
+        for op, axes, times in walk_counted(graph.body, backward=backward):
+            f = times * op_flops(op, graph, sizes, list(axes))
+            kind = "contraction" if get_op(op.name).contraction else "other"
+            out[("backward_" if backward else "") + kind] += f
+            if axes and backward:
+                out["block_" + kind] += f
     return out
 
 
 def train_flops(counts: dict[str, float], remat: str = "none") -> dict[str, float]:
     """Model FLOPs of forward + backward, and hardware FLOPs including the remat recompute."""
     fwd = counts["contraction"] + counts["other"]
-    model = fwd + 2.0 * counts["contraction"] + counts["other"]
+    model = fwd + 2.0 * counts["backward_contraction"] + counts["backward_other"]
     recompute = {"none": 0.0, "dots": counts["block_other"],
                  "full": counts["block_contraction"] + counts["block_other"]}[remat]
     return {"forward": fwd, "train_step": model, "train_step_hardware": model + recompute}

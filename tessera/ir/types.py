@@ -2,7 +2,8 @@
 
 A graph is `inputs` + `params` + a top-level `Region` of ops in SSA order + outputs. `repeat` is one op
 whose region is the per-layer block: its params are stored stacked with a leading `layers` axis, and
-inside the region a param reference has the per-layer type (leading axis dropped).
+inside the region a param reference has the per-layer type (leading axis dropped). An op holds at most two
+regions: `region`, and `second` (a custom_vjp's adjoint, a loop's halting condition).
 """
 
 from __future__ import annotations

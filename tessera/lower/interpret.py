@@ -14,6 +14,10 @@ H200: 7.3 of 12.9 ms a token), while the step itself reads each weight once. The
 traced and lowered once per period (a jitted function per phase, which XLA inlines): a 24-layer generate
 program on the CPU traced in 1.3 s instead of 8.8 and lowered in 1.2 s instead of 3.0; on a GPU every
 layer's kernels were lowered again before (GPT-OSS-20B: 8.2 s of tracing and 19.6 s of lowering, H200).
+
+A weight-shared repeat (`axis = none`) reads its one set of parameters at every step; with `grad = "last"` its
+first n - 1 steps run on stop_gradient'ed inputs and parameters and only the last keeps residuals. `loop` is
+lowered in tessera/lower/loop.py.
 """
 
 from __future__ import annotations

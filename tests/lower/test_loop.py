@@ -13,10 +13,12 @@ import pytest
 from tessera.ir import parse_graph, verify
 from tessera.ir.elaborate import build_graph
 from tessera.ir.flops import graph_flops, op_flops
+from tessera.ir.passes import PassContext, stages
 from tessera.ir.printer import print_graph
 from tessera.lower import table
 from tessera.lower.context import LowerCtx
 from tessera.lower.interpret import eval_region
+from tests.ir.conftest import POLICY
 
 # a state h per point, a counter c that grows by one a step, and a learned halting head q: a point halts (before
 # a step) once c + q(h) > 0, so how many steps each point takes depends on its data and on the weights
@@ -166,3 +168,16 @@ def test_flops_count_the_loop_at_its_cap(graph, tmp_path):
     path = tmp_path / "lp.tsl"
     path.write_text(MODEL)
     assert graph_flops(build_graph(path, {"cap": 2}), sizes) == 2 * body + 3 * until
+
+
+@pytest.mark.parametrize("policy", [None, POLICY], ids=["no-policy", "bf16-mxfp4"])
+def test_every_pass_keeps_the_loop_valid(graph, policy):
+    """The pipeline (canonicalize, decompose, fuse, numerics, shard) walks both regions: every stage verifies and
+    round-trips; under bf16 the carried state, both regions' arguments and the predicate follow."""
+    for name, g in stages(graph, PassContext(numerics=policy)):
+        text = print_graph(g)
+        assert print_graph(verify(parse_graph(text))) == text, name
+    loop = next(op for op in g.body.ops if op.name == "loop")
+    want = "bf16" if policy else "f32"
+    assert {a.type.dtype for a in loop.region.args + loop.second.args} == {want}
+    assert loop.second.outputs[0].type.dtype == want

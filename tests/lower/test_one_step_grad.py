@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
-from tessera.ir import parse_graph, verify
+from tessera.ir import cost, parse_graph, verify
 from tessera.ir.elaborate import build_graph
 from tessera.ir.printer import print_graph
 from tessera.lower.context import LowerCtx
@@ -220,3 +220,19 @@ def test_nested_one_step_gradients_are_hrms(tmp_path):
     got = _grads(run, params, x, probe)
     _close(got, _grads(lambda p, x: _hrm_reference(p, x, zl, zh), params, x, probe))
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(got))
+
+
+def test_the_plan_counts_the_backward_of_one_step(tmp_path):
+    """`tessera plan`'s model: the forward runs every step, the backward pass and the saved activations one."""
+    sizes = {"points": 5}
+
+    def plan(text, n):
+        graph = _graph(tmp_path, text, n=n)
+        train = cost.train_flops(cost.flop_counts(graph, sizes))
+        return train["forward"], train["train_step"] - train["forward"], cost.activation_bytes(graph, sizes, "none")
+
+    (f2, b2, a2), (f16, b16, a16) = plan(REPEAT, 2), plan(REPEAT, 16)
+    assert f16 > f2 and b16 == b2 > 0 and a16 == a2 and a2["layers"] == 1
+    every = REPEAT.replace(", grad = last", "")
+    (_, e2, _), (_, e16, full16) = plan(every, 2), plan(every, 16)
+    assert e2 == 2 * b2 and e16 == 16 * b2 and full16["layers"] == 16
