@@ -15,7 +15,7 @@ halted for good; a step leaves a halted entry's state as it was (jnp.where over 
   current state for one still running (its max-th step); an entry that halted before any step keeps its input.
   Carried values the body yields unchanged enter that step as they came in, with their gradient.
 
-Counters (`ctx.aux`) are not collected inside a loop.
+Counters (`ctx.aux`) are not collected inside a loop, and a loop keeps no decoding state (no KV cache).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def eval_loop(op: Op, ins: list, params: dict, ctx: LowerCtx, layer: int | None,
     """The loop's results: its carried values after the last step."""
     from tessera.lower.interpret import _REMAT_POLICIES, eval_region
 
-    ctx = ctx.replace(aux=None)
+    ctx = ctx.replace(aux=None, unroll=False)  # one body, traced once: nothing to unroll, no KV cache
     cap, body, until = op.attrs["max"], op.region, op.second
     pdims = until.outputs[0].type.names
     vdims = [a.type.names for a in body.args]
