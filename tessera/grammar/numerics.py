@@ -35,6 +35,9 @@ MX_BLOCK = 32  # elements sharing one scale in the microscaling formats
 ACCUM_TYPES = ("fp32", "bf16", "fp16")  # types a matmul/reduction can accumulate in
 MODIFIERS = ("accum", "scale", "loss_scale")  # also the canonical print order
 SCALE_KINDS = ("per_tensor", "per_block", "delayed")
+# fp8 bases a parameter may be held in with one fp32 scale per N×N block of its last two dims (DeepSeek-V3's
+# weights): the IR names that storage `<base>_b<N>` (`fp8_e4m3_b128`), tessera/lower/reference/fp8_blocks.py
+BLOCK_SCALED_FP8 = ("fp8_e4m3",)
 
 
 class NumericTypeError(ValueError):
@@ -100,6 +103,28 @@ class NumericType:
     def accum_dtype(self) -> Any:
         """The jax.numpy dtype to accumulate in: `@accum(T)` when given, else the element dtype."""
         return NumericType(self.accum).jnp_dtype if self.accum else self.jnp_dtype
+
+
+def held_name(t: NumericType) -> str:
+    """The IR element type a parameter of numeric type `t` is held as: its base, or `fp8_e4m3_b128` for
+    `fp8_e4m3 @scale(per_block(128))` (one byte a weight plus an fp32 scale per 128×128 block)."""
+    if t.base in BLOCK_SCALED_FP8 and t.scale is not None and t.scale.kind == "per_block":
+        return f"{t.base}_b{t.scale.block}"
+    return t.base
+
+
+def block_scaled(dtype: str) -> tuple[str, int] | None:
+    """(fp8 base, N) of a block-scaled IR element type such as `fp8_e4m3_b128`, else None."""
+    base, sep, n = dtype.rpartition("_b")
+    if sep and base in BLOCK_SCALED_FP8 and n.isdigit() and int(n) > 0:
+        return base, int(n)
+    return None
+
+
+def block_scaled_bits(dtype: str) -> float:
+    """Bits per element of a block-scaled fp8 type: 8, plus a 32-bit scale shared by N×N elements."""
+    _, n = block_scaled(dtype)
+    return 8 + 32 / (n * n)
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 
 from tessera.diagnostics import Diagnostic, TesseraError
+from tessera.grammar.numerics import held_name
 from tessera.ir.types import Graph
 from tessera.spec.tasks import trains
 
@@ -137,7 +138,8 @@ def _first_op(graph: Graph, name: str):
 
 
 # Element types a parameter may be held in as written: plain arrays of their own dtype (fp8 included: one byte
-# each, on its grid), or mxfp4's packed codes + per-32 scales. fp6/fp4_e2m1 have no XLA array type to hold them
+# each, on its grid), mxfp4's packed codes + per-32 scales, or `fp8_e4m3 @scale(per_block(N))`: e4m3 codes plus
+# an fp32 scale per N×N block (tessera/lower/reference/fp8_blocks.py; its shape checks: storage.check_packed). fp6/fp4_e2m1 have no XLA array type to hold them
 # in, and int8 has no scale to map weights onto its integers, so a rule giving them is refused.
 STORAGE_TYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "fp64")
 INFERENCE_STORAGE = ("fp8_e4m3", "fp8_e5m2")  # (mxfp4's task check is storage.check_packed's)
@@ -148,13 +150,16 @@ def _numeric_problems(t, where: str, span, key: str, *, compute: bool, accum: st
     `accum`: the program's accumulation type (numerics.default's @accum, fp32 when it has none)."""
     out = []
     fp8_compute = compute and t.base == "fp8_e4m3"  # its scale is check_compute_type's
-    if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)") and not fp8_compute:
+    block_fp8 = not compute and held_name(t) != t.base  # fp8_e4m3 @scale(per_block(N)): FP8Blocks storage
+    if t.scale is not None and not (t.base == "mxfp4" and str(t.scale) == "per_block(32)") and not fp8_compute \
+            and not block_fp8:
         held = "held" if not compute else "computed"
-        out.append(Diagnostic(f"{where}`@scale({t.scale})` is parsed but no lowering scales tensors yet, so "
-                              f"`{t}` would not be the arithmetic done: {t.base} would be {held} unscaled",
-                              span=span, key=key,
-                              hint="drop @scale (mxfp4 carries its own per_block(32) scales; scaled fp8 compute is "
-                                   "`fp8_e4m3 @scale(per_tensor)` as numerics.default)"))
+        out.append(Diagnostic(f"{where}`@scale({t.scale})` is not applied to `{t.base}` "
+                              f"{'parameters' if not compute else 'compute'}, so `{t}` would not be the arithmetic "
+                              f"done: {t.base} would be {held} unscaled", span=span, key=key,
+                              hint="drop @scale (mxfp4 carries its own per_block(32) scales); scaled fp8 weights are "
+                                   "`fp8_e4m3 @scale(per_block(128))` in a rule, scaled fp8 compute is "
+                                   f"`{FP8_COMPUTE}` as numerics.default"))
     if not compute and t.loss_scale is not None:
         out.append(Diagnostic(f"{where}`@loss_scale({t.loss_scale})` on a rule would not be honoured: the loss is "
                               "scaled once for the whole program", span=span, key=key,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tessera.grammar.numerics import BASE_TYPES, NumericType
+from tessera.grammar.numerics import BASE_TYPES, NumericType, block_scaled, block_scaled_bits
 from tessera.ir.flops import op_flops
 from tessera.ir.ops_nn import CACHE_BLOCK, cache_len  # noqa: F401  (the cache's slots: beside attention's state)
 from tessera.ir.passes.shard import AxisRules
@@ -34,7 +34,10 @@ _PLAIN_BITS = {"f64": 64, "i64": 64, "i32": 32, "i8": 8, "u8": 8, "bool": 8, "c6
 
 
 def bits_per_element(dtype: str) -> float:
-    """Storage bits of one element of an IR element type (mxfp4 = 4.25: 4 bits + an 8-bit scale per 32)."""
+    """Storage bits of one element of an IR element type (mxfp4 = 4.25: 4 bits + an 8-bit scale per 32;
+    fp8_e4m3_b128 = 8 + 32/128²: a byte each + an fp32 scale per 128×128 block)."""
+    if block_scaled(dtype):
+        return block_scaled_bits(dtype)
     base = _IR_TO_NUMERIC.get(dtype, dtype)
     if base in BASE_TYPES:
         return NumericType(base).bits_per_element

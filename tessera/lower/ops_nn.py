@@ -20,7 +20,7 @@ from tessera.ir.types import ParamRef
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
 from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, moe as moe_ref, mxfp4, \
-    rope as rope_ref
+    packed as packed_ref, rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.shard import ops as shard_ops
@@ -41,10 +41,11 @@ def _dtype(op, i: int = 0):
 
 
 def _cast(params: dict, dtype, packed: tuple[str, ...] = ()) -> dict:
-    """Floating params cast to `dtype`; MXFP4 ones dequantised to it, except those named in `packed`."""
+    """Floating params cast to `dtype`; packed ones dequantised to it, except MXFP4 ones named in `packed` (the
+    experts' grouped products take those as they are)."""
     def cast(k, v):
-        if isinstance(v, mxfp4.MXFP4):
-            return v if k in packed else mxfp4.dequantize(v, dtype)
+        if packed_ref.is_packed(v):
+            return v if k in packed and isinstance(v, mxfp4.MXFP4) else packed_ref.dequantize(v, dtype)
         return v.astype(dtype) if v is not None and jnp.issubdtype(v.dtype, jnp.floating) else v
 
     return {k: cast(k, v) for k, v in params.items()}
@@ -53,8 +54,8 @@ def _cast(params: dict, dtype, packed: tuple[str, ...] = ()) -> dict:
 @lowers("embed")
 def _embed(ctx, op, attrs, ins, params):
     table = params["table"]
-    if isinstance(table, mxfp4.MXFP4):
-        table = mxfp4.dequantize(table, _dtype(op))
+    if packed_ref.is_packed(table):
+        table = packed_ref.dequantize(table, _dtype(op))
     if ctx.shard is not None:
         return [shard_ops.embed(ctx.shard, table, ins[0]).astype(_dtype(op))]
     return [table[ins[0]].astype(_dtype(op))]
@@ -71,9 +72,9 @@ def _unembed(ctx, op, attrs, ins, params):
         x = jax.lax.slice_in_dim(x, x.shape[have.index("seq")] - 1, None, axis=have.index("seq"))
     store = stored_dtype(dt, ctx.accum_dtype)
     if attrs["tied"]:
-        table = mxfp4.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]
+        table = packed_ref.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]
         return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store).astype(dt)]
-    w = mxfp4.dense(params["weight"], x.dtype)
+    w = packed_ref.dense(params["weight"], x.dtype)
     return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store).astype(dt)]
 
 
@@ -97,7 +98,7 @@ def _linear(ctx, op, attrs, ins, params):
     over = tuple(d.name for d in attrs["over"])
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
-               mxfp4.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
+               packed_ref.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
                fp8=ctx.fp8 is not None)
     if "bias" in params:
         y = _plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))

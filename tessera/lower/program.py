@@ -21,7 +21,7 @@ from tessera.ir.types import Graph
 from tessera.lower.context import LowerCtx, jnp_dtype
 from tessera.lower.generation import generate_tokens
 from tessera.lower.interpret import eval_region, init_state, split_layers, stacked_layers
-from tessera.lower.reference import mxfp4
+from tessera.lower.reference import fp8_blocks, mxfp4
 from tessera.lower.reference.losses import cross_entropy
 from tessera.lower import loss_scale, storage
 from tessera.lower import sampling
@@ -99,7 +99,7 @@ class Program:
 
     # ---- parameters ----------------------------------------------------------------------------
     def param_shapes(self, split_layers: bool = False) -> dict[str, Any]:
-        """What each parameter is held as, by path: a ShapeDtypeStruct, or MXFP4 of two for packed types.
+        """What each parameter is held as, by path: a ShapeDtypeStruct, or MXFP4 / FP8Blocks of two for packed types.
 
         Shapes are the held ones: a moe's d_ff padded for packed experts on this mesh (storage.padding).
         split_layers: a parameter a `repeat` stacks as the list of its n layers' ShapeDtypeStructs."""
@@ -181,6 +181,8 @@ class Program:
         true, shape = tuple(d.size for d in p.type.dims), tuple(held.shape)  # drawn at the IR's shape, then padded
         if layer is not None:
             key, true, shape = jax.random.fold_in(key, layer), true[1:], shape[1:]
+        if isinstance(held, fp8_blocks.FP8Blocks):  # the plain fp32 draw, quantised (held at its own shape)
+            return fp8_blocks.quantize(_init_array(p.init, key, true, jnp.float32), held.block)
         if isinstance(held, mxfp4.MXFP4):
             return storage.resize(_init_packed(p.init, key, true), shape)
         return storage.resize(_init_array(p.init, key, true, held.dtype), shape)
@@ -218,15 +220,19 @@ class Program:
 
         shapes = self.param_shapes()
         packed = {path for path, held in shapes.items() if isinstance(held, mxfp4.MXFP4)}
+        blocks = {path for path, held in shapes.items() if isinstance(held, fp8_blocks.FP8Blocks)}  # read in fp32
         params = load_hf_weights(directory, family=self.exp.model.file.stem, args=dict(self.exp.model.args),
                                  model=self.exp.model.file, packed=packed, split_layers=split_layers,
-                                 dtypes=lambda path: None if path in packed else shapes[path].dtype)
+                                 dtypes=lambda path: None if path in packed else
+                                 jnp.float32 if path in blocks else shapes[path].dtype)
         missing = sorted(set(shapes) - set(params))
         if missing:
             raise ValueError(f"checkpoint lacks parameters {missing}")
         cast = lambda a, want: storage.to_held(a, want.dtype)  # noqa: E731  (tree.map: same leaves, any shapes)
 
         def held(value, want):  # padded after loading, so packed bytes stay as stored
+            if isinstance(want, fp8_blocks.FP8Blocks):  # dense fp32/bf16 weights through init's quantiser
+                return fp8_blocks.quantize(value, want.block)
             return storage.resize(jax.tree.map(cast, value, want), tuple(want.shape))
 
         target = self.param_shapes(split_layers=split_layers)

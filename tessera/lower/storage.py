@@ -2,9 +2,11 @@
 
 Plain types are jax arrays of their dtype, fp8_e4m3 / fp8_e5m2 included (one byte per element, values on
 the fp8 grid, cast to the compute type at use; `to_held` saturates at the format's largest value rather than
-making NaN of what lies beyond it). Block formats (`NumericType.is_block_format`: mxfp4) are packed `MXFP4`
-pytrees (codes + scales, tessera/lower/reference/mxfp4.py) grouped along the second-to-last dim, dequantised by
-the lowerings at use. fp6 and fp4_e2m1 have no held form (check refuses them).
+making NaN of what lies beyond it). Packed types are pytrees of codes and scales, dequantised by the lowerings at
+use (tessera/lower/reference/packed.py): block formats (`NumericType.is_block_format`: mxfp4) are `MXFP4`
+(tessera/lower/reference/mxfp4.py) grouped along the second-to-last dim; block-scaled fp8 (`fp8_e4m3_b128`, from
+`fp8_e4m3 @scale(per_block(128))`) is `FP8Blocks`, one byte a weight plus an fp32 scale per N×N block of the last
+two dims (tessera/lower/reference/fp8_blocks.py). fp6 and fp4_e2m1 have no held form (check refuses them).
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from tessera.diagnostics import Diagnostic, TesseraError
-from tessera.grammar.numerics import BASE_TYPES, MX_BLOCK, NumericType
+from tessera.grammar.numerics import BASE_TYPES, MX_BLOCK, NumericType, block_scaled, block_scaled_bits
 from tessera.lower.context import jnp_dtype
-from tessera.lower.reference import mxfp4
+from tessera.lower.reference import fp8_blocks, mxfp4
 
 HELD_AS_BF16 = 16.0  # bits per element of a low-precision float the program holds as bf16
 
 
 def is_packed(ir_dtype: str) -> bool:
-    """Whether parameters of this IR element type are held packed (MXFP4 pytrees)."""
+    """Whether parameters of this IR element type are held packed (MXFP4 or FP8Blocks pytrees)."""
+    return is_mx(ir_dtype) or block_scaled(ir_dtype) is not None
+
+
+def is_mx(ir_dtype: str) -> bool:
+    """Whether parameters of this IR element type are MXFP4 pytrees (groups of 32 along K)."""
     return ir_dtype in BASE_TYPES and NumericType(ir_dtype).is_block_format
 
 
@@ -49,14 +56,20 @@ def to_held(x, dtype):
 
 
 def abstract(shape: tuple[int, ...], ir_dtype: str):
-    """What the program holds for a parameter, as ShapeDtypeStructs: one, or MXFP4(codes, scales)."""
+    """What the program holds for a parameter, as ShapeDtypeStructs: one, MXFP4(codes, scales) or
+    FP8Blocks(codes, scales)."""
+    if block_scaled(ir_dtype):
+        return fp8_blocks.abstract(shape, block_scaled(ir_dtype)[1])
     if is_packed(ir_dtype):
         return mxfp4.abstract(shape)
     return jax.ShapeDtypeStruct(shape, storage_dtype(ir_dtype))
 
 
 def storage_bits(ir_dtype: str) -> float:
-    """Bits per element of what the program holds (mxfp4 = 4.25; fp8/fp6/fp4 held as bf16 = 16)."""
+    """Bits per element of what the program holds (mxfp4 = 4.25; fp8_e4m3_b128 = 8 + 32/128²; fp6/fp4 held as
+    bf16 = 16)."""
+    if block_scaled(ir_dtype):
+        return block_scaled_bits(ir_dtype)
     if is_packed(ir_dtype):
         return NumericType(ir_dtype).bits_per_element
     return jnp.dtype(storage_dtype(ir_dtype)).itemsize * 8.0
@@ -93,6 +106,8 @@ def check_packed(exp, graph) -> None:
                 f"{p.type.dtype} storage is for inference tasks: generate/forward/bench without train_step; "
                 f"parameter `{path}` is trained by task.kind={exp.task.kind}", span=span, key=key,
                 hint="for training keep the experts in bf16/fp32 (drop this rule, or give them bf16)"))
+        elif block_scaled(p.type.dtype):
+            problems += _check_blocks(exp, rules, path, p.type, span, key)
         elif len(dims) < 2 or dims[-2].size % MX_BLOCK:
             got = f"`{dims[-2].name}` = {dims[-2].size}" if len(dims) >= 2 else f"{len(dims)} dim"
             problems.append(Diagnostic(
@@ -104,6 +119,39 @@ def check_packed(exp, graph) -> None:
             problems += _check_split(exp, rules, path, held[path], k_axes)  # K as held: a padded d_ff fits
     if problems:
         raise TesseraError(problems)
+
+
+def _check_blocks(exp, rules, path: str, t, span, key: str) -> list[Diagnostic]:
+    """A block-scaled fp8 parameter's last two dims are whole numbers of N-blocks, on the whole and on every
+    device of the mesh (a block never straddles two devices)."""
+    n, dims = block_scaled(t.dtype)[1], t.dims
+    written = f"fp8_e4m3 @scale(per_block({n}))"
+    if len(dims) < 2:
+        return [Diagnostic(f"{written} scales {n}×{n} blocks of a parameter's last two dims; `{path}` has "
+                           f"{len(dims)} dim", span=span, key=key,
+                           hint="give this parameter a plain type, e.g. add a later rule `\"*/scale\": bf16`")]
+    bad = [d for d in dims[-2:] if d.size % n]
+    if bad:
+        d = bad[0]
+        ok = [str(b) for b in (128, 64, 32, 16) if all(e.size % b == 0 for e in dims[-2:])]
+        return [Diagnostic(f"{written} needs block size {n} to divide the last two dims of `{path}`; `{d.name}` = "
+                           f"{d.size} is not a multiple of {n}", span=span, key=key,
+                           hint=f"use a block size dividing {' and '.join(str(e.size) for e in dims[-2:])}"
+                                + (f", e.g. per_block({ok[0]})" if ok else "") + ", or a plain type for it")]
+    if rules is None:
+        return []
+    from tessera.lower.shard.rules import annotated_axes
+
+    out = []
+    for d, axes in zip(dims[-2:], annotated_axes(t)[-2:]):
+        ways = rules.size(axes) if axes else 1
+        if ways > 1 and (d.size // n) % ways:
+            axis = axes[-1]
+            out.append(Diagnostic(
+                f"mesh axes {'×'.join(axes)} split `{d.name}` = {d.size} of `{path}` ({written}) into {ways} pieces "
+                f"of {d.size // ways}, not whole {n}-element scale blocks", span=exp.span(f"mesh.{axis}"),
+                key=f"mesh.{axis}", hint=f"use a mesh whose {'×'.join(axes)} divides {d.size // n}, or a smaller block"))
+    return out
 
 
 def _check_split(exp, rules, path: str, t, axes: tuple[str, ...]) -> list[Diagnostic]:
@@ -161,7 +209,7 @@ def padding(exp, graph) -> dict[str, dict[str, int]]:
     held: dict[str, int] = {}  # d_ff dim name -> held size (moe ops naming the same dim share it)
     for path, name in owned.items():
         dims = graph.params[path].type.dims
-        if not is_packed(graph.params[path].type.dtype) or len(dims) < 2 or dims[-2].name != name:
+        if not is_mx(graph.params[path].type.dtype) or len(dims) < 2 or dims[-2].name != name:
             continue
         k, n = dims[-2].size, rules.size(annotated_axes(graph.params[path].type)[-2])  # ways K is split
         step = MX_BLOCK * n
@@ -194,6 +242,9 @@ def resize(value, shape: tuple[int, ...]):
     Padding is zeros (codes 0 = +0.0, scales PAD_SCALE); slicing keeps the leading block of each dim."""
     if tuple(value.shape) == tuple(shape):
         return value
+    if isinstance(value, fp8_blocks.FP8Blocks):
+        raise ValueError(f"block-scaled fp8 parameters are held at their own shape; cannot resize {value.shape} "
+                         f"to {shape}")
     if isinstance(value, mxfp4.MXFP4):
         *lead, k, n = shape
         return mxfp4.MXFP4(_fit(value.codes, (*lead, k // 2, n), 0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+from tessera.grammar.numerics import held_name
 from tessera.ir.passes import register_pass
 from tessera.ir.passes.rewrite import regions, retype
 from tessera.ir.types import Graph, ParamRef, canonical_dtype, is_float
@@ -32,11 +33,12 @@ def _get(policy: Any, key: str, default=None):
 
 
 def param_dtype(path: str, policy: Any) -> str:
-    """The storage type of the param at `path` under `policy` (last matching rule wins)."""
-    dtype = numeric(_get(policy, "params", "fp32")).base
+    """The storage type of the param at `path` under `policy` (last matching rule wins): the rule's base type,
+    or for `fp8_e4m3 @scale(per_block(N))` the block-scaled `fp8_e4m3_bN` (grammar.numerics.held_name)."""
+    dtype = held_name(numeric(_get(policy, "params", "fp32")))
     for glob, t in (_get(policy, "rules") or {}).items():
         if fnmatch.fnmatchcase(path, glob):
-            dtype = numeric(t).base
+            dtype = held_name(numeric(t))
     return canonical_dtype(dtype)
 
 

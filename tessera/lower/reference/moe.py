@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.reference._dtypes import wide
-from tessera.lower.reference import accum as accum_ref, mxfp4
+from tessera.lower.reference import accum as accum_ref, mxfp4, packed
 
 from tessera.lower.reference.activations import clamped_swiglu
 
@@ -47,10 +47,10 @@ def _expert_ffn_dense(x, gate, up, down, gate_bias, up_bias, down_bias, act):
     # x [T, D] through every expert -> [T, E, D], fp32; packed (MXFP4) expert matrices dequantised first
     ct = wide(x.dtype)
     f32 = dict(preferred_element_type=ct)
-    g = jnp.einsum("td,edf->tef", x, mxfp4.dense(gate, x.dtype), **f32) + gate_bias.astype(ct)
-    u = jnp.einsum("td,edf->tef", x, mxfp4.dense(up, x.dtype), **f32) + up_bias.astype(ct)
+    g = jnp.einsum("td,edf->tef", x, packed.dense(gate, x.dtype), **f32) + gate_bias.astype(ct)
+    u = jnp.einsum("td,edf->tef", x, packed.dense(up, x.dtype), **f32) + up_bias.astype(ct)
     h = act(g.astype(x.dtype), u.astype(x.dtype))
-    return jnp.einsum("tef,efd->ted", h, mxfp4.dense(down, x.dtype), **f32) + down_bias.astype(ct)
+    return jnp.einsum("tef,efd->ted", h, packed.dense(down, x.dtype), **f32) + down_bias.astype(ct)
 
 
 def moe_dense(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
