@@ -99,7 +99,8 @@ def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
         assert accepted == ["fp32", "bf16", "fp16"]
     else:
         plain = ["fp32", "fp32 @accum(fp32)", "bf16", "bf16 @accum(fp32)", "fp16", "fp16 @accum(fp32)"]
-        fp8 = ["fp8_e4m3", "fp8_e4m3 @accum(fp32)", "fp8_e5m2", "fp8_e5m2 @accum(fp32)"]  # held as fp8 arrays
+        fp8 = ["fp8_e4m3", "fp8_e4m3 @accum(fp32)", "fp8_e4m3 @scale(per_block(32))",  # held as fp8 arrays, the
+               "fp8_e5m2", "fp8_e5m2 @accum(fp32)"]  # per_block one with an fp32 scale per 32×32 block (FP8Blocks)
         packed = ["mxfp4", "mxfp4 @accum(fp32)", "mxfp4 @scale(per_block(32))"]
         assert accepted == plain + (fp8 + packed if task == "generate" else [])
 

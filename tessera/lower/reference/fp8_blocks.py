@@ -3,9 +3,11 @@
 A logical weight W [..., K, N_out] held as `fp8_e4m3 @scale(per_block(B))` (IR type `fp8_e4m3_bB`) is
   codes  float8_e4m3fn [..., K, N_out]:    one byte a weight, W / scale rounded to the e4m3 grid;
   scales float32      [..., K/B, N_out/B]: element (k, n) is scaled by scales[k // B, n // B].
-The quantiser (the one init, loading and the tests use): per block, scale = amax / 448 (e4m3's largest
-value; 1 for an all-zero block), codes = e4m3(clip(W / scale, ±448)), round to nearest even. The scale is
-amax/448 exactly, not a power of two, so each block's largest magnitude lands on ±448 and no range is lost.
+The quantiser (the one init, loading and the tests use): per block, scale = amax · fp32(1/448) (448 is e4m3's
+largest value; scale 1 for an all-zero block), codes = e4m3(clip(W / scale, ±448)), round to nearest even. The
+scale is not rounded to a power of two, so each block's largest magnitude lands on ±448 and no range is lost;
+it is a product with the fp32 reciprocal, not a division by 448, because XLA rewrites a division by a constant
+into that product anyway (so the numpy model of the quantiser can match it bit for bit).
 Dequantising is codes · scale in fp32, then cast: exact in fp32 up to its one rounding of the product.
 """
 
@@ -15,8 +17,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+INV_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))  # the scale of a block is amax times this fp32 value
 
 
 class FP8Blocks(NamedTuple):
@@ -68,11 +72,12 @@ def _split(x: jax.Array, block: int) -> jax.Array:
 
 
 def quantize(w: jax.Array, block: int) -> FP8Blocks:
-    """fp [..., K, N] -> FP8Blocks: per B×B block scale = amax / 448 (1 where amax = 0), codes = e4m3(w / scale)."""
+    """fp [..., K, N] -> FP8Blocks: per B×B block scale = amax · fp32(1/448) (1 where amax = 0), codes =
+    e4m3(w / scale)."""
     _blocks_of(tuple(w.shape), block)
     g = _split(jnp.asarray(w, jnp.float32), block)  # [..., K/B, B, N/B, B]
     amax = jnp.max(jnp.abs(g), axis=(-3, -1))  # [..., K/B, N/B]
-    scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+    scales = jnp.where(amax > 0, amax * jnp.float32(INV_E4M3_MAX), 1.0).astype(jnp.float32)
     q = jnp.clip(g / scales[..., :, None, :, None], -E4M3_MAX, E4M3_MAX)
     return FP8Blocks(q.reshape(w.shape).astype(jnp.float8_e4m3fn), scales)
 
