@@ -106,8 +106,8 @@ def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
 
 
 @pytest.mark.parametrize("numeric,says", [
-    ("bf16 @scale(per_tensor)", "`@scale(per_tensor)` is parsed but no lowering scales tensors yet"),
-    ("fp16 @accum(fp32) @scale(delayed)", "`@scale(delayed)` is parsed but no lowering scales tensors yet"),
+    ("bf16 @scale(per_tensor)", "`@scale(per_tensor)` is not applied to `bf16` compute, so"),
+    ("fp16 @accum(fp32) @scale(delayed)", "`@scale(delayed)` is not applied to `fp16` compute, so"),
     ("bf16 @accum(bf16)", "`@accum(bf16)` is honoured by the experts' grouped products forward only: their weight "
                           "gradients would accumulate in fp32 (`moe` at models/gpt_oss.tsl:17:16)"),
 ])
