@@ -7,6 +7,7 @@ and the model-source op that owns the tensor it is wrong about.
 from __future__ import annotations
 
 import fnmatch
+import math
 
 from tessera.diagnostics import Diagnostic, TesseraError
 from tessera.grammar.numerics import held_name
@@ -75,6 +76,81 @@ COMPUTE_TYPES = ("fp32", "bf16", "fp16", "fp64")  # what activations can be comp
 
 
 FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tessera/lower/reference/fp8.py)
+# per_block(N) compute: the dense products with weights (not the experts' grouped ones), each weight's contracted
+# size and kept size whole numbers of N (tessera/lower/reference/fp8.py: block_einsum)
+FP8_BLOCK_PRODUCTS = "linear, attention's q/k/v/o projections, the MLP's gate/up/down"
+
+
+def _fp8_weights(graph: Graph):
+    """(param, contracted dims, kept dims) for each weight whose product runs in fp8 (a dense product: its true dims
+    are the param's last ones, any leading ones stacked by a repeat)."""
+    from tessera.ir.passes.numerics import _FP8_WEIGHTS
+    from tessera.ir.passes.rewrite import regions
+    from tessera.ir.types import ParamRef
+
+    seen = set()
+    for region, _ in regions(graph):
+        for op in region.ops:
+            for ref in op.operands:
+                if not isinstance(ref, ParamRef) or ref.path in seen or ref.path not in graph.params:
+                    continue
+                name = ref.path.rsplit("/", 1)[-1]
+                if (op.name, name) not in _FP8_WEIGHTS or op.name == "moe":
+                    continue
+                seen.add(ref.path)
+                if op.name == "linear":
+                    ncon, total = len(op.attrs["over"]), len(op.attrs["over"]) + len(op.attrs["out"])
+                elif op.name == "attention":
+                    ncon, total = (2 if name == "o" else 1), 3
+                else:  # mlp
+                    ncon, total = 1, 2
+                dims = graph.params[ref.path].type.dims[-total:]
+                yield graph.params[ref.path], dims[:ncon], dims[ncon:]
+
+
+def _block_fp8_problems(t, graph: Graph, span, key) -> list[Diagnostic]:
+    """fp8_e4m3 @scale(per_block(N)) compute: fp32 block accumulation, no grouped expert products, and every fp8
+    weight's contracted and kept sizes multiples of N."""
+    n = t.scale.block
+    written = f"fp8_e4m3 @scale(per_block({n}))"
+    if t.accum is not None and t.accum not in ("fp32", "f32"):
+        return [Diagnostic(f"`{written}` accumulates each block's product in fp32; `@accum({t.accum})` is not "
+                           "implemented with per-block scaling", span=span, key=key,
+                           hint=f"write `{written}` (or `{FP8_COMPUTE} @accum({t.accum})`)")]
+    moe = _first_op(graph, "moe")
+    if moe is not None:
+        where = f" (`moe` at {moe.span.file}:{moe.span.line}:{moe.span.col})" if moe.span else ""
+        return [Diagnostic(f"`{written}`: the MoE experts' grouped product{where} is not implemented with per-block "
+                           f"scaling; per-block fp8 runs the dense products with weights ({FP8_BLOCK_PRODUCTS})",
+                           span=span, key=key, hint=f"write `{FP8_COMPUTE}` for models with MoE experts")]
+    weights = list(_fp8_weights(graph))
+    sizes = []
+    for p, con, keep in weights:
+        for what, dims in (("contracted", con), ("output", keep)):
+            if any(d.size is None for d in dims):
+                continue
+            sizes.append(math.prod(d.size for d in dims))
+    g = 0
+    for size in sizes:
+        g = math.gcd(g, size)
+    valid = 1
+    while g and g % (valid * 2) == 0 and valid * 2 <= max(n, 1):
+        valid *= 2
+    for p, con, keep in weights:
+        for what, dims in (("contracted", con), ("output", keep)):
+            if any(d.size is None for d in dims):
+                continue
+            size = math.prod(d.size for d in dims)
+            if size % n:
+                where = f" (declared at {p.span.file}:{p.span.line}:{p.span.col})" if p.span else ""
+                shown = "×".join(str(d) for d in dims)
+                return [Diagnostic(f"`{written}`: parameter `{p.path}`{where} has {what} dim{'s' if len(dims) > 1 else ''} "
+                                   f"{shown} = {size}, not a multiple of the block {n} (activations are scaled in "
+                                   f"1×{n} blocks along the contracted dims, weights in {n}×{n} blocks)",
+                                   span=span, key=key,
+                                   hint=f"N = {valid} divides every fp8 product's contracted and output sizes: write "
+                                        f"`fp8_e4m3 @scale(per_block({valid}))`")]
+    return []
 
 
 def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
@@ -86,11 +162,16 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
     if t.base in COMPUTE_TYPES:
         return []
     if t.base == "fp8_e4m3":
-        if t.scale is None or t.scale.kind != "per_tensor":
+        if t.scale is None or t.scale.kind not in ("per_tensor", "per_block"):
             what = "no scale" if t.scale is None else f"`@scale({t.scale})`"
             return [Diagnostic(f"fp8 compute with {what} is not implemented: the products with weights run in fp8 "
-                               "with one scale per tensor from its current amax (`@scale(per_tensor)`)",
+                               "with one scale per tensor from its current amax (`@scale(per_tensor)`) or one per "
+                               "block (`@scale(per_block(N))`: 1×N activation blocks, N×N weight blocks)",
                                span=span, key=key, hint=f"write `{FP8_COMPUTE}`" + (" @accum(...)" if t.accum else ""))]
+        if t.scale.kind == "per_block":
+            problems = _block_fp8_problems(t, graph, span, key)
+            if problems:
+                return problems
         cplx = _first_op(graph, "spectral_conv")
         if cplx is not None:
             where = f" (at {cplx.span.file}:{cplx.span.line}:{cplx.span.col})" if cplx.span else ""

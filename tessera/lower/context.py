@@ -49,7 +49,8 @@ class LowerCtx:
     report: Any = None  # a dict that kernel selection records its choices in ({op label: implementation})
     aux: Any = None  # a dict of step counters lowerings add int32 scalars to ({name: count}), e.g. moe_dropped
     unroll: bool = False
-    fp8: str | None = None  # "per_tensor": products with weights run in fp8 (tessera/lower/reference/fp8.py)
+    fp8: str | None = None  # "per_tensor" or "per_block(N)": products with weights run in fp8 with that scaling
+    # (tessera/lower/reference/fp8.py)
     last_only: bool = False
     scan_unroll: bool = False  # `repeat` is still one lax.scan, which XLA unrolls (scientific models: see program.py)
 

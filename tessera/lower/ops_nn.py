@@ -99,7 +99,7 @@ def _linear(ctx, op, attrs, ins, params):
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
                packed_ref.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
-               fp8=ctx.fp8 is not None)
+               fp8=ctx.fp8)
     if "bias" in params:
         y = _plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
     return [y.astype(dt)]
@@ -202,7 +202,7 @@ def _sdpa(ctx, op, attrs, ins, params):
 def _weight_product(ctx, spec: str, x, w, store):
     """x ⊗ w for a weight w: in fp8 under an fp8 policy (reference/fp8.py), else accumulating in ctx.accum_dtype."""
     if ctx.fp8 is not None:
-        return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
+        return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8)
     return accum_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
 
 

@@ -151,7 +151,7 @@ def choose(ctx, primitive: str, *args, **kw) -> tuple[str, Callable[..., Any]]:
         from tessera.lower.reference import fp8
 
         return (f"{REFERENCE_NAME}: fp8 products (e4m3 operands, e5m2 gradients, {ctx.fp8} scales)",
-                functools.partial(fp8.ragged_dot, accum=ctx.accum_dtype))
+                functools.partial(fp8.ragged_dot, accum=ctx.accum_dtype, scaling=ctx.fp8))
     if narrow(ctx.accum_dtype):  # the kernels accumulate in fp32: the reference emulates the narrow accumulator
         name = jnp.dtype(ctx.accum_dtype).name
         return (f"{REFERENCE_NAME}: accumulates in {name} (@accum); the kernels accumulate in fp32",
