@@ -3,7 +3,8 @@
 Params are stored in `params` (master weights), then each rule whose glob matches the param path
 (fnmatch: `*` crosses `/`) sets its type, the last match winning. Activations take the base type of
 `default` (the embedding's output type and float graph inputs), and result types are re-inferred.
-The policy's accumulation type is recorded as the graph attribute `accum`. Under `fp8_e4m3 @scale(per_tensor)`
+The policy's accumulation type is recorded as the graph attribute `accum`. Under `fp8_e4m3 @scale(per_tensor)` (or
+`@scale(per_block(N))`)
 activations are bf16 and the graph attribute `fp8` (the scaling) tells the lowering to run the products with
 weights in fp8 (tessera/lower/reference/fp8.py).
 """

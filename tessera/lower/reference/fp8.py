@@ -1,4 +1,5 @@
-"""fp8 contractions with per-tensor current scaling: `numerics.default: fp8_e4m3 @scale(per_tensor)`.
+"""fp8 contractions with per-tensor current scaling: `numerics.default: fp8_e4m3 @scale(per_tensor)`, and (the
+dense products only; see `block_einsum` at the end) per-block scaling: `fp8_e4m3 @scale(per_block(N))`.
 
 The usual fp8 training recipe for the products of activations with weights (linear, attention's q/k/v/o
 projections, the MLP's gate/up/down, the MoE experts' grouped products): both operands are quantised to e4m3 in the forward pass and the
