@@ -76,9 +76,8 @@ COMPUTE_TYPES = ("fp32", "bf16", "fp16", "fp64")  # what activations can be comp
 
 
 FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tessera/lower/reference/fp8.py)
-# per_block(N) compute: the dense products with weights (not the experts' grouped ones), each weight's contracted
-# size and kept size whole numbers of N (tessera/lower/reference/fp8.py: block_einsum)
-FP8_BLOCK_PRODUCTS = "linear, attention's q/k/v/o projections, the MLP's gate/up/down"
+# per_block(N) compute: the same products as per_tensor, each weight's contracted size and kept size whole numbers
+# of N (tessera/lower/reference/fp8.py: block_einsum, ragged_dot)
 
 
 def _fp8_weights(graph: Graph):
@@ -95,34 +94,28 @@ def _fp8_weights(graph: Graph):
                 if not isinstance(ref, ParamRef) or ref.path in seen or ref.path not in graph.params:
                     continue
                 name = ref.path.rsplit("/", 1)[-1]
-                if (op.name, name) not in _FP8_WEIGHTS or op.name == "moe":
+                if (op.name, name) not in _FP8_WEIGHTS:
                     continue
                 seen.add(ref.path)
                 if op.name == "linear":
                     ncon, total = len(op.attrs["over"]), len(op.attrs["over"]) + len(op.attrs["out"])
                 elif op.name == "attention":
                     ncon, total = (2 if name == "o" else 1), 3
-                else:  # mlp
+                else:  # mlp, and moe's experts [.., experts, in, out] (the experts dim is the grouped product's)
                     ncon, total = 1, 2
                 dims = graph.params[ref.path].type.dims[-total:]
                 yield graph.params[ref.path], dims[:ncon], dims[ncon:]
 
 
 def _block_fp8_problems(t, graph: Graph, span, key) -> list[Diagnostic]:
-    """fp8_e4m3 @scale(per_block(N)) compute: fp32 block accumulation, no grouped expert products, and every fp8
-    weight's contracted and kept sizes multiples of N."""
+    """fp8_e4m3 @scale(per_block(N)) compute: fp32 block accumulation, and every fp8 weight's contracted and kept
+    sizes multiples of N."""
     n = t.scale.block
     written = f"fp8_e4m3 @scale(per_block({n}))"
     if t.accum is not None and t.accum not in ("fp32", "f32"):
         return [Diagnostic(f"`{written}` accumulates each block's product in fp32; `@accum({t.accum})` is not "
                            "implemented with per-block scaling", span=span, key=key,
                            hint=f"write `{written}` (or `{FP8_COMPUTE} @accum({t.accum})`)")]
-    moe = _first_op(graph, "moe")
-    if moe is not None:
-        where = f" (`moe` at {moe.span.file}:{moe.span.line}:{moe.span.col})" if moe.span else ""
-        return [Diagnostic(f"`{written}`: the MoE experts' grouped product{where} is not implemented with per-block "
-                           f"scaling; per-block fp8 runs the dense products with weights ({FP8_BLOCK_PRODUCTS})",
-                           span=span, key=key, hint=f"write `{FP8_COMPUTE}` for models with MoE experts")]
     weights = list(_fp8_weights(graph))
     sizes = []
     for p, con, keep in weights:

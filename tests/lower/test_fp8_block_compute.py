@@ -1,8 +1,8 @@
 """fp8 compute with per-block scaling (`numerics.default: fp8_e4m3 @scale(per_block(N))`, DeepSeek-V3 style;
 tessera/lower/reference/fp8.py: block_einsum): activations in 1×N blocks along the contraction, weights in N×N
 blocks, power-of-two scales, each block's product in fp32 summed over K blocks in order; the backward's e5m2
-gradient in 1×N blocks along the output features. Forward and both gradients match a numpy model of that
-arithmetic; per-block beats per-tensor where one block holds an outlier; a tiny Llama trains close to bf16;
+gradient in 1×N blocks along the output features. Forward and both gradients, dense and the experts' grouped
+product, match a numpy model of that arithmetic; per-block beats per-tensor where one block holds an outlier; a tiny Llama trains close to bf16;
 `tessera check` refuses what would not run as written."""
 
 from __future__ import annotations
@@ -139,6 +139,33 @@ def test_products_with_several_contracted_and_kept_dims_flatten_in_the_weights_o
     np.testing.assert_allclose(np.asarray(yq).reshape(6, 64), _blocked(aq, sa, bq, sb, 32), rtol=1e-6, atol=1e-9)
 
 
+def test_the_experts_grouped_product_is_the_blocked_fp8_arithmetic():
+    n = 32
+    rng = np.random.default_rng(4)
+    lhs, rhs, g = rng.standard_normal((10, 64)), rng.standard_normal((3, 64, 64)) * 0.02, rng.standard_normal((10, 64))
+    lhs[:, 40:] *= 30.0  # the K blocks of each row differ in range
+    sizes = jnp.asarray([4, 0, 5], jnp.int32)  # the last row belongs to no group
+
+    def f(a, b, c):
+        y, vjp = jax.vjp(lambda a, b: fp8.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32,
+                                                     scaling=f"per_block({n})"), a, b)
+        return (y, *vjp(c))
+    y, dl, dr = (np.asarray(t) for t in jax.jit(f)(*(jnp.asarray(t, jnp.float32) for t in (lhs, rhs, g))))
+    lq, sl = _rows(lhs.astype(np.float32), n, E4M3)
+    gq, sg = _rows(g.astype(np.float32), n, E5M2)
+    ld, gd = lq / np.repeat(sl, n, 1), gq / np.repeat(sg, n, 1)
+    want, want_dl, want_dr = np.zeros((10, 64)), np.zeros((10, 64)), np.zeros(rhs.shape)
+    for e, r in {0: slice(0, 4), 2: slice(4, 9)}.items():
+        rq, sr = _tiles(rhs[e].astype(np.float32), n, E4M3)
+        want[r] = _blocked(lq[r], sl[r], rq, sr, n)
+        rd = rq / np.repeat(np.repeat(sr, n, 0), n, 1)
+        want_dl[r] = gd[r] @ rd.T
+        want_dr[e] = ld[r].T @ gd[r]
+    for got, ref in ((y, want), (dl, want_dl), (dr, want_dr)):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    assert not np.any(y[9]) and not np.any(dl[9]) and not np.any(dr[1])
+
+
 @pytest.fixture(scope="module")
 def runs():
     return {"bf16": _train("bf16 @accum(fp32)"), "block": _train("fp8_e4m3 @scale(per_block(16))")}
@@ -175,8 +202,8 @@ def test_the_resolved_policy_names_the_block_scaling():
      "has contracted dim embed=128 = 128, not a multiple of the block 48", "per_block(32)"),
     ("llama_tiny.yaml", {"numerics.default": "fp8_e4m3 @scale(per_block(32)) @accum(bf16)"},
      "accumulates each block's product in fp32; `@accum(bf16)` is not implemented", "per_block(32)"),
-    ("gpt_oss_tiny.yaml", {"numerics.default": "fp8_e4m3 @scale(per_block(32))"},
-     "the MoE experts' grouped product (`moe` at models/gpt_oss.tsl:", "@scale(per_tensor)"),
+    ("gpt_oss_tiny.yaml", {"numerics.default": "fp8_e4m3 @scale(per_block(64))", "model.args.d_ff": 96},
+     "parameter `layers/moe/experts/gate` (declared at models/gpt_oss.tsl:", "per_block(32)"),
 ])
 def test_per_block_fp8_that_would_not_run_as_written_is_refused(spec, over, says, hint):
     from tessera.diagnostics import TesseraError
