@@ -15,6 +15,10 @@ FLOPs: 5 n log2 n per complex transform of n points (n the product of the transf
 for a real one; a complex `dot` counts its 4 real products per complex one (tessera/ir/ops_core.py).
 Sharding: a transform needs its dims whole on each device; `tessera check` refuses a mesh that splits one
 (tessera/ir/check.py, `check_spectral_dims`).
+
+With parameters: `spectral_conv` (a Fourier neural operator's spectral layer) and `spectral_moe`, its mixture of
+experts: the mode weights are `experts` sets, and the `moe` op's routing (top-k of the router's logits, then a
+softmax over the k) picks k of them for each band of a sample's modes, from the band's power.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import math
 
 from tessera.ir.ops_core import need_dim, same_size
 from tessera.ir.registry import AttrDef, OpDef, OpError, ParamDecl, register
-from tessera.ir.types import Dim, DimName, Init, TensorType
+from tessera.ir.types import Dim, DimName, Init, TensorType, is_float
 
 REAL_OF = {"c64": "f32", "c128": "f64"}
 COMPLEX_OF = {v: k for k, v in REAL_OF.items()}
@@ -218,3 +222,57 @@ register(OpDef("spectral_conv", (1, 1), (AttrDef("over", "dim"), AttrDef("modes"
                whole_dims=lambda a: (a["over"].name,),
                doc="irfft(modes(rfft(x over `over`), first `modes`) mixed over `channels` by the complex weight "
                    "w_re + i w_im [modes, channels, channels_out]): a Fourier neural operator's spectral layer"))
+
+
+# ---- a mixture of spectral experts ---------------------------------------------------------------------------
+
+def _spectral_moe_rule(ins, attrs):
+    _spectral_conv_rule(ins, attrs)
+    e, k, m, bands = attrs["experts"], attrs["top_k"], attrs["modes"], attrs["bands"]
+    if not 0 < k <= e:
+        raise OpError(f"top_k ({k}) must be between 1 and experts ({e})")
+    if bands < 1 or m % bands:
+        divisors = [d for d in range(1, m + 1) if m % d == 0]
+        raise OpError(f"bands = {bands} must divide modes = {m} (bands of equal width): use one of "
+                      f"{', '.join(map(str, divisors))}")
+    return [ins[0]]
+
+
+def _spectral_moe_params(a, types):
+    c, experts = types[0].dim(a["channels"].name), Dim("experts", a["experts"])
+    dims = (experts, Dim("modes", a["modes"]), c, Dim(f"{c.name}_out", c.size))
+    init = Init("normal", (2.0 * c.size) ** -0.5)  # as spectral_conv's: each expert alone keeps the scale
+    # the router reads log powers (unit-scale differences): logits of unit scale, not moe's 0.02 for wide inputs
+    decls = [ParamDecl("router", (c, experts), Init("normal", c.size ** -0.5))]
+    if a["bias"]:
+        decls.append(ParamDecl("router_bias", (experts,), Init("zeros")))
+    return decls + [ParamDecl("experts/w_re", dims, init), ParamDecl("experts/w_im", dims, init)]
+
+
+def _spectral_moe_flops(ins, outs, attrs):
+    """The transforms (as spectral_conv's), the band powers and the router, and top_k experts' mode mixing."""
+    x = ins[0]
+    n, c, m = x.dim(attrs["over"].name).size, x.dim(attrs["channels"].name).size, attrs["modes"]
+    samples = math.prod(d.size for d in x.dims) / (n * c)
+    transforms = 2 * samples * c * 0.5 * 5.0 * n * math.log2(n)
+    router = samples * (4.0 * m * c + 2.0 * attrs["bands"] * c * attrs["experts"])
+    return transforms + router + attrs["top_k"] * 8.0 * samples * m * c * c
+
+
+def _spectral_moe_active(attrs: dict, name: str | None) -> float:
+    """A sample reads top_k of the experts in each band (top_k / experts of their weights) and the whole router."""
+    return attrs["top_k"] / attrs["experts"] if name and name.startswith("experts/") else 1.0
+
+
+register(OpDef("spectral_moe", (1, 1), (AttrDef("over", "dim"), AttrDef("modes", "int"),
+                                        AttrDef("channels", "dim", DimName("width")), AttrDef("experts", "int"),
+                                        AttrDef("top_k", "int"), AttrDef("bands", "int", 1),
+                                        AttrDef("bias", "bool", True)),
+               _spectral_moe_rule, params=_spectral_moe_params, flops=_spectral_moe_flops, contraction=True,
+               active_fraction=_spectral_moe_active, whole_dims=lambda a: (a["over"].name,),
+               doc="spectral_conv with `experts` sets of mode weights experts/w_re + i experts/w_im [experts, modes, "
+                   "channels, channels_out], routed per band of modes as `moe` routes a token: the `modes` lowest "
+                   "modes of each sample split into `bands` bands of equal width; a band's router input is the log "
+                   "of its mean power per channel, logits = input @ router + router_bias, the top_k logits "
+                   "softmaxed among themselves; the band's modes are mixed by sum_k weight_k * expert_k's weights "
+                   "for those modes (bands = 1: one routing per sample)"))

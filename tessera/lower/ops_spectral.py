@@ -1,5 +1,6 @@
 """Lowerings of the spectral ops (tessera/ir/ops_spectral.py) with `jnp.fft`: each transform over the axes of
-its named dims, the result's dims renamed as the IR types say (an XLA FFT; its gradient is JAX's)."""
+its named dims, the result's dims renamed as the IR types say (an XLA FFT; its gradient is JAX's). The mixture of
+spectral experts is tessera/lower/reference/spectral.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.context import jnp_dtype
-from tessera.lower.named import names
+from tessera.lower.named import align, names
+from tessera.lower.reference import spectral as spectral_ref
 from tessera.lower.table import lowers
 
 
@@ -75,3 +77,17 @@ def _spectral_conv(ctx, op, attrs, ins, params):
     y = jnp.einsum("...mc,mco->...mo", f, w, preferred_element_type=cdt)
     y = jnp.moveaxis(y, (-2, -1), (axis, chan))
     return [_cast(op, jnp.fft.irfft(y, n=n, axis=axis))]                   # modes above k: zero
+
+
+@lowers("spectral_moe")
+def _spectral_moe(ctx, op, attrs, ins, params):
+    have = names(op.values[0])
+    over, chan = attrs["over"].name, attrs["channels"].name
+    samples = tuple(n for n in have if n not in (over, chan))
+    x = align(ins[0], have, samples + (over, chan))                        # [samples..., n, c]
+    lead = x.shape[:len(samples)]
+    y = spectral_ref.spectral_moe(x.reshape((-1,) + x.shape[-2:]), router=params["router"],
+                                  router_bias=params.get("router_bias"), w_re=params["experts/w_re"],
+                                  w_im=params["experts/w_im"], modes=attrs["modes"], top_k=attrs["top_k"],
+                                  bands=attrs["bands"], accum=ctx.accum_dtype)
+    return [_cast(op, align(y.reshape(lead + y.shape[-2:]), samples + (over, chan), have))]
