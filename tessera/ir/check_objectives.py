@@ -7,6 +7,13 @@ from tessera.ir.types import Graph
 
 
 SCIENTIFIC_DATA = ("collocation", "burgers")  # the data kinds that feed `loss` entries
+BATCHED_DATA = ("burgers",)  # ... in batches of samples: deterministic mode trains on canonical shards of them
+
+
+def batched_data(exp) -> bool:
+    """Whether the task feeds loss entries batches of samples (burgers pairs), which deterministic mode cuts into
+    canonical shards; collocation points (a PINN's) are one objective over every point."""
+    return getattr(getattr(exp.task, "data", None), "kind", None) in BATCHED_DATA
 
 
 def _pairs_problems(exp, graph: Graph, data) -> list[Diagnostic]:
@@ -103,7 +110,51 @@ def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
         out.append(Diagnostic(f"model `{graph.name}` is a scientific model (loss entries): task `{task.kind}` is for "
                               "language models", span=exp.span("task.kind"), key="task.kind",
                               hint="train it, then evaluate it with tessera.load_run"))
-    if exp.mesh.size > 1:
-        out.append(Diagnostic("models with loss entries run on one device for now", span=exp.span("mesh"),
-                              key="mesh", hint="remove the mesh section"))
+    if batched_data(exp) and exp.parallel.deterministic:
+        out += _batch_mean_problems(graph)
+    if exp.mesh.size > 1 and not batched_data(exp):
+        out.append(Diagnostic("models with loss entries on collocation points run on one device for now",
+                              span=exp.span("mesh"), key="mesh", hint="remove the mesh section"))
+    elif exp.mesh.size > 1 and not exp.parallel.deterministic:
+        out.append(Diagnostic("models with loss entries run on a mesh in deterministic mode only (canonical batch "
+                              "shards, whole params on each device)", span=exp.span("parallel.deterministic"),
+                              key="parallel.deterministic", hint="set parallel.deterministic: true"))
+    return out
+
+
+def _mixes(op, dim: str) -> bool:
+    """Whether `op` combines values across `dim`: an attribute names it, or it drops it from an operand."""
+    def names_dim(v) -> bool:
+        if isinstance(v, (tuple, list)):
+            return any(names_dim(x) for x in v)
+        return getattr(v, "name", None) == dim and not isinstance(v, str)
+
+    if any(names_dim(v) for v in op.attrs.values()):
+        return True
+    return any(dim in v.type.names for v in op.values) and any(dim not in r.type.names for r in op.results)
+
+
+def _batch_mean_problems(graph: Graph) -> list[Diagnostic]:
+    """Deterministic mode averages each loss term over canonical shards of the batch, which is the term over the
+    whole batch only for a mean over the batch of per-sample values: each term must be `mean(..., over = [batch])`
+    (batch: the loss inputs' first dim) of values no other op combines across samples."""
+    out = []
+    for loss in graph.losses:
+        dims = {a.type.dims[0].name for a in loss.region.args if a.type.dims}
+        if len(dims) != 1:
+            out.append(Diagnostic(f"loss `{loss.name}`'s inputs must share their first dim (the batch of samples), "
+                                  f"got {', '.join(str(a.type) for a in loss.region.args)}", span=loss.span))
+            continue
+        (dim,) = dims
+        finals = {id(v) for v in loss.region.outputs}
+        for op in loss.region.walk():
+            if not _mixes(op, dim):
+                continue
+            term = op.name == "mean" and [d.name for d in op.attrs["over"]] == [dim] and id(op.result) in finals
+            if not term:
+                out.append(Diagnostic(f"`{op.name}` combines values across `{dim}`: deterministic mode averages each "
+                                      f"loss term over canonical shards of the batch, so a term must be "
+                                      f"`mean(..., over = [{dim}])` of per-sample values", span=op.span,
+                                      hint="return the mean over the batch of a per-sample value, or set "
+                                           "parallel.deterministic: false on one device"))
     return out

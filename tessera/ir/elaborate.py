@@ -169,7 +169,7 @@ class Elaborator:
                 raise self.error(f"loss term `{term}` must be a scalar, got {_kind(o)}", e.span,
                                  hint="reduce it, e.g. mean(r * r, over = [points])")
         frame.region.outputs = [self.as_value(o, frame) for o in outs]
-        return Objective(block.name, block.terms, frame.region)
+        return Objective(block.name, block.terms, frame.region, block.span)
 
     def _return_exprs(self, block: A.Block) -> tuple:
         ret = next((s for s in block.body if isinstance(s, A.Return)), None)

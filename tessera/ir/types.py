@@ -245,6 +245,7 @@ class Objective:
     name: str
     terms: tuple[str, ...]
     region: Region
+    span: Span | None = dataclasses.field(default=None, compare=False)  # the `loss` entry in the model source
 
 
 @dataclasses.dataclass(eq=False)

@@ -65,6 +65,15 @@ class Program:
         return bool(self.exp.parallel.deterministic)
 
     @property
+    def canonical_objective(self) -> bool:
+        """Whether the model's loss entries train on canonical shards of a batch of samples (deterministic mode
+        on batched data, burgers pairs: shard/deterministic.py), the way a language model's cross-entropy does;
+        collocation points (PINNs) keep one objective over all their points, on one device."""
+        from tessera.ir.check_objectives import batched_data
+
+        return bool(self.graph.losses) and self.deterministic and batched_data(self.exp)
+
+    @property
     def collectives(self) -> list[str]:
         """The collectives this program's lowerings use on its mesh (empty on one device)."""
         if self.plan is None:
@@ -268,9 +277,12 @@ class Program:
         return logits
 
     def forward_fn(self, mode: str = "forward"):
-        """(params, tokens) -> logits over the program's whole mesh (sharded where it has a plan)."""
+        """(params, tokens) -> logits over the program's whole mesh (sharded where it has a plan; a scientific
+        model's on every device with whole params)."""
         if self.plan is None:
             return lambda p, t: self.logits(p, t, mode)
+        if self.graph.losses:
+            return self._det().forward
         from tessera.lower.shard.step import sharded_forward
         return sharded_forward(self, self.plan, mode)
 
@@ -316,7 +328,7 @@ class Program:
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _loss(self, params, batch):
-        if self.graph.losses:
+        if self.graph.losses and not self.canonical_objective:
             return self.objective(params, batch)[0]
         if self.deterministic:
             return self._det().loss(params, batch)
@@ -370,7 +382,7 @@ class Program:
         return {"moe_dropped": jnp.sum(counts.get("moe_dropped", jnp.zeros((), jnp.int32)))}
 
     def _train_step(self, state: TrainState, batch):
-        if self.graph.losses:
+        if self.graph.losses and not self.canonical_objective:
             return self._objective_step(state, batch)
         if self.deterministic:  # dropless: the whole model per canonical shard
             state, metrics = self._det().train_step(state, batch)

@@ -172,3 +172,20 @@ def test_a_bad_argument_in_the_model_is_a_positioned_error():
     d = exc.value.diagnostics[0]
     assert "bands = 3 must divide modes = 8" in d.message
     assert d.span is not None and d.span.file.endswith("spectral_moe.tsl") and d.span.line == 11
+
+
+def test_the_routing_is_moes_and_its_gradient_too():
+    """route_smooth gives route's weights and experts, and route's gradients by the softmax's own rule."""
+    from tessera.lower.reference import moe as moe_ref
+
+    x, router, bias = (jnp.asarray(RNG.standard_normal(s)) for s in ((5, 3), (3, 4), (4,)))
+    probe = jnp.asarray(RNG.standard_normal((5, 2)))
+    plain = moe_ref.route(x, router=router, router_bias=bias, top_k=2)
+    smooth = moe_ref.route_smooth(x, router, bias, 2)
+    np.testing.assert_array_equal(smooth[1], plain[1])
+    np.testing.assert_array_equal(smooth[0], plain[0])
+    grads = [jax.grad(lambda *a: jnp.sum(fn(*a)[0] * probe), argnums=(0, 1, 2))(x, router, bias)
+             for fn in (lambda x, r, b: moe_ref.route(x, router=r, router_bias=b, top_k=2),
+                        lambda x, r, b: moe_ref.route_smooth(x, r, b, 2))]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)

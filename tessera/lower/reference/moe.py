@@ -21,6 +21,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tessera.lower.reference._dtypes import wide
 from tessera.lower.reference import accum as accum_ref, mxfp4, packed
@@ -41,6 +42,30 @@ def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top
         logits = logits + router_bias.astype(logits.dtype)
     top, experts = jax.lax.top_k(logits, top_k)  # [T, k], sorted descending
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def route_smooth(x: jax.Array, router: jax.Array, router_bias: jax.Array | None, top_k: int, accum=None):
+    """`route`'s values, differentiated by the softmax's own rule: weights w of the chosen logits t move by
+    w * (dt - sum(w * dt)), where differentiating `route` goes through the softmax's division. XLA:CPU rewrote
+    the transpose of that division as a product with a reciprocal when compiling for one device and not for
+    eight, so gradients differed in their last bits from mesh to mesh (deterministic mode promises them equal);
+    the rule here has no division to rewrite. The spectral mixture of experts routes with it."""
+    return route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum)
+
+
+@route_smooth.defjvp
+def _route_smooth_jvp(top_k, accum, primals, tangents):
+    (x, router, bias), (dx, drouter, dbias) = primals, tangents
+    weights, experts = route_smooth(x, router, bias, top_k, accum)
+    ct = wide(x.dtype)
+    dlogits = (jnp.einsum("td,de->te", dx, router.astype(x.dtype), preferred_element_type=ct)
+               + jnp.einsum("td,de->te", x, drouter.astype(x.dtype), preferred_element_type=ct))
+    if bias is not None:
+        dlogits = dlogits + dbias.astype(ct)
+    dtop = jnp.take_along_axis(dlogits, experts, axis=-1)  # [T, k]: the chosen logits' tangents
+    dweights = weights * (dtop - jnp.sum(weights * dtop, axis=-1, keepdims=True))
+    return (weights, experts), (dweights, np.zeros(experts.shape, jax.dtypes.float0))
 
 
 def _expert_ffn_dense(x, gate, up, down, gate_bias, up_bias, down_bias, act):

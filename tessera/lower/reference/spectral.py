@@ -13,6 +13,8 @@ band's modes, mixes them, and the results are summed with the routing weights:
 Each (sample, band, chosen expert) copy reads its own expert's weights (the unsorted form of reference/moe.py
 `moe_pairs`): O(T * top_k) mode mixing whatever the number of experts; the gradient of the weights is a
 scatter-add into the experts chosen. Routing weights are fp32 (f64 for f64); transforms run in x's precision.
+Routing is differentiated by the softmax's own rule (reference/moe.py `route_smooth`), which compiles to the
+same arithmetic on every mesh.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def spectral_moe(x, *, router, router_bias, w_re, w_im, modes: int, top_k: int, 
     e, o = w_re.shape[0], w_re.shape[-1]
     f = jnp.fft.rfft(x, axis=1)[:, :modes].astype(complex_of(x.dtype))         # [T, modes, c]: the lowest modes
     r = band_power(f, bands).astype(x.dtype).reshape(t * bands, c)             # a token per (sample, band)
-    weights, experts = moe_ref.route(r, router=router, router_bias=router_bias, top_k=top_k, accum=accum)
+    weights, experts = moe_ref.route_smooth(r, router, router_bias, top_k, accum)  # moe's routing (its docstring)
     w = jax.lax.complex(w_re.astype(x.dtype), w_im.astype(x.dtype)).reshape(e, bands, modes // bands, c, o)
     y = mix(f.reshape(t, bands, modes // bands, c), w, experts.reshape(t, bands, top_k),
             weights.reshape(t, bands, top_k))

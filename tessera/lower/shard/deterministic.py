@@ -7,6 +7,10 @@ mesh axis acts as a data axis here), all-gather the per-shard results and reduce
 balanced binary tree over the C leaves; then each device applies the optimizer to the full tensors
 (the same arithmetic everywhere) and keeps its own block. On one device the same program runs on a
 one-device mesh, so the single-device run is the reference every mesh reproduces.
+
+A model with loss entries trained on batches of samples (burgers pairs: `Program.canonical_objective`) runs
+the same way: each canonical shard's weighted objective and named terms (means over its samples, which
+`tessera check` requires: ir/check_objectives.py) are tree-summed and divided by C, the mean over the batch.
 """
 
 from __future__ import annotations
@@ -109,17 +113,22 @@ class Deterministic:
         self.devices = mesh.size
 
     def _shards(self, batch: dict) -> tuple[int, dict]:
-        b = batch["tokens"].shape[0]
+        b = next(iter(batch.values())).shape[0]  # tokens, or a scientific model's samples (u0, u1)
         c = canonical_shards(b)
         check_canonical(self.prog.exp, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
     def _shard_sums(self, params, shard: dict):
-        """(loss sum, token count) of one canonical shard: the same function on the same shapes everywhere."""
+        """(loss sum, count, {term: sum}) of one canonical shard: the same function on the same shapes everywhere.
+        A language model's: its tokens' cross-entropy and how many count; a model with loss entries: its
+        weighted objective on the shard (a mean over the shard's samples), counted once, and its terms."""
+        if self.prog.graph.losses:
+            total, terms = self.prog.objective(params, shard)
+            return total, jnp.ones((), total.dtype), terms
         logits = self.prog.logits(params, shard["tokens"], "train")
         per_token = token_cross_entropy(logits, shard["targets"])
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
-        return jnp.sum(per_token * w), jnp.sum(w)
+        return jnp.sum(per_token * w), jnp.sum(w), {}
 
     def _per_shard(self, fn, batch: dict, c: int):
         """fn over this device's canonical shards, results of all C shards gathered in canonical order."""
@@ -134,9 +143,7 @@ class Deterministic:
         c, bspecs = self._shards(batch)
 
         def body(params, batch):
-            full = {k: gather_full(v, self.param_specs[k]) for k, v in params.items()}
-            sums, counts = self._per_shard(lambda sh: self._shard_sums(full, sh), batch, c)
-            return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
+            return self._mean_loss({k: gather_full(v, self.param_specs[k]) for k, v in params.items()}, batch, c)
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(self.param_specs, bspecs), out_specs=P(),
                              check_vma=False)(params, batch)
@@ -151,15 +158,13 @@ class Deterministic:
             full = {k: gather_full(v, specs[k]) for k, v in params.items()}
             opt = _per_spec(gather_full, ospecs, opt_state)
             ls = loss_scale.state_of(opt)  # None unless the loss is scaled (lower/loss_scale.py)
-            if ls is None:
-                grad_fn = jax.value_and_grad(lambda p, sh: self._shard_sums(p, sh), has_aux=True)
-            else:
-                def scaled(p, sh):
-                    s, n = self._shard_sums(p, sh)
-                    return s * ls.scale, n
 
-                grad_fn = jax.value_and_grad(scaled, has_aux=True)
-            (sums, counts), grads = self._per_shard(lambda sh: grad_fn(full, sh), batch, c)
+            def scaled(p, sh):
+                s, n, terms = self._shard_sums(p, sh)
+                return (s if ls is None else s * ls.scale), (n, terms)
+
+            grad_fn = jax.value_and_grad(scaled, has_aux=True)
+            (sums, (counts, terms)), grads = self._per_shard(lambda sh: grad_fn(full, sh), batch, c)
             count = jnp.maximum(tree_sum(counts), 1.0)
             grads = {k: tree_sum(g) / count for k, g in grads.items()}
             if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
@@ -168,12 +173,15 @@ class Deterministic:
             # XLA contracts a*b+c into fma where a fusion allows it, so the update must be one region that
             # every mesh compiles alike: barriers on its inputs and outputs keep neighbours out of its fusions
             grads, opt, full = jax.lax.optimization_barrier((grads, opt, full))
+            loss = tree_sum(sums) / count
             with jax.named_scope("optimizer"):
-                updates, opt = prog.optimizer.update(grads, opt, full)
+                extra = {} if not prog.graph.losses else dict(  # L-BFGS's line search re-evaluates the objective
+                    value=loss, grad=grads, value_fn=lambda p: self._mean_loss(p, batch, c))
+                updates, opt = prog.optimizer.update(grads, opt, full, **extra)
                 new = optax.apply_updates(full, updates)
                 new = {k: new[k].astype(full[k].dtype) for k in full}
-            metrics = {"loss": tree_sum(sums) / count, "grad_norm": optax.tree.norm(grads),
-                       **loss_scale.metrics(opt)}
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **loss_scale.metrics(opt),
+                       **{k: tree_sum(v) / count for k, v in terms.items()}}
             if prog.lr_fn is not None:
                 metrics["lr"] = prog.lr_fn(opt)
             new, opt = jax.lax.optimization_barrier((new, opt))
@@ -184,3 +192,18 @@ class Deterministic:
                            check_vma=False)
         params, opt_state, metrics = fn(state.params, state.opt_state, batch)
         return type(state)(state.step + 1, params, opt_state), metrics
+
+    def _mean_loss(self, full: dict, batch: dict, c: int):
+        """The loss at whole params `full`: this device's canonical shards, all C gathered and tree-summed."""
+        sums, counts, _ = self._per_shard(lambda sh: self._shard_sums(full, sh), batch, c)
+        return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
+
+    def forward(self, params, x):
+        """The model's output for inputs x on every device: whole params, the whole batch (a scientific model's
+        evaluation on its held-out samples; no reduction crosses devices)."""
+        def body(params, x):
+            full = {k: gather_full(v, self.param_specs[k]) for k, v in params.items()}
+            return self.prog.logits(full, x, "forward")
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.param_specs, P()), out_specs=P(),
+                             check_vma=False)(params, x)

@@ -74,6 +74,33 @@ def train(spec: str, extra: dict, steps: int) -> dict:
             "collectives": prog.collectives, "deterministic": prog.deterministic}
 
 
+def train_pde(spec: str, extra: dict, steps: int) -> dict:
+    """A scientific model's `steps` train steps on its spec's Burgers pairs (`extra` as given): losses, grad norms,
+    the parameter checksum, a checksum of its held-out predictions, and how many experts each device holds."""
+    import jax
+    import numpy as np
+
+    from tessera.lower.program import compile_experiment
+    from tessera.run.optim import build_optimizer, current_lr
+    from tessera.run.pde import BurgersSource
+    from tessera.spec import load_experiment
+
+    exp = load_experiment(spec, overrides=extra)
+    prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
+    source = BurgersSource(exp.task.data, exp.task.batch)
+    state = prog.init_train_state(prog.init(0))
+    losses, norms = [], []
+    for n in range(steps):
+        state, m = prog.train_step(state, source.batch(n))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    pred = np.asarray(jax.device_get(prog.forward(state.params, source.eval[0])))
+    experts = [v for k, v in state.params.items() if k.endswith("experts/w_re")]
+    return {"losses": losses, "norms": norms, "checksum": checksum(state.params),
+            "forward": hashlib.sha256(pred.tobytes()).hexdigest(), "collectives": prog.collectives,
+            "expert_blocks": [int(v.addressable_shards[0].data.shape[1]) for v in experts]}
+
+
 def generate(spec: str, extra: dict, steps: int) -> dict:
     """Greedy tokens for 4 fixed prompts, and the devices the parameters are on."""
     import jax
@@ -105,7 +132,7 @@ def error(spec: str, extra: dict, steps: int) -> dict:
     return {"error": None}
 
 
-KINDS = {"train": train, "generate": generate, "error": error}
+KINDS = {"train": train, "train_pde": train_pde, "generate": generate, "error": error}
 
 
 def main() -> None:
