@@ -68,6 +68,7 @@ def test_the_shipped_spec_has_no_more_active_parameters_than_the_fno():
     assert moe["active"] <= fno["active"] < moe["total"]
 
 
+@pytest.mark.slow  # an 8-device subprocess compiling two programs: scheduled first (tests/conftest.py)
 def test_expert_parallelism_reproduces_one_device_bit_for_bit(cache):
     """Two steps on one device and on ep=2 x dp=4 (the experts' weights split in two, gathered for each step's
     canonical shards): the same losses, gradient norms, parameters and held-out predictions."""
