@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tessera.diagnostics import Diagnostic, did_you_mean
-from tessera.ir.types import Graph
+from tessera.ir.types import Graph, is_float
 
 
 SCIENTIFIC_DATA = ("collocation", "burgers")  # the data kinds that feed `loss` entries
@@ -30,6 +30,25 @@ def _pairs_problems(exp, graph: Graph, data) -> list[Diagnostic]:
             out.append(Diagnostic(f"`{v.name}` is {v.type}, but the data has {data.resolution} points per function",
                                   span=exp.span("task.data.resolution") or exp.span("task.data"),
                                   key="task.data.resolution", hint=f"use resolution: {v.type.dims[-1].size}"))
+    return out
+
+
+def _sudoku_problems(exp, graph: Graph) -> list[Diagnostic]:
+    """sudoku data gives int tokens [batch, 81] and reads a cell's digit from logits over ids 1-9: the model takes
+    one integer input of 81 positions (or of a size known at run time) and its logits cover ids 0-9."""
+    out, span = [], exp.span("task.data.kind")
+    x = graph.inputs[0]
+    if len(graph.inputs) != 1 or is_float(x.type.dtype) or len(x.type.dims) != 2 or \
+            x.type.dims[1].size not in (None, 81):
+        out.append(Diagnostic(f"sudoku data gives int tokens [batch, 81], but model `{graph.name}` takes "
+                              + ", ".join(f"`{v.name}` {v.type}" for v in graph.inputs), span=span, key="task.data.kind",
+                              hint="declare forward(tokens: i32[batch, seq = 81])"))
+    y = graph.outputs[0].type
+    vocab = y.dims[-1].size if y.dims else None
+    if vocab is None or vocab < 10:
+        out.append(Diagnostic(f"a Sudoku cell's digit is the argmax of logits over ids 1-9, but model "
+                              f"`{graph.name}` returns {y}", span=span, key="task.data.kind",
+                              hint="give the model a vocabulary of at least 10 (0 = blank, 1-9 = digits)"))
     return out
 
 
@@ -85,6 +104,8 @@ def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
             out.append(Diagnostic("L-BFGS needs a deterministic objective over fixed points: it trains models with "
                                   f"`loss` entries, and model `{graph.name}` has none", span=exp.span(key), key=key,
                                   hint="use adamw, adam or sgd for a language model"))
+        if task.kind == "train" and getattr(data, "kind", None) == "sudoku":
+            out += _sudoku_problems(exp, graph)
         if getattr(data, "kind", None) in SCIENTIFIC_DATA:
             out.append(Diagnostic(f"{data.kind} data feeds `loss` entries, and model `{graph.name}` has none",
                                   span=exp.span("task.data.kind"), key="task.data.kind",

@@ -1,4 +1,4 @@
-"""Neural-network ops: embeddings, norms, rope, swiglu, attention, mlp, moe, repeat.
+"""Neural-network ops: embeddings (tokens, positions), norms, rope, swiglu, attention, mlp, moe, repeat.
 
 Ops that own parameters declare them here (names and layouts are the contract in docs/contracts.md).
 Each op's facts sit in its `OpDef`: composite ops (attention, mlp, moe) and sdpa carry their
@@ -79,6 +79,34 @@ register(OpDef("unembed", (1, 1), (AttrDef("vocab", "int"), AttrDef("tied", "boo
                doc="logits = x @ weight [embed, vocab], or x @ embed/table^T when tied"))
 
 
+def _pos_embed_rule(ins, attrs):
+    x, grid = ins[0], attrs["grid"]
+    need_float(x)
+    seq, _ = _sized(x, "seq"), _sized(x, "embed")
+    if grid is not None:
+        taken = [d.name for d in grid if d.name in ("seq", "embed") or x.dim(d.name) is not None]
+        if taken or len({d.name for d in grid}) != len(grid):
+            raise OpError(f"grid dims {[str(d) for d in grid]} must have distinct names that are not dims of {x}")
+        cells = math.prod(d.size for d in grid)
+        if cells != seq.size:
+            raise OpError(f"grid {[str(d) for d in grid]} has {cells} cells, but `seq` has {seq.size} positions")
+    return [x]
+
+
+def _pos_embed_params(a, types):
+    x = types[0]
+    if a["grid"] is None:  # one learned vector per position
+        return [ParamDecl("table", (x.dim("seq"), x.dim("embed")), NORMAL)]
+    return [ParamDecl(d.name, (d, x.dim("embed")), NORMAL) for d in a["grid"]]  # one table per grid axis
+
+
+register(OpDef("pos_embed", (1, 1), (AttrDef("grid", "shape?", None),), _pos_embed_rule, params=_pos_embed_params,
+               flops=lambda i, o, a: float(math.prod(d.size for d in o[0].dims)),
+               doc="x + a learned vector per position: table [seq, embed]; with `grid = [row = 9, col = 9]` the "
+                   "positions are the grid's cells in row-major order and the vector of cell (r, c) is "
+                   "row[r] + col[c] (one table [size, embed] per grid dim, any number of dims)"))
+
+
 # ---- norms, linear -------------------------------------------------------------------------------
 
 def _norm_rule(ins, attrs):
@@ -141,15 +169,27 @@ register_struct(StructKind("rope", "llama3", (
     AttrDef("theta", "float", 500000.0), AttrDef("factor", "float", 8.0), AttrDef("original", "int", 8192),
     AttrDef("low_freq_factor", "float", 1.0), AttrDef("high_freq_factor", "float", 4.0)),
     doc="HF `_compute_llama3_parameters`: long wavelengths divided by factor, short kept, a blend between"))
+register_struct(StructKind("rope", "rotary2d", (AttrDef("theta", "float", 100.0), AttrDef("cols", "int", 9)),
+                           doc="2-D rotary for a grid in row-major order: position p is the cell (p // cols, p % cols); "
+                               "the first half of the rotated pairs turn with the row, the second with the column, "
+                               "each at inv_freq = theta^(-4j/head_dim); head_dim a multiple of 4"))
+
+
+def _rope_fits(rope: Struct | None, head_dim: int) -> None:
+    """A rope kind's demand on head_dim: even (rotate-half), a multiple of 4 for rotary2d (two halves of pairs)."""
+    if rope is None:
+        return
+    if rope.kind == "rotary2d" and head_dim % 4:
+        raise OpError(f"rope rotary2d needs a head_dim that is a multiple of 4 (row and column pairs), got {head_dim}")
+    if head_dim % 2:
+        raise OpError(f"rope needs an even head_dim, got {head_dim}")
 
 
 def _rope_rule(ins, attrs):
     x = ins[0]
     need_float(x)
     need_dim(x, "seq")
-    hd = _sized(x, "head_dim")
-    if hd.size % 2:
-        raise OpError(f"rope needs an even head_dim, got {hd.size}")
+    _rope_fits(attrs["rope"], _sized(x, "head_dim").size)
     return [x]
 
 
@@ -298,6 +338,7 @@ def _attention_rule(ins, attrs):
                       f"{', '.join(small)}")
     if attrs["heads"] % attrs["kv_heads"]:
         raise OpError(f"heads ({attrs['heads']}) must be a multiple of kv_heads ({attrs['kv_heads']})")
+    _rope_fits(attrs["rope"], attrs["head_dim"])
     return [x]
 
 

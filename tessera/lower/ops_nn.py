@@ -78,6 +78,23 @@ def _unembed(ctx, op, attrs, ins, params):
     return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store).astype(dt)]
 
 
+@lowers("pos_embed")
+def _pos_embed(ctx, op, attrs, ins, params):
+    have, x = names(op.values[0]), ins[0]
+    if attrs["grid"] is None:
+        table = params["table"]  # [seq, embed]
+    else:  # cell (r, c, ...) of a row-major grid: the sum of each axis's vector
+        axes = len(attrs["grid"])
+        parts = [jnp.expand_dims(params[d.name], [k for k in range(axes) if k != i]) for i, d in
+                 enumerate(attrs["grid"])]  # each [1.., size, 1.., embed]
+        table = functools.reduce(jnp.add, parts).reshape(-1, x.shape[have.index("embed")])
+    table, dims = table.astype(x.dtype), ("seq", "embed")
+    if ctx.positions is not None or ctx.shard is not None:  # decoding or context parallel: absolute positions
+        table = table[_positions(ctx, x.shape[have.index("batch")], x.shape[have.index("seq")])]
+        dims = ("batch", "seq", "embed")
+    return [(x + align(table, dims, have)).astype(_dtype(op))]
+
+
 def _norm(fn):
     def lower(ctx, op, attrs, ins, params):
         have, dim = names(op.values[0]), attrs["dim"].name
@@ -111,29 +128,36 @@ def _plus_bias(y, bias):
     return y.astype(wide) + bias.astype(wide)
 
 
-# ---- rope kinds: (head_dim, fields) -> (inv_freq, scaling of cos and sin) -----------------------------------
+# ---- rope kinds: (head_dim, fields) -> RopeTable (inv_freq, scaling of cos and sin, grid columns) ---------------
 
 @lowers_kind("rope", "rotary")
 def _rotary(head_dim: int, f: dict):
-    return rope_ref.rope_inv_freq(head_dim=head_dim, theta=f["theta"]), 1.0
+    return rope_ref.RopeTable(rope_ref.rope_inv_freq(head_dim=head_dim, theta=f["theta"]))
 
 
 @lowers_kind("rope", "yarn")
 def _yarn(head_dim: int, f: dict):
-    return rope_ref.yarn_inv_freq(head_dim=head_dim, theta=f["theta"], factor=f["factor"], original=f["original"],
-                                  beta_fast=f["beta_fast"], beta_slow=f["beta_slow"], truncate=f["truncate"])
+    return rope_ref.RopeTable(*rope_ref.yarn_inv_freq(
+        head_dim=head_dim, theta=f["theta"], factor=f["factor"], original=f["original"], beta_fast=f["beta_fast"],
+        beta_slow=f["beta_slow"], truncate=f["truncate"]))
 
 
 @lowers_kind("rope", "llama3")
 def _llama3(head_dim: int, f: dict):
-    return rope_ref.llama3_inv_freq(head_dim=head_dim, theta=f["theta"], factor=f["factor"], original=f["original"],
-                                    low_freq_factor=f["low_freq_factor"], high_freq_factor=f["high_freq_factor"]), 1.0
+    return rope_ref.RopeTable(rope_ref.llama3_inv_freq(
+        head_dim=head_dim, theta=f["theta"], factor=f["factor"], original=f["original"],
+        low_freq_factor=f["low_freq_factor"], high_freq_factor=f["high_freq_factor"]))
+
+
+@lowers_kind("rope", "rotary2d")
+def _rotary2d(head_dim: int, f: dict):
+    return rope_ref.RopeTable(rope_ref.rotary2d_inv_freq(head_dim=head_dim, theta=f["theta"]), cols=f["cols"])
 
 
 @functools.lru_cache(maxsize=64)
-def _rope_tables(rope, head_dim: int):
-    """(inv_freq, scaling) of a rope attribute (`rotary{theta}`, `yarn{...}`, `llama3{...}`) by its kind's
-    lowering; fields the model left out take the kind's defaults."""
+def _rope_tables(rope, head_dim: int) -> rope_ref.RopeTable:
+    """The RopeTable of a rope attribute (`rotary{theta}`, `yarn{...}`, `llama3{...}`, `rotary2d{...}`) by its
+    kind's lowering; fields the model left out take the kind's defaults."""
     return get_kind_lowering("rope", rope.kind)(head_dim, struct_fields(rope))
 
 
@@ -147,8 +171,9 @@ def _positions(ctx, batch: int, seq: int):
 
 def apply_rope(ctx, rope, x):
     """x [B, S, H, D] rotated at the context's absolute positions."""
-    inv_freq, scaling = _rope_tables(rope, x.shape[-1])
-    cos, sin = rope_ref.rope_cos_sin(_positions(ctx, x.shape[0], x.shape[1]), inv_freq=inv_freq, scaling=scaling)
+    t = _rope_tables(rope, x.shape[-1])
+    cos, sin = rope_ref.rope_cos_sin(_positions(ctx, x.shape[0], x.shape[1]), inv_freq=t.inv_freq, scaling=t.scaling,
+                                     cols=t.cols)
     return rope_ref.apply_rope(x, cos=cos, sin=sin)
 
 

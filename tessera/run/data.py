@@ -210,7 +210,7 @@ def _sha(obj) -> str:
 
 
 def build_source(task, vocab: int, base_dir: Path | None = None) -> Source:
-    """The batch source a train task names (`task.data.kind`: synthetic | tokens | collocation | burgers)."""
+    """The batch source a train task names (`task.data.kind`: synthetic | tokens | collocation | burgers | sudoku)."""
     data = task.data
     if data.kind == "synthetic":
         return SyntheticSource(data.task, int(data.seed), int(task.batch), int(task.seq_len), int(vocab))
@@ -227,4 +227,8 @@ def build_source(task, vocab: int, base_dir: Path | None = None) -> Source:
         from tessera.run.pde import BurgersSource
 
         return BurgersSource(data, int(task.batch))
+    if data.kind == "sudoku":
+        from tessera.run.sudoku import SudokuSource
+
+        return SudokuSource(data, int(task.batch))
     raise RunError(f"unknown data kind {data.kind!r}")

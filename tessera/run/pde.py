@@ -14,7 +14,7 @@ one initial condition, against which tests hold the solver.
 
 Each pair is a pure function of (seed, its index), so the first k pairs of a larger set are the same k
 pairs; a generated set is kept under the cache directory (`$TESSERA_CACHE` or ~/.cache/tessera) in a file
-named by the hash of everything that makes it, written atomically.
+named by the hash of everything that makes it, written atomically (tessera/run/datacache.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 import jax
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tessera.run.data import STREAM_EVAL
+from tessera.run.datacache import cached
 
 VERSION = 1  # of the generator: part of the cache key, so a changed solver never reads an old set
 BASE = 1024  # points the solver runs at
@@ -110,10 +110,6 @@ def _pairs(seed: int, start: int, stop: int, resolution: int) -> tuple[np.ndarra
         return np.asarray(u0[:, ::every], np.float32), np.asarray(u1[:, ::every], np.float32)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera") / "pde"
-
-
 def burgers_pairs(n: int, resolution: int, seed: int, *, cache: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(u0, u1) [n, resolution] float32: n initial conditions and their solutions at t = 1, pair i a function
     of (seed, i) alone; read from the cache when this exact set was made before."""
@@ -121,18 +117,14 @@ def burgers_pairs(n: int, resolution: int, seed: int, *, cache: Path | None = No
         raise ValueError(f"resolution {resolution} must divide the solver's {BASE} points")
     what = {"kind": "burgers", "version": VERSION, "n": n, "resolution": resolution, "seed": seed, "nu": NU,
             "t": T_END, "dt": DT, "base": BASE, **GRF}
-    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
-    path = (cache or cache_dir()) / f"burgers-{digest}.npz"
-    if path.exists():
-        with np.load(path) as data:
-            return data["u0"], data["u1"]
-    chunks = [_pairs(seed, s, min(s + 256, n), resolution) for s in range(0, n, 256)]  # bounded memory
-    u0, u1 = (np.concatenate(parts) for parts in zip(*chunks))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-    np.savez(tmp, u0=u0, u1=u1, what=json.dumps(what))
-    os.replace(tmp, path)  # atomic: a reader sees the whole set or none
-    return u0, u1
+
+    def make():
+        chunks = [_pairs(seed, s, min(s + 256, n), resolution) for s in range(0, n, 256)]  # bounded memory
+        u0, u1 = (np.concatenate(parts) for parts in zip(*chunks))
+        return {"u0": u0, "u1": u1}
+
+    pairs = cached("pde", "burgers", what, make, cache=cache)
+    return pairs["u0"], pairs["u1"]
 
 
 class BurgersSource:

@@ -131,6 +131,54 @@ class BurgersData(Section):
         return self
 
 
+SUDOKU_CELLS = 81
+SUDOKU_MAX_BLANKS = 60  # the generator's cap; greedy blanking reaches 58 in about 0.7 s a puzzle, 60 rarely
+
+
+def _blank_count(value, field: str):
+    """An int of 0..SUDOKU_MAX_BLANKS, or [low, high] of two with low <= high."""
+    def check(n, at):
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= SUDOKU_MAX_BLANKS:
+            raise fail("sudoku_blanks", f"blanks are a whole number of cells from 0 to {SUDOKU_MAX_BLANKS}, got "
+                       f"`{n}`", at=at)
+
+    if isinstance(value, list):
+        if len(value) != 2:
+            raise fail("sudoku_blanks", f"a range of blanks is [low, high], got {len(value)} numbers", at=(field,))
+        check(value[0], (field, 0))
+        check(value[1], (field, 1))
+        if value[0] > value[1]:
+            raise fail("sudoku_blanks", f"[low, high] needs low <= high, got {value}", at=(field,))
+    elif value is not None:
+        check(value, (field,))
+
+
+class SudokuData(Section):
+    """9x9 Sudoku puzzles with exactly one solution (tessera/run/sudoku.py): tokens are a puzzle's 81 cells in
+    row-major order (0 = blank, 1-9 = digits), targets the solution's 81 digits, every cell counted in the loss.
+    Evaluations report eval_exact (the fraction of held-out puzzles whose every cell is right, a cell's digit being
+    the argmax of its logits over ids 1-9) and eval_cell_acc (the fraction of held-out blank cells right)."""
+
+    kind: Literal["sudoku"] = Field(description="sudoku")
+    seed: int = Field(0, ge=0, description="seed of the puzzles (puzzle i is a function of seed and i)")
+    train: int = Field(10000, ge=1, description="training puzzles (an epoch), shuffled per epoch")
+    eval: int = Field(1000, ge=1, description="held-out puzzles, after the training ones: eval_loss, eval_exact "
+                      "and eval_cell_acc")
+    blanks: int | list[int] = Field(20, description="empty cells per puzzle: a number, or [low, high] (inclusive), "
+                                    "drawn uniformly per puzzle")
+    eval_blanks: int | list[int] | None = Field(None, description="empty cells of the held-out puzzles, as "
+                                                "`blanks`; null: the same as `blanks`")
+    augment: bool = Field(True, description="give each training puzzle a random symmetry per batch: digits "
+                          "relabelled; bands, rows within a band, stacks and columns within a stack permuted; "
+                          "transposed or not (each keeps exactly one solution)")
+
+    @model_validator(mode="after")
+    def _counts(self) -> "SudokuData":
+        _blank_count(self.blanks, "blanks")
+        _blank_count(self.eval_blanks, "eval_blanks")
+        return self
+
+
 def _data_kind(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("kind", "synthetic")
@@ -138,7 +186,8 @@ def _data_kind(value: Any) -> str | None:
 
 
 Data = Annotated[Union[Annotated[SyntheticData, Tag("synthetic")], Annotated[TokenData, Tag("tokens")],
-                       Annotated[CollocationData, Tag("collocation")], Annotated[BurgersData, Tag("burgers")]],
+                       Annotated[CollocationData, Tag("collocation")], Annotated[BurgersData, Tag("burgers")],
+                       Annotated[SudokuData, Tag("sudoku")]],
                  Discriminator(_data_kind)]
 
 
@@ -168,6 +217,13 @@ class TrainTask(Section):
     eval_batches: int = Field(4, ge=1, description="batches per evaluation")
     log_every: int = Field(10, ge=1, description="log metrics every this many steps")
     sample: Sample | None = Field(None, description="generate a sample after training; null for none")
+
+    @model_validator(mode="after")
+    def _puzzle_length(self) -> "TrainTask":
+        if self.data.kind == "sudoku" and self.seq_len != SUDOKU_CELLS:
+            raise fail("sudoku_seq_len", f"a Sudoku puzzle is {SUDOKU_CELLS} tokens, but seq_len is {self.seq_len}",
+                       at=("seq_len",), hint=f"set seq_len: {SUDOKU_CELLS}")
+        return self
 
 
 class Sampling(Section):

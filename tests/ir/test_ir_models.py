@@ -5,7 +5,7 @@ import pytest
 
 from tessera.ir import build_graph, graph_flops, parse_graph, print_graph, verify
 from tessera.ir.passes import PIPELINE, PassContext, stages
-from tests.ir.conftest import GPT_OSS, LLAMA, MODELS, POLICY
+from tests.ir.conftest import GPT_OSS, GRID, LLAMA, MODELS, POLICY
 
 L, E, H, K, D, X, F, V = "layers", "embed", "heads", "kv_heads", "head_dim", "experts", "mlp", "vocab"
 
@@ -121,3 +121,15 @@ def test_numerics_sets_storage_and_compute_types():
     assert g.params["layers/attention/q"].type.dtype == "f32"
     assert g.outputs[0].type.dtype == "bf16"
     assert g.attrs == {"compute": "bf16", "accum": "f32"}
+
+
+def test_hrm_holds_one_set_of_weights_per_module_and_the_one_step_gradient():
+    g = build_graph(MODELS / "hrm.tsl", {**GRID, "l_layers": 2, "h_layers": 3})
+    axes = _axes(g)
+    assert axes["cycles/low/net/attention/q"] == [L, E, H, D]   # the low module's 2 layers, shared by every step
+    assert axes["cycles/high/mlp/down"] == [L, F, E]            # the high module's 3 layers
+    assert [d.size for d in g.params["cycles/high/mlp/down"].type.dims][0] == 3
+    recurrences = [op for op in g.walk() if op.name == "repeat" and op.attrs["axis"] is None]
+    assert len(recurrences) == 2 and all(op.attrs["grad"] == "last" for op in recurrences)
+    attention = [op for op in g.walk() if op.name == "attention"]
+    assert attention and not any(op.attrs["causal"] for op in attention)

@@ -87,13 +87,15 @@ def test_every_registered_rope_kind_lowers_to_its_reference_tables():
 
     want = {"rotary": (rope.rope_inv_freq(head_dim=64, theta=10000.0), 1.0),
             "yarn": rope.yarn_inv_freq(head_dim=64, theta=150000.0, factor=32.0, original=4096, truncate=True),
-            "llama3": (rope.llama3_inv_freq(head_dim=64, theta=500000.0, factor=8.0, original=8192), 1.0)}
+            "llama3": (rope.llama3_inv_freq(head_dim=64, theta=500000.0, factor=8.0, original=8192), 1.0),
+            "rotary2d": (np.tile(rope.rope_inv_freq(head_dim=32, theta=100.0), 2), 1.0)}
     assert set(struct_families()["rope"]) == set(want)
     for kind in struct_families()["rope"]:
-        inv_freq, scaling = _rope_tables(Struct(kind, ()), 64)  # every field left to its default
-        np.testing.assert_array_equal(inv_freq, want[kind][0])
-        assert scaling == want[kind][1]
-    inv_freq, _ = _rope_tables(Struct("llama3", (("factor", 32.0),)), 64)
+        table = _rope_tables(Struct(kind, ()), 64)  # every field left to its default
+        np.testing.assert_array_equal(table.inv_freq, want[kind][0])
+        assert table.scaling == want[kind][1]
+        assert table.cols == (9 if kind == "rotary2d" else None)
+    inv_freq = _rope_tables(Struct("llama3", (("factor", 32.0),)), 64).inv_freq
     np.testing.assert_array_equal(inv_freq, rope.llama3_inv_freq(head_dim=64, theta=500000.0, factor=32.0,
                                                                   original=8192))
 

@@ -8,6 +8,9 @@ Frequencies follow Hugging Face's `modeling_rope_utils` exactly (fp32, `dim` = r
           cos and sin are multiplied by the attention scaling 0.1 * ln(factor) + 1.
   llama3: wavelengths longer than original/low_freq_factor divided by factor, shorter than
           original/high_freq_factor kept, smooth blend between.
+  rotary2d: a grid's cells in row-major order, position p the cell (p // cols, p % cols); the first half of
+          the D/2 rotated pairs turn with the row, the second with the column, each half at the plain
+          frequencies of a head of D/2 (Heo et al., "Rotary Position Embedding for Vision Transformer", 2024).
 Application is rotate-half on x [B, S, H, D]: out = x * cos + rotate_half(x) * sin with
 rotate_half(x) = concat(-x2, x1) over the two halves of D, cos/sin [B|1, S, D/2] repeated twice.
 """
@@ -15,6 +18,7 @@ rotate_half(x) = concat(-x2, x1) over the two halves of D, cos/sin [B|1, S, D/2]
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +75,38 @@ def llama3_inv_freq(*, head_dim: int, theta: float, factor: float, original: int
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, *, inv_freq, scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """cos, sin fp32 [..., S, D/2] for integer positions [..., S], each times `scaling`."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., S, D/2]
+class RopeTable(NamedTuple):
+    """What a rope kind makes of a head: inverse frequencies fp32 [D/2], the cos/sin scaling, and for a 2-D
+    kind the grid's column count (the coordinate of each rotated pair is then the row or the column)."""
+
+    inv_freq: np.ndarray
+    scaling: float = 1.0
+    cols: int | None = None
+
+
+def rotary2d_inv_freq(*, head_dim: int, theta: float) -> np.ndarray:
+    """2-D rotary inverse frequencies fp32 [head_dim // 2]: the plain ones of a head_dim / 2 head, for the row
+    pairs then again for the column pairs."""
+    half = rope_inv_freq(head_dim=head_dim // 2, theta=theta)
+    return np.concatenate([half, half])
+
+
+def grid_coords(positions: jax.Array, *, cols: int, pairs: int) -> jax.Array:
+    """int [..., S, pairs]: the row (p // cols) for the first half of the rotated pairs, the column (p % cols)
+    for the second."""
+    row, col = positions // cols, positions % cols
+    return jnp.where(jnp.arange(pairs) < pairs // 2, row[..., None], col[..., None])
+
+
+def rope_cos_sin(positions: jax.Array, *, inv_freq, scaling: float = 1.0,
+                 cols: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin fp32 [..., S, D/2] for integer positions [..., S], each times `scaling`; with `cols`, positions
+    are cells of a row-major grid of that many columns (rotary2d)."""
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    if cols is None:
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., S, D/2]
+    else:
+        freqs = grid_coords(positions, cols=cols, pairs=inv_freq.shape[-1]).astype(jnp.float32) * inv_freq
     return jnp.cos(freqs) * scaling, jnp.sin(freqs) * scaling
 
 
