@@ -5,8 +5,9 @@
 Each row runs a shipped spec through `run_experiment` (mesh: auto, Tessera's allocator setting), then
 prints tokens/s, model FLOP utilisation or the share of the decode roofline, the first token's latency
 and compile time apart, and the peak device memory measured (`peak_bytes_in_use`) against `tessera
-plan`'s total. The decode roofline is the plan's bytes a step must read over the copy bandwidth
-measured in the same process (bench.timing.copy_bandwidth). Published figures are fixed reference
+plan`'s total. Each row runs in a process of its own, as a user's `tessera run` does (the device's peak
+never resets within a process). The decode roofline is the plan's bytes a step must read over the copy
+bandwidth measured in the row's process after the row (bench.timing.copy_bandwidth). Published figures are fixed reference
 columns (issue 32's table). Rows with a PyTorch peer (bench/peers.py: the Llama train step in
 `transformers`, eager and `torch.compile`) run it first, in a process of its own, on the same GPU and
 shapes, and print it under the row with its MFU counted with Tessera's FLOPs per token (--no-peers skips).
@@ -102,7 +103,7 @@ def _gib(b) -> str:
     return "-" if b is None else f"{b / 2 ** 30:.1f}"
 
 
-def run_row(name: str, bandwidth: float, device: str, out: Path) -> dict:
+def run_row(name: str, device: str, out: Path) -> dict:
     from tessera.run.main import run_experiment
     from tessera.spec import load_experiment
 
@@ -121,12 +122,9 @@ def run_row(name: str, bandwidth: float, device: str, out: Path) -> dict:
     if kind in ("decode", "prefill"):
         s = m["speed"]
         batch = plan["shapes"]["batch"]
-        step_bytes = plan["device"]["bytes_per_step"]
-        roofline = batch * bandwidth / step_bytes if step_bytes else None
         row.update(batch=batch, decode_tok_s=s["decode_tokens_per_s"], prefill_tok_s=s["prefill_tokens_per_s"],
                    first_token_s=s.get("first_token_s"), compile_s=s.get("compile_s"),
-                   roofline_tok_s=roofline,
-                   roofline_share=s["decode_tokens_per_s"] / roofline if roofline else None)
+                   step_bytes=plan["device"]["bytes_per_step"], roofline_tok_s=None, roofline_share=None)
     else:
         b = m["bench"]
         row.update({f"{p}_mfu": b[p].get("mfu") for p in ("forward", "train_step") if p in b})
@@ -168,33 +166,60 @@ def measure_peers(names: list[str]) -> dict[str, list[dict]]:
 
 
 def measure(names: list[str], peers: dict[str, list[dict]] | None = None) -> list[dict]:
-    """Run the rows `names` in this process and return them (a dict a row, its peers under "peers"; a failed
-    row holds "error"), printing each as it comes."""
+    """Run the rows `names`, each in a process of its own, and return them (a dict a row, its peers under
+    "peers"; a failed row holds "error"), printing each as it comes.
+
+    A process per row, as a user runs `tessera run`: the device's `peak_bytes_in_use` never resets, so in one
+    process a row would report an earlier row's (or a kernel suite's) peak, and compiled programs and caches
+    would carry over."""
+    rows = []
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            cmd = [sys.executable, "-m", "bench.e2e", "--rows", name, "--no-peers", "--here", "--json", str(out)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            if done.returncode == 0 and out.exists():
+                row = json.loads(out.read_text())[0]
+                print("\n".join(line for line in done.stdout.splitlines() if line.startswith("# ")), flush=True)
+            else:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                row = {"row": name, "kind": ROWS[name][0], "peer": ROWS[name][3],
+                       "error": f"exit {done.returncode}: {tail[0][:400]}"}
+        rows.append(row)
+        print(f"{name:<18} FAILED {row['error']}" if "error" in row else show(row), flush=True)
+        row["peers"] = (peers or {}).get(name, [])
+        for peer in row["peers"]:
+            print(show_peer(peer, row), flush=True)
+    return rows
+
+
+def measure_here(names: list[str]) -> list[dict]:
+    """The rows `names` run in this process (one row a process is what `measure` asks for), then the copy
+    bandwidth their decode rooflines are held to (measured after the rows: its buffers would set the peak)."""
     import jax
 
     from bench.timing import copy_bandwidth
     from tessera.run.plan import pick_device
 
-    dev = jax.devices()[0]
-    bandwidth = copy_bandwidth() * 1e9 if dev.platform == "gpu" else float("nan")  # bytes moved per s, as decode's
-    device = pick_device(None)[0]
-    print(f"# {dev.device_kind}, jax {jax.__version__}, allocator {ALLOCATOR}, copy bandwidth "
-          f"{bandwidth / 1e9:,.0f} GB/s", flush=True)
-    rows = []
+    dev, device, rows = jax.devices()[0], pick_device(None)[0], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            gc.collect()  # the last row's arrays go before this row allocates (a row alone is what a user runs)
+            gc.collect()
             jax.clear_caches()
             try:
-                rows.append(run_row(name, bandwidth, device, Path(tmp)))
-                print(show(rows[-1]), flush=True)
-                rows[-1]["peers"] = (peers or {}).get(name, [])
-                for peer in rows[-1]["peers"]:
-                    print(show_peer(peer, rows[-1]), flush=True)
+                rows.append(run_row(name, device, Path(tmp)))
             except Exception as exc:  # one row's failure (out of memory) is a result, not the end of the table
                 rows.append({"row": name, "kind": ROWS[name][0], "peer": ROWS[name][3],
                              "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
-                print(f"{name:<18} FAILED {rows[-1]['error']}", flush=True)
+    gc.collect()
+    jax.clear_caches()
+    bandwidth = copy_bandwidth() * 1e9 if dev.platform == "gpu" else float("nan")  # bytes moved per s, as decode's
+    print(f"# {dev.device_kind}, jax {jax.__version__}, allocator {ALLOCATOR}, copy bandwidth "
+          f"{bandwidth / 1e9:,.0f} GB/s", flush=True)
+    for row in rows:
+        if row.get("step_bytes"):
+            row["roofline_tok_s"] = row["batch"] * bandwidth / row["step_bytes"]
+            row["roofline_share"] = row["decode_tok_s"] / row["roofline_tok_s"]
     return rows
 
 
@@ -204,13 +229,18 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=None, help="row names, comma-separated")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
+    parser.add_argument("--here", action="store_true", help="run the rows in this process (what each row's own "
+                        "process does)")
     args = parser.parse_args(argv)
     try:
         names = select(args.only, args.rows)
     except ValueError as exc:
         parser.error(str(exc))
-    peers = {} if args.no_peers else measure_peers(names)  # before JAX takes the card
-    rows = measure(names, peers)
+    if args.here:
+        rows = measure_here(names)
+    else:
+        peers = {} if args.no_peers else measure_peers(names)  # before JAX takes the card
+        rows = measure(names, peers)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
