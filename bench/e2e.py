@@ -217,6 +217,7 @@ def measure_here(names: list[str]) -> list[dict]:
     print(f"# {dev.device_kind}, jax {jax.__version__}, allocator {ALLOCATOR}, copy bandwidth "
           f"{bandwidth / 1e9:,.0f} GB/s", flush=True)
     for row in rows:
+        row.update(device=dev.device_kind, jax=jax.__version__)
         if row.get("step_bytes"):
             row["roofline_tok_s"] = row["batch"] * bandwidth / row["step_bytes"]
             row["roofline_share"] = row["decode_tok_s"] / row["roofline_tok_s"]

@@ -2,16 +2,16 @@
 
     python -m bench.results [--only kernels,e2e] [--kernels attention,moe] [--e2e-rows NAME,..] [--out FILE]
 
-Runs, in this one process, the kernel groups of `python -m bench.kernels` (attention, moe, decode, mxfp4,
-rmsnorm; the rows they leave in bench.timing.ROWS) and the whole programs of `python -m bench.e2e` (the
-rows `e2e.measure` returns), then writes one markdown table per suite: case, implementation, time, rate,
+Runs the whole programs of `python -m bench.e2e` (the rows `e2e.measure` returns, each in a process of its
+own) and, in this process, the kernel groups of `python -m bench.kernels` (attention, moe, decode, mxfp4,
+rmsnorm; the rows they leave in bench.timing.ROWS), then writes one markdown table per suite: case, implementation, time, rate,
 Tessera / best peer, and on every row the device, jax version and commit (`+dirty` when the tree had
 uncommitted changes). Rows of cases not run this time stay as they were.
 
-Order matters on one card: the e2e rows' PyTorch peers run first, in their own processes, before JAX
-takes the card; then the kernel groups (PyTorch peers in this process, so JAX does not preallocate);
-then PyTorch's cached memory is handed back and the whole programs run (JAX may take 95 % of the card,
-as `tessera run` lets it). What was tried on each kernel, and why it stays or went: docs/kernels-log.md.
+Order matters on one card: the e2e rows' PyTorch peers and then the rows themselves run first, each in a
+process of its own, while this process holds no device memory (a row takes the allocator `tessera run`
+sets, and reads its own peak); then the kernel groups (PyTorch peers in this process, so JAX does not
+preallocate). What was tried on each kernel, and why it stays or went: docs/kernels-log.md.
 """
 
 from __future__ import annotations
@@ -232,17 +232,6 @@ def _run_kernel_groups(groups, prov) -> dict[str, list[dict]]:
     return measured
 
 
-def _hand_back_memory() -> None:
-    """Free what the kernel groups left cached, so the whole programs find the card as `tessera run` does."""
-    import gc
-
-    import jax
-    jax.clear_caches()
-    gc.collect()
-    if "torch" in sys.modules:
-        sys.modules["torch"].cuda.empty_cache()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="kernels,e2e", help="parts, comma-separated: kernels, e2e")
@@ -258,21 +247,25 @@ def main(argv=None) -> int:
     groups = [g for g in args.kernels.split(",") if g]
     if not set(groups) <= set(KERNEL_GROUPS):
         ap.error(f"--kernels takes {', '.join(KERNEL_GROUPS)}, got {args.kernels}")
-    from bench import e2e  # JAX may take 95 % of the card, as `tessera run` lets it, unless the caller chose
-
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # but grows to it: PyTorch peers share the card
+    from bench import e2e
 
     try:
         names = e2e.select(rows=args.e2e_rows) if "e2e" in parts else []
     except ValueError as exc:
         ap.error(str(exc))
-    peers = {} if args.no_peers else e2e.measure_peers(names)  # before JAX takes the card
-    prov = provenance()
-    print(f"# {prov['device']}, jax {prov['jax']}, commit {prov['commit']}", flush=True)
-    measured = _run_kernel_groups(groups, prov) if "kernels" in parts else {}
-    if names:
-        _hand_back_memory()
-        measured["e2e"] = e2e_rows(e2e.measure(names, peers), prov)
+    measured = {}
+    if names:  # first, while this process holds no device memory: each row runs in a process of its own
+        peers = {} if args.no_peers else e2e.measure_peers(names)
+        rows = e2e.measure(names, peers)
+        done = next((r for r in rows if "device" in r), {})
+        prov = {"device": done.get("device", "-"), "jax": done.get("jax", "-"), "commit": commit()}
+        measured["e2e"] = e2e_rows(rows, prov)
+    if "kernels" in parts:
+        # JAX grows to what it needs instead of taking 95 % of the card: the PyTorch peers share it
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        prov = provenance()
+        print(f"# {prov['device']}, jax {prov['jax']}, commit {prov['commit']}", flush=True)
+        measured.update(_run_kernel_groups(groups, prov))
     write(args.out, measured)
     print(f"wrote {args.out}: {', '.join(measured) or 'no suite'} measured", flush=True)
     return 0
