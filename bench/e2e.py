@@ -103,8 +103,9 @@ def _gib(b) -> str:
     return "-" if b is None else f"{b / 2 ** 30:.1f}"
 
 
-def run_row(name: str, device: str, out: Path) -> dict:
+def run_row(name: str, out: Path) -> dict:
     from tessera.run.main import run_experiment
+    from tessera.run.plan import pick_device
     from tessera.spec import load_experiment
 
     kind, spec, overrides, peer = ROWS[name]
@@ -114,11 +115,12 @@ def run_row(name: str, device: str, out: Path) -> dict:
     result = run_experiment(exp, out=out / name.replace(" ", "_"), stream=log, tensorboard=False)
     wall = time.perf_counter() - started
     m = result.manifest
-    plan = _plan(m, device)
+    plan = _plan(m, pick_device(None)[0])
     planned = plan["memory_per_device"]["total"]
     peak = (m.get("device_memory") or {}).get("peak_bytes_in_use")
     row = {"row": name, "kind": kind, "wall_s": wall, "planned_bytes": planned, "peak_bytes": peak, "peer": peer,
-           "mesh": (m.get("mesh_choice") or {}).get("mesh"), "log": log.getvalue().splitlines()[:3]}
+           "mesh": (m.get("mesh_choice") or {}).get("mesh"), "log": log.getvalue().splitlines()[:3],
+           "deterministic": bool(exp.parallel.deterministic)}
     if kind in ("decode", "prefill"):
         s = m["speed"]
         batch = plan["shapes"]["batch"]
@@ -146,7 +148,8 @@ def show(row: dict) -> str:
     else:
         what = ", ".join(f"{p} {row[p + '_ms']:.1f} ms MFU {row[p + '_mfu']:.1%} (compile {row[p + '_compile_s']:.0f} s)"
                          for p in ("forward", "train_step") if p + "_ms" in row)
-    return f"{row['row']:<18} {what}; {mem}; mesh {row['mesh']}; wall {row['wall_s']:.0f} s | peer: {row['peer']}"
+    mode = "deterministic" if row.get("deterministic") else "fast"
+    return f"{row['row']:<18} {what}; {mem}; {mode}; mesh {row['mesh']}; wall {row['wall_s']:.0f} s | peer: {row['peer']}"
 
 
 def select(kinds: str | None = None, rows: str | None = None) -> list[str]:
@@ -199,20 +202,20 @@ def measure_here(names: list[str]) -> list[dict]:
     import jax
 
     from bench.timing import copy_bandwidth
-    from tessera.run.plan import pick_device
 
-    dev, device, rows = jax.devices()[0], pick_device(None)[0], []
+    rows = []  # JAX's backend starts in the row's run, after `tessera run`'s settings (allocator, XLA flags)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             gc.collect()
             jax.clear_caches()
             try:
-                rows.append(run_row(name, device, Path(tmp)))
+                rows.append(run_row(name, Path(tmp)))
             except Exception as exc:  # one row's failure (out of memory) is a result, not the end of the table
                 rows.append({"row": name, "kind": ROWS[name][0], "peer": ROWS[name][3],
                              "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
     gc.collect()
     jax.clear_caches()
+    dev = jax.devices()[0]
     bandwidth = copy_bandwidth() * 1e9 if dev.platform == "gpu" else float("nan")  # bytes moved per s, as decode's
     print(f"# {dev.device_kind}, jax {jax.__version__}, allocator {ALLOCATOR}, copy bandwidth "
           f"{bandwidth / 1e9:,.0f} GB/s", flush=True)
