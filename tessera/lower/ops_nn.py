@@ -255,9 +255,10 @@ def _cache_write(cache, k, v, pos):
         k, v, pos = k[:, -c:], v[:, -c:], pos[:, -c:]
     rows = jnp.arange(k.shape[0])[:, None]
     slots = pos % c
-    return {"k": cache["k"].at[rows, slots].set(k.astype(cache["k"].dtype)),
-            "v": cache["v"].at[rows, slots].set(v.astype(cache["v"].dtype)),
-            "pos": cache["pos"].at[rows, slots].set(pos)}
+    # unique (row, slot) pairs: the last C positions fill distinct slots; said so, XLA's deterministic-ops
+    # mode writes them as they are instead of ordering possibly colliding writes
+    put = lambda a, x: a.at[rows, slots].set(x.astype(a.dtype), unique_indices=True)
+    return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
 
 
 @lowers("attention", stateful=True, init_state=attention_cache_init)
@@ -281,9 +282,12 @@ def _attention(ctx, op, attrs, ins, params, cache):
             offset = ctx.shard.seq_start(x.shape[1])
             k, v = ctx.shard.context_gather(k), ctx.shard.context_gather(v)
         out, new_cache = table.dispatch(ctx, "attention", label, q, k, v, q_offset=offset, **core), None
-    elif cache is None or ctx.mode == "prefill":
-        out = attention_ref(q, k, v, q_offset=pos[:, 0], accum=ctx.accum_dtype, **core)
+    elif ctx.mode == "prefill":  # the generation program's prompt, from position 0: the kernels' whole sequence
+        out = table.dispatch(ctx, "attention", label, q, k, v, q_offset=0, **core)
         new_cache = None if cache is None else _cache_write(cache, k, v, pos)
+    elif cache is None:
+        out = attention_ref(q, k, v, q_offset=pos[:, 0], accum=ctx.accum_dtype, **core)
+        new_cache = None
     else:  # decode: the new tokens join the cache, then attend over it
         new_cache = _cache_write(cache, k, v, pos)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
