@@ -113,8 +113,10 @@ def resolve_mesh(exp, say) -> tuple[Any, dict | None]:
     """(exp on a concrete mesh, the manifest's `mesh_choice` record or None): `mesh: auto` picks one from the
     devices present and the plan (tessera/run/automesh.py) and says which and why; an explicit mesh stays."""
     mesh = getattr(exp, "mesh", None)
-    if mesh is None or not mesh.auto or mesh.size > 1:  # explicit, or chosen already (a manifest's spec)
+    if mesh is None:
         return exp, None
+    if not mesh.auto or mesh.size > 1:  # explicit, or chosen already (a manifest's spec)
+        return exp, _explicit_mesh(mesh, say)
     from tessera.run.automesh import choose_mesh, usable_memory
 
     memory, devices, kind = usable_memory()
@@ -122,6 +124,22 @@ def resolve_mesh(exp, say) -> tuple[Any, dict | None]:
     mesh = " ".join(f"{a}={n}" for a, n in choice.exp.mesh.axes.items() if n > 1) or "one device"
     say(f"mesh: auto -> {mesh} on {devices} x {kind}: {choice.reason}")
     return choice.exp, choice.record()
+
+
+def _explicit_mesh(mesh, say) -> dict | None:
+    """A written mesh smaller than the devices present runs on the first mesh.size of them: said, and recorded
+    under `mesh_choice` (None when it uses them all, is one device, or is too big: `build_mesh` refuses that)."""
+    import jax
+
+    present = len(jax.devices())
+    if not 1 < mesh.size < present or jax.process_count() > 1:
+        return None
+    axes = {a: n for a, n in mesh.axes.items() if n > 1}
+    shown = " ".join(f"{a}={n}" for a, n in axes.items())
+    say(f"mesh: {shown} uses {mesh.size} of the {present} devices present, as written (the other "
+        f"{present - mesh.size} stay idle; `mesh: auto` or a product of {present} would use them)")
+    return {"auto": False, "mesh": axes, "devices_present": present, "devices_used": mesh.size,
+            "reason": "the spec's mesh, smaller than the devices present"}
 
 
 def prepare(exp, say) -> tuple[Any, dict, dict | None]:

@@ -259,10 +259,12 @@ def _with_layers(exp, layers: int):
 
 
 def _sharded_compile(exp) -> bool:
-    """Whether this machine has exactly the mesh's devices, so the sharded program itself can compile."""
+    """Whether this machine has the mesh's devices (as `build_mesh` takes them), so the sharded program itself
+    can compile."""
     import jax
 
-    return exp.mesh.size > 1 and len(jax.devices()) == exp.mesh.size
+    n = len(jax.devices())
+    return exp.mesh.size > 1 and (n == exp.mesh.size or (exp.mesh.size < n and jax.process_count() == 1))
 
 
 def _one_device(exp):

@@ -21,29 +21,34 @@ def _mesh_key(exp, axis: str) -> tuple[str, object]:
     return key, exp.span(key)
 
 
-def check_devices(exp, n_devices: int) -> list[Diagnostic]:
-    """The mesh's product equals the device count."""
+def check_devices(exp, n_devices: int, processes: int = 1) -> list[Diagnostic]:
+    """The mesh fits the devices: its product at most the device count (the first that many are used), and
+    equal to it when several processes share the run (each must hold its part of the mesh)."""
     sizes = exp.mesh.axes
     product = int(np.prod(list(sizes.values())))
-    if product == n_devices:
+    if product == n_devices or (product < n_devices and processes == 1):
         return []
     used = {a: n for a, n in sizes.items() if n > 1} or {"dp": 1}
     axis = max(used, key=lambda a: used[a])
     key, span = _mesh_key(exp, axis)
     shown = " × ".join(f"{a}={n}" for a, n in used.items())
-    return [Diagnostic(f"the mesh has {product} devices ({shown}) but {n_devices} are available", span=span, key=key,
-                       hint=f"make the product of mesh axes {n_devices}, e.g. dp={n_devices}")]
+    where = f"{n_devices} are available" if product > n_devices else \
+        f"{n_devices} are available over {processes} processes, which must all take part"
+    return [Diagnostic(f"the mesh has {product} devices ({shown}) but {where}", span=span, key=key,
+                       hint=f"make the product of mesh axes {'at most ' if processes == 1 else ''}{n_devices}, "
+                            f"e.g. dp={n_devices}")]
 
 
 def build_mesh(exp, params, devices=None) -> Mesh:
-    """A Mesh over `devices` (default: all) with exp.mesh's axes in order pp, dp, fsdp, ep, sp, tp."""
+    """A Mesh over the first exp.mesh.size of `devices` (default: all) with exp.mesh's axes in order pp, dp,
+    fsdp, ep, sp, tp. A mesh smaller than the devices present leaves the rest idle (`tessera run` says so)."""
     devices = list(jax.devices() if devices is None else devices)
-    if exp.mesh.auto:  # `mesh: auto` chose these axes and may leave devices idle (a batch that splits no further)
-        devices = devices[:exp.mesh.size]
+    processes = jax.process_count()
     rules = AxisRules.from_experiment(exp)
-    problems = check_devices(exp, len(devices)) + check_params_divide(exp, params, rules)
+    problems = check_devices(exp, len(devices), processes) + check_params_divide(exp, params, rules)
     if problems:
         raise TesseraError(problems)
+    devices = devices[:exp.mesh.size]
     sizes = exp.mesh.axes
     grid = np.asarray(devices, dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes))

@@ -67,15 +67,33 @@ def test_snapshot_local_shapes_divide():
     assert snap["params"]["layers/moe/experts/gate"]["local_shape"] == [36, 64, 1440, 1440]
 
 
-def test_mesh_product_must_match_devices():
-    exp = _exp(mesh__tp=2, mesh__dp=2)
+def test_a_mesh_bigger_than_the_devices_is_refused_at_its_key():
+    exp = _exp(mesh__tp=2, mesh__dp=4)
     graph = program_graph(exp)
     with pytest.raises(TesseraError) as e:
-        build_mesh(exp, graph.params, devices=[object()] * 8)
+        build_mesh(exp, graph.params, devices=[object()] * 4)
     d = e.value.diagnostics[0]
-    assert "the mesh has 4 devices (dp=2 × tp=2) but 8 are available" in d.message
+    assert "the mesh has 8 devices (dp=4 × tp=2) but 4 are available" in d.message
     assert d.key == "mesh.dp" and d.span is not None and d.span.line >= 1
-    assert "dp=8" in d.hint
+    assert "at most 4" in d.hint
+
+
+def test_a_smaller_mesh_takes_the_first_devices():
+    exp = _exp(mesh__tp=2, mesh__dp=2)
+    graph = program_graph(exp)
+    devices = [object() for _ in range(8)]
+    mesh = build_mesh(exp, graph.params, devices=devices)
+    assert {a: n for a, n in mesh.shape.items() if n > 1} == {"dp": 2, "tp": 2}
+    assert list(mesh.devices.flat) == devices[:4]
+
+
+def test_several_processes_must_use_every_device():
+    from tessera.lower.shard.mesh import check_devices
+
+    exp = _exp(mesh__tp=2, mesh__dp=2)
+    d, = check_devices(exp, 8, processes=2)
+    assert "8 are available over 2 processes, which must all take part" in d.message and "dp=8" in d.hint
+    assert check_devices(exp, 8) == [] and check_devices(exp, 4, processes=2) == []
 
 
 def test_axis_that_does_not_divide_a_parameter_dim_names_it():
