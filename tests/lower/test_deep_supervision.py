@@ -226,13 +226,17 @@ HRM = dict(vocab=10, rows=3, cols=3, d_model=16, heads=2, head_dim=8, d_ff=32, l
            cycles=2, segments=SEGMENTS)
 
 
-@pytest.fixture(scope="module")
-def hrm():
-    graph = build_graph(ROOT / "models" / "hrm.tsl", HRM)
+def _hrm(act: bool = True):
+    graph = build_graph(ROOT / "models" / "hrm.tsl", {**HRM, "act": act})
     rng = np.random.default_rng(0)
     params = {p.path: jnp.asarray(rng.standard_normal([d.size for d in p.type.dims]) * 0.3, jnp.float32)
               for p in graph.params.values()}
     return graph, params
+
+
+@pytest.fixture(scope="module")
+def hrm():
+    return _hrm()
 
 
 def _segments_run(graph, params, monkeypatch, mode: str) -> int:
@@ -265,3 +269,11 @@ def test_hrm_inference_stops_when_every_puzzle_halts(hrm, monkeypatch, bias, seg
               "act/q_values/q/bias": jnp.asarray(bias, jnp.float32)}
     assert _segments_run(graph, params, monkeypatch, "forward") == segments
     assert _segments_run(graph, params, monkeypatch, "train") == SEGMENTS
+
+
+def test_without_act_every_segment_runs(monkeypatch):
+    """act = false: q_halt above q_continue halts nothing, inference runs every segment."""
+    graph, params = _hrm(act=False)
+    params = {**params, "act/q_values/q/weight": params["act/q_values/q/weight"] * 0.0,
+              "act/q_values/q/bias": jnp.asarray([5.0, -5.0], jnp.float32)}
+    assert _segments_run(graph, params, monkeypatch, "forward") == SEGMENTS
