@@ -265,6 +265,7 @@ class Program:
         # a model with loss entries differentiates small stacks two and three times over (PDE residuals, then the
         # parameters): XLA runs the scan unrolled, 4.5x faster a Kovasznay step on the CPU than as a loop
         kw.setdefault("scan_unroll", bool(self.graph.losses))
+        kw.setdefault("param_types", {path: p.type for path, p in self.graph.params.items()})
         return LowerCtx(kernels=self.exp.kernels, backend=jax.default_backend(),
                         deterministic=self.exp.parallel.deterministic, **kw)
 

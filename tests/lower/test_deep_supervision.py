@@ -250,23 +250,25 @@ def _segments_run(graph, params, monkeypatch, mode: str) -> int:
 
     monkeypatch.setitem(table.LOWERINGS, "take", table.Lowering("take", counted))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 10, (3, 9)), jnp.int32)
+    ctx = LowerCtx(mode=mode, param_types={path: p.type for path, p in graph.params.items()})  # the Q-head's
     if mode == "forward":
-        jax.jit(lambda p: eval_region(graph.body, [tokens], p, LowerCtx(mode="forward"))[0])(params)
+        jax.jit(lambda p: eval_region(graph.body, [tokens], p, ctx)[0])(params)
     else:
         (loss,) = graph.losses
-        jax.jit(lambda p: eval_region(loss.region, [tokens, tokens], p, LowerCtx(mode="train"))[0])(params)
+        jax.jit(lambda p: eval_region(loss.region, [tokens, tokens], p, ctx)[0])(params)
     jax.effects_barrier()
     assert len(ran) % 2 == 0
     return len(ran) // 2
 
 
-@pytest.mark.parametrize("bias, segments", [([5.0, -5.0], 1), ([-5.0, 5.0], SEGMENTS)], ids=["halt", "continue"])
+@pytest.mark.parametrize("bias, segments", [([5.0, -5.0], 1), ([-5.0, 5.0], SEGMENTS), ([0.0, 0.0], SEGMENTS)],
+                         ids=["halt", "continue", "initial"])
 def test_hrm_inference_stops_when_every_puzzle_halts(hrm, monkeypatch, bias, segments):
     """q_halt above q_continue after the first segment: inference runs one segment of the cap, training's masked
-    scan all of them; q_halt below: both run every segment."""
+    scan all of them; q_halt below, or equal (the Q-head's initial zeros): both run every segment."""
     graph, params = hrm
-    params = {**params, "act/q_values/q/weight": params["act/q_values/q/weight"] * 0.0,
-              "act/q_values/q/bias": jnp.asarray(bias, jnp.float32)}
+    params = {**params, "act/q_values/q_weight": params["act/q_values/q_weight"] * 0.0,
+              "act/q_values/q_bias": jnp.asarray(bias, jnp.float32)}
     assert _segments_run(graph, params, monkeypatch, "forward") == segments
     assert _segments_run(graph, params, monkeypatch, "train") == SEGMENTS
 
@@ -274,6 +276,13 @@ def test_hrm_inference_stops_when_every_puzzle_halts(hrm, monkeypatch, bias, seg
 def test_without_act_every_segment_runs(monkeypatch):
     """act = false: q_halt above q_continue halts nothing, inference runs every segment."""
     graph, params = _hrm(act=False)
-    params = {**params, "act/q_values/q/weight": params["act/q_values/q/weight"] * 0.0,
-              "act/q_values/q/bias": jnp.asarray([5.0, -5.0], jnp.float32)}
+    params = {**params, "act/q_values/q_weight": params["act/q_values/q_weight"] * 0.0,
+              "act/q_values/q_bias": jnp.asarray([5.0, -5.0], jnp.float32)}
     assert _segments_run(graph, params, monkeypatch, "forward") == SEGMENTS
+
+
+def test_an_explicit_param_read_without_the_graphs_param_types_says_so(hrm):
+    graph, params = hrm
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    with pytest.raises(ValueError, match=r"op `dot` reads a `param\(...\)` operand: .*LowerCtx.param_types"):
+        eval_region(graph.body, [tokens], params, LowerCtx(mode="forward"))
