@@ -6,8 +6,10 @@ from tessera.diagnostics import Diagnostic, did_you_mean
 from tessera.ir.types import Graph, is_float
 
 
-SCIENTIFIC_DATA = ("collocation", "burgers")  # the data kinds that feed `loss` entries
-BATCHED_DATA = ("burgers",)  # ... in batches of samples: deterministic mode trains on canonical shards of them
+SCIENTIFIC_DATA = ("collocation", "burgers")  # the data kinds that feed `loss` entries only
+LOSS_DATA = SCIENTIFIC_DATA + ("sudoku",)  # ... and those that feed them or a model's cross-entropy
+BATCHED_DATA = ("burgers", "sudoku")  # ... in batches of samples: deterministic mode trains on canonical shards of them
+SUDOKU_FEEDS = {"tokens": "puzzles", "targets": "solutions", "mask": "ones"}  # a batch of sudoku data, by name
 
 
 def batched_data(exp) -> bool:
@@ -52,9 +54,29 @@ def _sudoku_problems(exp, graph: Graph) -> list[Diagnostic]:
     return out
 
 
+def _sudoku_loss_problems(exp, graph: Graph) -> list[Diagnostic]:
+    """sudoku data gives `tokens` and `targets` (int) and `mask` (float), each [batch, 81], to loss entries by name;
+    the forward reads puzzles as a model without loss entries does (`tessera.load_run`'s contract)."""
+    out, span = _sudoku_problems(exp, graph), exp.span("task.data.kind")
+    for loss in graph.losses:
+        for a in loss.region.args:
+            if a.name not in SUDOKU_FEEDS:
+                out.append(Diagnostic(f"loss `{loss.name}` takes input `{a.name}`; sudoku data gives "
+                                      + ", ".join(f"`{k}` ({v})" for k, v in SUDOKU_FEEDS.items()), span=span,
+                                      key="task.data.kind", hint=did_you_mean(a.name, list(SUDOKU_FEEDS))))
+            elif len(a.type.dims) != 2 or a.type.dims[1].size not in (None, 81) or \
+                    is_float(a.type.dtype) != (a.name == "mask"):
+                want = "f32" if a.name == "mask" else "i32"
+                out.append(Diagnostic(f"loss `{loss.name}` input `{a.name}` is {a.type}, but sudoku data gives "
+                                      f"{want}[batch, 81]", span=span, key="task.data.kind"))
+    return out
+
+
 def _data_problems(exp, graph: Graph, data) -> list[Diagnostic]:
     if data.kind == "burgers":
         return _pairs_problems(exp, graph, data)
+    if data.kind == "sudoku":
+        return _sudoku_loss_problems(exp, graph)
     out = []
     coords = len(data.domain)
     feeds = set(data.sets) | {f"{n}_target" for n, s in data.sets.items() if s.target == "exact"}
@@ -120,9 +142,9 @@ def objective_problems(exp, graph: Graph) -> list[Diagnostic]:
         elif not w >= 0:
             out.append(Diagnostic(f"loss weight of `{name}` must be 0 or more, got {w}",
                                   span=exp.span(f"task.loss_weights.{name}"), key=f"task.loss_weights.{name}"))
-    if task.kind == "train" and getattr(data, "kind", None) not in SCIENTIFIC_DATA:
+    if task.kind == "train" and getattr(data, "kind", None) not in LOSS_DATA:
         out.append(Diagnostic(f"model `{graph.name}` names loss terms ({', '.join(terms)}): it trains on collocation "
-                              f"points or burgers pairs, not `{getattr(data, 'kind', None)}` data",
+                              f"points, burgers pairs or sudoku puzzles, not `{getattr(data, 'kind', None)}` data",
                               span=exp.span("task.data.kind") or exp.span("task"), key="task.data.kind",
                               hint="write data: {kind: collocation, domain: ..., sets: ...}"))
     elif task.kind == "train":

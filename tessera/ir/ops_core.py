@@ -78,12 +78,13 @@ def _elementwise_flops(ins, outs, attrs):
     return _numel(outs[0])
 
 
-for _name, _doc in [("add", "a + b"), ("sub", "a - b"), ("mul", "a * b"), ("div", "a / b")]:
+for _name, _doc in [("add", "a + b"), ("sub", "a - b"), ("mul", "a * b"), ("div", "a / b"),
+                    ("maximum", "max(a, b)")]:
     register(OpDef(_name, (2, 2), (), _binary_rule, flops=_elementwise_flops,
                    doc=f"{_doc}, broadcast by dim name (result: a's dims, then b's new dims)"))
 
 for _name, _doc in [("silu", "x * sigmoid(x)"), ("sigmoid", "1 / (1 + exp(-x))"), ("exp", "exp(x)"),
-                    ("neg", "-x"), ("tanh", "tanh(x)")]:
+                    ("neg", "-x"), ("tanh", "tanh(x)"), ("softplus", "log(1 + exp(x)), computed stably")]:
     register(OpDef(_name, (1, 1), (), _unary_rule, flops=_elementwise_flops, doc=_doc))
 
 register(OpDef("gelu", (1, 1), (AttrDef("approximate", "bool", False),), _unary_rule,
@@ -251,3 +252,30 @@ def _cross_entropy_rule(ins, attrs):
 register(OpDef("cross_entropy", (2, 2), (AttrDef("dim", "dim", DimName("vocab")),), _cross_entropy_rule,
                flops=lambda i, o, a: 4.0 * _numel(i[0]),
                doc="mean over positions of -log softmax(logits)[label], in fp32"))
+
+
+# Per-position losses and scores, for objectives kept per sample (a recurrence's segments, each sample halting on
+# its own, add their losses into a per-sample carried value): the loss entries of models/hrm.tsl.
+
+def _token_cross_entropy_rule(ins, attrs):
+    _cross_entropy_rule(ins, attrs)
+    return [TensorType("f32", ins[1].dims)]
+
+
+register(OpDef("token_cross_entropy", (2, 2), (AttrDef("dim", "dim", DimName("vocab")),), _token_cross_entropy_rule,
+               flops=lambda i, o, a: 4.0 * _numel(i[0]),
+               doc="-log softmax(logits)[label] at every position (the labels' dims), in fp32"))
+
+
+def _exact_match_rule(ins, attrs):
+    _cross_entropy_rule(ins, attrs)
+    labels, over = ins[1], [d.name for d in attrs["over"]]
+    for n in over:
+        need_dim(labels, n, "labels")
+    return [TensorType("f32", tuple(d for d in labels.dims if d.name not in over))]
+
+
+register(OpDef("exact_match", (2, 2), (AttrDef("dim", "dim", DimName("vocab")), AttrDef("over", "dims")),
+               _exact_match_rule, flops=lambda i, o, a: _numel(i[0]),
+               doc="1.0 where the argmax of the logits over `dim` equals the label at every position of `over`, "
+                   "else 0.0 (f32, the labels' dims but `over`; no gradient): whether a prediction is entirely right"))

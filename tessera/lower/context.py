@@ -53,6 +53,9 @@ class LowerCtx:
     # (tessera/lower/reference/fp8.py)
     last_only: bool = False
     scan_unroll: bool = False  # `repeat` is still one lax.scan, which XLA unrolls (scientific models: see program.py)
+    # {path: TensorType} of the graph's params: an op that declares no params but reads one written `param(...)`
+    # in the model (a primitive `dot` or `add` on it) gets it as an operand of that type (interpret.py)
+    param_types: Any = None
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from tessera.ir.ops_recurrence import invariant
 from tessera.ir.registry import get_op
-from tessera.ir.types import Op, ParamRef, PerLayer, Region
+from tessera.ir.types import Op, ParamRef, PerLayer, Region, Value
 from tessera.lower.context import REMAT_SAVED, LowerCtx
 from tessera.lower.table import get_lowering
 
@@ -95,12 +95,36 @@ def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: 
             with jax.named_scope(op.label(index, scope)):
                 outs, st = eval_region_op(op, ins, params, ctx, layer), None
         else:
+            if any(isinstance(o, ParamRef) for o in op.operands) and not get_op(op.name).params(
+                    op.attrs, [v.type for v in op.values]):
+                op, ins = _explicit_params(op, env, params, ctx)
             with jax.named_scope(op.label(index, scope)):
                 outs, st = _eval_op(op, ins, params, ctx, None if state is None else state.get(key), layer)
         if st is not None and new_state is not None:
             new_state[key] = st
         env.update(zip(op.results, outs))
     return [env[v] for v in region.outputs], new_state
+
+
+def _explicit_params(op: Op, env: dict, params: dict, ctx: LowerCtx) -> tuple[Op, list]:
+    """An op that declares no params but reads ones the model declares itself (`param([...]) as name`, e.g. a
+    primitive `dot` the fuse pass left as it is) as the same op on values: each param an operand of its type (inside
+    a stacked repeat, its layer's slice), gathered whole where a mesh splits it."""
+    if ctx.param_types is None:
+        raise ValueError(f"op `{op.name}` reads a `param(...)` operand: its lowering needs the graph's param types "
+                         "(LowerCtx.param_types; Program.lower_ctx passes them)")
+    operands, ins = [], []
+    for o in op.operands:
+        if isinstance(o, Value):
+            operands.append(o)
+            ins.append(env[o])
+            continue
+        w, t = params[o.path], ctx.param_types[o.path]
+        if ctx.shard is not None:
+            w = ctx.shard.gather_param(op.name, o.path.rsplit("/", 1)[-1], o.path, w)
+        operands.append(Value(t.with_dims(t.dims[len(t.dims) - w.ndim:]), o.path.rsplit("/", 1)[-1]))
+        ins.append(w)
+    return dataclasses.replace(op, operands=operands), ins
 
 
 def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):

@@ -13,7 +13,7 @@ from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
 from tessera.lower.reference import accum as accum_ref, activations
 from tessera.lower.reference.attention import attention_mask
-from tessera.lower.reference.losses import cross_entropy
+from tessera.lower.reference.losses import cross_entropy, token_cross_entropy
 from tessera.lower.table import lowers
 
 
@@ -33,7 +33,8 @@ def _binary(fn):
     return lower
 
 
-for _name, _fn in [("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide)]:
+for _name, _fn in [("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide),
+                   ("maximum", jnp.maximum)]:
     lowers(_name)(_binary(_fn))
 
 
@@ -46,7 +47,7 @@ def _unary(fn):
 
 for _name, _fn in [("silu", activations.silu), ("sigmoid", jax.nn.sigmoid), ("exp", jnp.exp),
                    ("neg", jnp.negative), ("tanh", jnp.tanh), ("sin", jnp.sin), ("cos", jnp.cos),
-                   ("square", jnp.square), ("stop_gradient", jax.lax.stop_gradient)]:
+                   ("square", jnp.square), ("stop_gradient", jax.lax.stop_gradient), ("softplus", jax.nn.softplus)]:
     lowers(_name)(_unary(_fn))
 
 
@@ -158,6 +159,25 @@ def _cross_entropy(ctx, op, attrs, ins, params):
     x, moved = move_last(ins[0], have, attrs["dim"].name)
     y = align(ins[1], names(labels), moved[:-1])
     return [cross_entropy(x, y)]
+
+
+@lowers("token_cross_entropy")
+def _token_cross_entropy(ctx, op, attrs, ins, params):
+    logits, labels = op.values
+    x, moved = move_last(ins[0], names(logits), attrs["dim"].name)
+    y = align(ins[1], names(labels), moved[:-1])
+    return [align(token_cross_entropy(x, y), moved[:-1], names(op.results[0]))]
+
+
+@lowers("exact_match")
+def _exact_match(ctx, op, attrs, ins, params):
+    logits, labels = op.values
+    x, moved = move_last(ins[0], names(logits), attrs["dim"].name)
+    right = jnp.argmax(x, axis=-1) == align(ins[1], names(labels), moved[:-1])
+    over = tuple(moved.index(d.name) for d in attrs["over"])
+    right = jnp.all(right, axis=over)
+    kept = [n for n in moved[:-1] if n not in {d.name for d in attrs["over"]}]
+    return [align(jax.lax.stop_gradient(right.astype(jnp.float32)), kept, names(op.results[0]))]
 
 
 @lowers("take")

@@ -110,8 +110,9 @@ def test_pipeline_ends_with_the_composite_ops_restored(shipped):
     *_, (_, final) = stages(graph)
     _, (_, canon) = list(stages(graph, upto="canonicalize"))
     assert print_graph(final) == print_graph(canon)  # decompose then fuse is the identity here
-    names = {op.name for op in final.walk()}
-    assert {"dot", "softmax", "mask"}.isdisjoint(names)
+    names = [op.name for op in final.walk()]
+    assert {"softmax", "mask"}.isdisjoint(names)
+    assert names.count("dot") == [op.name for op in graph.walk()].count("dot")  # only those the model writes
 
 
 def test_numerics_sets_storage_and_compute_types():
@@ -124,12 +125,37 @@ def test_numerics_sets_storage_and_compute_types():
 
 
 def test_hrm_holds_one_set_of_weights_per_module_and_the_one_step_gradient():
-    g = build_graph(MODELS / "hrm.tsl", {**GRID, "l_layers": 2, "h_layers": 3})
+    g = build_graph(MODELS / "hrm.tsl", {**GRID, "l_layers": 2, "h_layers": 3, "segments": 5})
     axes = _axes(g)
-    assert axes["cycles/low/net/attention/q"] == [L, E, H, D]   # the low module's 2 layers, shared by every step
-    assert axes["cycles/high/mlp/down"] == [L, F, E]            # the high module's 3 layers
-    assert [d.size for d in g.params["cycles/high/mlp/down"].type.dims][0] == 3
+    low, high = "act/reason/cycles/low/net", "act/reason/cycles/high"
+    assert axes[f"{low}/attention/q"] == [L, E, H, D]   # the low module's 2 layers, shared by every step
+    assert axes[f"{high}/mlp/down"] == [L, F, E]         # the high module's 3 layers
+    assert [d.size for d in g.params[f"{high}/mlp/down"].type.dims][0] == 3
+    assert axes["act/q_values/q_weight"] == [E, "act"] and axes["act/out/weight"] == [E, V]  # the Q-head, the readout
+    assert g.params["act/q_values/q_weight"].init.kind == g.params["act/q_values/q_bias"].init.kind == "zeros"
     recurrences = [op for op in g.walk() if op.name == "repeat" and op.attrs["axis"] is None]
-    assert len(recurrences) == 2 and all(op.attrs["grad"] == "last" for op in recurrences)
+    assert len(recurrences) == 4  # cycles and low-level steps, in the forward's segments and the loss entry's
+    assert all(op.attrs["grad"] == "last" for op in recurrences)
     attention = [op for op in g.walk() if op.name == "attention"]
     assert attention and not any(op.attrs["causal"] for op in attention)
+
+
+def test_hrm_runs_segments_in_a_loop_that_halts_and_supervises_each():
+    """Inference: a loop of at most `segments` segments until q_halt - q_continue > 0; training: the loss entry's
+    loop of the same segments (the same params), the state detached at each segment's start, four terms."""
+    g = build_graph(MODELS / "hrm.tsl", {**GRID, "l_layers": 1, "h_layers": 1, "segments": 5})
+    (fwd,) = [op for op in g.body.ops if op.name == "loop"]
+    assert fwd.attrs == {"max": 5, "grad": "all"} and [o.name for o in fwd.second.ops] == ["sub"]
+    (loss,) = g.losses
+    assert loss.name == "supervision" and loss.terms == ("lm", "q_halt", "q_continue", "segments")
+    (train,) = [op for op in loss.region.ops if op.name == "loop"]
+    assert train.attrs == {"max": 5, "grad": "all"}
+    reads = lambda region: {o.path for op in region.walk() for o in op.operands if hasattr(o, "path")}  # noqa: E731
+    assert reads(fwd.region) < reads(train.region) == set(g.params) - {"input/embed/table", "input/pos_embed/row",
+                                                                        "input/pos_embed/col"}
+    body = [op.name for op in train.region.walk()]
+    assert body.count("stop_gradient") == 3  # z_H and z_L into each segment, the Q target
+    assert {"token_cross_entropy", "exact_match", "softplus", "maximum"} <= set(body)
+    text = print_graph(g)
+    assert "loss supervision -> [lm, q_halt, q_continue, segments]" in text
+    assert print_graph(verify(parse_graph(text))) == text

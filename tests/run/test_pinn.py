@@ -150,7 +150,7 @@ def test_a_short_taylor_green_run_brings_the_error_down(tmp_path):
      "sets:"),
     ("domain: {x: [-0.5, 1.0], y: [-0.5, 1.5]}", "domain: {x: [-0.5, 1.0], y: [-0.5, 1.5], z: [0, 1]}",
      "task.data.domain", "the domain has 3 coordinates", "z: [0, 1]"),
-    ("kind: collocation", "kind: synthetic", "task.data.kind", "it trains on collocation points or burgers pairs, not `synthetic` data",
+    ("kind: collocation", "kind: synthetic", "task.data.kind", "it trains on collocation points, burgers pairs or sudoku puzzles, not `synthetic` data",
      "synthetic"),
 ])
 def test_spec_mistakes_are_positioned_errors(tmp_path, old, new, key, message, word):
