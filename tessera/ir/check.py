@@ -148,8 +148,8 @@ def _block_fp8_problems(t, graph: Graph, span, key) -> list[Diagnostic]:
     return []
 
 
-def _where(op) -> str:
-    return f" (`{op.name}` at {op.span.file}:{op.span.line}:{op.span.col})" if op.span else f" (`{op.name}`)"
+def _at(op) -> str:
+    return f" at {op.span.file}:{op.span.line}:{op.span.col}" if op.span else ""
 
 
 def _delayed_fp8_problems(exp, t, graph: Graph, span, key) -> list[Diagnostic]:
@@ -182,17 +182,16 @@ def _delayed_fp8_problems(exp, t, graph: Graph, span, key) -> list[Diagnostic]:
     for path, uses in readers.items():
         op, around = uses[0]
         if len(uses) > 1:
-            return [Diagnostic(f"`{written}`: weight `{path}` is read by {len(uses)} products a step{_where(op)} "
-                               f"and{_where(uses[1][0])}; its one amax history would get one entry a step from "
-                               "several tensors", span=span, key=key,
+            return [Diagnostic(f"`{written}`: weight `{path}` is read by {len(uses)} products a step (`{op.name}`"
+                               f"{_at(op)}, `{uses[1][0].name}`{_at(uses[1][0])}); its one amax history would get "
+                               "one entry a step from several tensors", span=span, key=key,
                                hint=f"write `{FP8_COMPUTE}` (current scaling), or give each product its own weight")]
         if around:
             outer = around[-1]
-            kind = ("a weight-shared `repeat` (every iteration reads the same weights)"
-                    if outer.name == "repeat" else f"`{outer.name}`")
-            return [Diagnostic(f"`{written}`: weight `{path}`{_where(op)} is read inside {kind}{_where(outer)}, "
-                               "several times a step; its one amax history would get one entry a step from several "
-                               "tensors", span=span, key=key,
+            kind = "the weight-shared `repeat`" if outer.name == "repeat" else f"the `{outer.name}`"
+            return [Diagnostic(f"`{written}`: weight `{path}` (`{op.name}`{_at(op)}) is read inside {kind}"
+                               f"{_at(outer)}, several times a step; its one amax history would get one entry a "
+                               "step from several tensors", span=span, key=key,
                                hint=f"write `{FP8_COMPUTE}` (current scaling) for this model")]
     return []
 
@@ -231,11 +230,11 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
                                "4-bit values as stored, not in fp8", span=span, key=key,
                                hint="compute in bf16 with mxfp4 experts, or hold the experts in bf16/fp32 for fp8")]
         if exp.mesh.size > 1 and not (exp.parallel.deterministic and exp.task.kind == "train"):
-            what = "record its own block's amax in the history and scale" if t.scale.kind == "delayed" else "scale"
+            also = " (and record that amax in its history)" if t.scale.kind == "delayed" else ""
             return [Diagnostic(f"fp8 compute (`@scale({t.scale})`): inside a sharded step (generation, forward, or "
-                               f"training with parallel.deterministic: false) each device would {what} its own block "
-                               "of a tensor by the block's amax, not the tensor's, so the numbers would depend on "
-                               "the mesh", span=span, key=key,
+                               "training with parallel.deterministic: false) each device would scale its own block "
+                               f"of a tensor by the block's amax, not the tensor's{also}, so the numbers would depend "
+                               "on the mesh", span=span, key=key,
                                hint="train with parallel.deterministic: true (each canonical shard runs the whole "
                                     "model), or run on one device")]
         return []

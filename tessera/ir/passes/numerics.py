@@ -133,5 +133,10 @@ def resolved_policy(graph: Graph, policy: Any) -> dict:
         elif graph.attrs.get("fp8") and (owner.get(path), path.rsplit("/", 1)[-1]) in _FP8_WEIGHTS:
             used = "fp8_e4m3"
         params[path] = {"storage": p.type.dtype, "compute": used, "rule": rule}
-    return {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss,
-            "fp8_products": graph.attrs.get("fp8"), "by_param": params}
+    out = {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss,
+           "fp8_products": graph.attrs.get("fp8"), "by_param": params}
+    scaling = graph.attrs.get("fp8") or ""
+    if scaling.startswith("delayed("):  # tessera/lower/fp8_delayed.py
+        out["fp8_amax_history"] = {"length": int(scaling[len("delayed("):-1]), "operands": ["input", "weight", "grad"],
+                                   "weights": list(fp8_weights(graph)), "inference": "current amax (per_tensor)"}
+    return out
