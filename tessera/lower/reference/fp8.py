@@ -7,7 +7,7 @@ projections, the MLP's gate/up/down, the MoE experts' grouped products): both op
 incoming gradient to e5m2 in the backward pass, each with one scale per tensor taken from its current amax,
 and the products of the quantised values accumulate in the `@accum` type (reference/accum.py for bf16/fp16):
 
-    s_x = 2^floor(log2(max_e4m3 / amax|x|))       x_q = e4m3(x · s_x)   (a power of two: x · s_x is exact)
+    s_x = 2^floor(log2(max_e4m3 / amax|x|))       x_q = e4m3(x · s_x)   (a power of two, `_pow2_scale`: exact)
     y   = (x_q ⊗ w_q) / (s_x · s_w)               accumulated in @accum, stored in the result type
     dx  = (g_q ⊗ w_qᵀ) / (s_g · s_w),  dw = (x_qᵀ ⊗ g_q) / (s_x · s_g),   g_q = e5m2(g · s_g)
 
@@ -39,9 +39,7 @@ def quantize(x, dtype):
     largest value, rounded to fp8 (saturating); x ≈ x_q / s. An all-zero x gets s = 1."""
     xf = x.astype(jnp.float32)
     big = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(xf))
-    exp = jnp.floor(jnp.log2(big / jnp.where(amax > 0, amax, 1.0)))
-    s = jnp.where((amax > 0) & jnp.isfinite(amax), jnp.exp2(exp), 1.0)
+    s = _pow2_scale(jnp.max(jnp.abs(xf)), dtype)
     return jnp.clip(xf * s, -big, big).astype(dtype), s
 
 
@@ -287,9 +285,17 @@ def block_of(scaling) -> int | None:
 
 
 def _pow2_scale(amax, dtype):
+    """2^floor(log2(max_dtype / amax)) in fp32, exactly (1 where amax is 0 or not finite): the largest power of two
+    k with amax · 2^k <= max, from the exponents and mantissas of amax and max (frexp, exact), the power built from
+    its bits. XLA's log2 and exp2 are not exact (on the CPU exp2(13) is 8192.0039 and log2(57344 / 7) is just below
+    13), which made scales that were not powers of two and rescaling that was not exact."""
     big = float(jnp.finfo(dtype).max)
-    exp = jnp.floor(jnp.log2(big / jnp.where(amax > 0, amax, 1.0)))
-    return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.exp2(exp), 1.0)
+    mb, eb = np.frexp(big)  # max = mb · 2^eb, mb in [0.5, 1)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    ma, ea = jnp.frexp(jnp.where(ok, amax, 1.0).astype(jnp.float32))
+    k = jnp.clip(eb - ea - (ma > mb).astype(jnp.int32), -126, 127)  # a normal fp32 power of two
+    s = jax.lax.bitcast_convert_type((k + 127).astype(jnp.int32) << 23, jnp.float32)
+    return jnp.where(ok, s, 1.0)
 
 
 def quantize_rows(x, n: int, dtype):
