@@ -366,7 +366,7 @@ class Program:
         one-device mesh and returns every array placed on it: the whole state goes there, or the second
         step compiled again (the tests' tiny Llama: half the CPU time of a 5-step fixture). Tracers
         (`tessera plan`'s abstract state) pass."""
-        if isinstance(x, jax.core.Tracer):
+        if isinstance(x, jax.core.Tracer) or not hasattr(x, "ndim"):
             return x
         from jax.sharding import NamedSharding, PartitionSpec as P
         if self.plan is None:
