@@ -198,7 +198,7 @@ def _delayed_fp8_problems(exp, t, graph: Graph, span, key) -> list[Diagnostic]:
 
 def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
     """The compute type (`numerics.default`) is one the lowering computes in: fp32, bf16, fp16, or fp8_e4m3 with
-    per-tensor or per-block scaling (products with weights in fp8, the rest in bf16). Other narrow types are storage formats
+    per-tensor, delayed (amax-history) or per-block scaling (products with weights in fp8, the rest in bf16). Other narrow types are storage formats
     here: a parameter may be held in them (`numerics.rules`), not computed in."""
     t = exp.numerics.default
     span, key = exp.span("numerics.default"), "numerics.default"
