@@ -119,6 +119,25 @@ def test_a_non_finite_amax_is_recorded_as_no_range():
     assert np.asarray(out).tolist() == [[0.0, 1.0], [3.0, 1.0], [0.0, 1.0]]
 
 
+def test_the_histories_wrap_loss_scaling_and_the_learning_rate_reads_through():
+    import optax
+
+    from tessera.lower import loss_scale
+    from tessera.run.optim import current_lr
+
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=0.5)
+    opt = fp8_delayed.carrying(loss_scale.loss_scaled(optax.chain(optax.identity(), inner), kind="dynamic", init=8.0),
+                               {"layers/w": 1, "w": 0}, 4)
+    params = {"layers/w": jnp.ones((2, 3, 5)), "w": jnp.ones((3, 5))}
+    state = opt.init(params)
+    assert {k: v.shape for k, v in fp8_delayed.history_of(state).items()} == \
+        {"layers/w" + fp8_delayed.HISTORY: (2, 3, 4), "w" + fp8_delayed.HISTORY: (3, 4)}
+    assert float(loss_scale.state_of(state).scale) == 8.0 and float(current_lr(state)) == 0.5
+    _, state = opt.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert not any(h.any() for h in fp8_delayed.history_of(state).values())  # the optimizer leaves them: the step
+    assert int(loss_scale.state_of(state).good) == 1  # pushes them
+
+
 # ---- a tiny Llama: the train step carries, records and uses the histories ---------------------------------------
 
 ARGS = {"d_model": 32, "d_ff": 64, "head_dim": 8, "heads": 4, "kv_heads": 2, "vocab": 64, "layers": 2}
