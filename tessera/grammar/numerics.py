@@ -35,6 +35,10 @@ MX_BLOCK = 32  # elements sharing one scale in the microscaling formats
 ACCUM_TYPES = ("fp32", "bf16", "fp16")  # types a matmul/reduction can accumulate in
 MODIFIERS = ("accum", "scale", "loss_scale")  # also the canonical print order
 SCALE_KINDS = ("per_tensor", "per_block", "delayed")
+# delayed scaling (Transformer Engine's recipe): each fp8 product keeps an amax history of the last H steps per
+# operand; `@scale(delayed)` is H = DELAYED_HISTORY, `@scale(delayed(H))` any 1 <= H <= MAX_DELAYED_HISTORY
+DELAYED_HISTORY = 16
+MAX_DELAYED_HISTORY = 65536
 # fp8 bases a parameter may be held in with one fp32 scale per N×N block of its last two dims (DeepSeek-V3's
 # weights): the IR names that storage `<base>_b<N>` (`fp8_e4m3_b128`), tessera/lower/reference/fp8_blocks.py
 BLOCK_SCALED_FP8 = ("fp8_e4m3",)
@@ -50,13 +54,33 @@ class NumericTypeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-    """How a low-precision tensor is scaled: one scale per tensor, per block of `block` elements, or delayed."""
+    """How a low-precision tensor is scaled: one scale per tensor, per block of `block` elements, or delayed (one
+    scale per tensor from the max of an amax history of `history` steps)."""
 
     kind: Literal["per_tensor", "per_block", "delayed"]
     block: int | None = None  # elements per scale, for kind == "per_block"
+    history: int | None = None  # steps of amax history, for kind == "delayed"; None: DELAYED_HISTORY
+
+    def __post_init__(self):
+        if self.kind == "delayed" and self.history == DELAYED_HISTORY:  # `delayed(16)` is `delayed`: one value
+            object.__setattr__(self, "history", None)
+
+    @property
+    def history_length(self) -> int:
+        """H of delayed scaling (the default when not written)."""
+        return self.history if self.history is not None else DELAYED_HISTORY
 
     def __str__(self) -> str:
-        return f"per_block({self.block})" if self.kind == "per_block" else self.kind
+        if self.kind == "per_block":
+            return f"per_block({self.block})"
+        if self.kind == "delayed" and self.history is not None:
+            return f"delayed({self.history})"
+        return self.kind
+
+    @property
+    def explicit(self) -> str:
+        """The scaling with every size written out (`delayed(16)` for `delayed`): what the IR and manifest record."""
+        return f"delayed({self.history_length})" if self.kind == "delayed" else str(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,16 +226,25 @@ def _scale(arg: lark.Tree) -> Scale:
     offset, length = _start(arg)
     if arg.data == "call":
         name_tok, num = arg.children
-        if str(name_tok) != "per_block":
-            raise NumericTypeError(f"unknown scaling `{name_tok}(...)`; only per_block takes a size",
+        if str(name_tok) == "per_tensor":
+            raise NumericTypeError("per_tensor takes no size (one scale per tensor, from its current amax)",
+                                   offset, length, "write `per_tensor`, `per_block(N)` or `delayed(H)`")
+        if str(name_tok) not in ("per_block", "delayed"):
+            raise NumericTypeError(f"unknown scaling `{name_tok}(...)`; only per_block(N) and delayed(H) take a size",
                                    offset, length, _close(str(name_tok), SCALE_KINDS))
+        if str(name_tok) == "delayed":
+            if not str(num).isdigit() or not 1 <= int(num) <= MAX_DELAYED_HISTORY:
+                raise NumericTypeError(f"amax history length must be an integer from 1 to {MAX_DELAYED_HISTORY}, "
+                                       f"got `{num}`", num.start_pos, len(num),
+                                       f"`delayed` alone keeps {DELAYED_HISTORY} steps")
+            return Scale("delayed", history=int(num))
         if not str(num).isdigit() or int(num) < 1:
             raise NumericTypeError(f"block size must be a positive integer, got `{num}`", num.start_pos, len(num))
         return Scale("per_block", int(num))
     word = str(arg.children[0])
     if arg.data != "word" or word not in ("per_tensor", "delayed"):
         hint = "per_block takes a size, e.g. per_block(32)" if word == "per_block" else _close(word, SCALE_KINDS)
-        raise NumericTypeError(f"unknown scaling `{word}`; expected per_tensor, per_block(N) or delayed",
+        raise NumericTypeError(f"unknown scaling `{word}`; expected per_tensor, per_block(N), delayed or delayed(H)",
                                offset, length, hint)
     return Scale(word)  # type: ignore[arg-type]
 

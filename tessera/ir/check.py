@@ -76,6 +76,8 @@ COMPUTE_TYPES = ("fp32", "bf16", "fp16", "fp64")  # what activations can be comp
 
 
 FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tessera/lower/reference/fp8.py)
+# delayed(H) compute: the same products, scaled from an amax history carried in the train state
+# (tessera/lower/fp8_delayed.py): each fp8 weight read by one product a step (see _delayed_fp8_problems)
 # per_block(N) compute: the same products as per_tensor, each weight's contracted size and kept size whole numbers
 # of N (tessera/lower/reference/fp8.py: block_einsum, ragged_dot)
 
@@ -146,23 +148,75 @@ def _block_fp8_problems(t, graph: Graph, span, key) -> list[Diagnostic]:
     return []
 
 
+def _at(op) -> str:
+    return f" at {op.span.file}:{op.span.line}:{op.span.col}" if op.span else ""
+
+
+def _delayed_fp8_problems(exp, t, graph: Graph, span, key) -> list[Diagnostic]:
+    """fp8_e4m3 @scale(delayed(H)): every fp8 weight is read by one product a step, so its amax history gets one
+    entry a step: each is read by one op, outside weight-shared repeats, loops and derivative regions (a stacked
+    repeat's layers each have their own history); a model trained on loss entries is refused (its train step does
+    not carry the histories)."""
+    from tessera.ir.passes.numerics import _FP8_WEIGHTS
+
+    written = f"fp8_e4m3 @scale({t.scale})"
+    if graph.losses:
+        return [Diagnostic(f"`{written}`: the amax histories are carried by the cross-entropy train step; a model "
+                           f"with loss entries (`{graph.losses[0].name}`) is not trained with them",
+                           span=span, key=key, hint=f"write `{FP8_COMPUTE}` (current scaling) for this model")]
+    readers: dict[str, list] = {}
+
+    def walk(region, around):
+        for op in region.ops:
+            for ref in op.operands:
+                if getattr(ref, "path", None) in graph.params and \
+                        (op.name, ref.path.rsplit("/", 1)[-1]) in _FP8_WEIGHTS:
+                    readers.setdefault(ref.path, []).append((op, around))
+            if op.region is not None:
+                stacked = op.name == "repeat" and op.attrs.get("axis") is not None and op.attrs.get("grad") != "last"
+                walk(op.region, around if stacked else around + [op])
+            if op.second is not None:
+                walk(op.second, around + [op])
+
+    walk(graph.body, [])
+    for path, uses in readers.items():
+        op, around = uses[0]
+        if len(uses) > 1:
+            return [Diagnostic(f"`{written}`: weight `{path}` is read by {len(uses)} products a step (`{op.name}`"
+                               f"{_at(op)}, `{uses[1][0].name}`{_at(uses[1][0])}); its one amax history would get "
+                               "one entry a step from several tensors", span=span, key=key,
+                               hint=f"write `{FP8_COMPUTE}` (current scaling), or give each product its own weight")]
+        if around:
+            outer = around[-1]
+            kind = "the weight-shared `repeat`" if outer.name == "repeat" else f"the `{outer.name}`"
+            return [Diagnostic(f"`{written}`: weight `{path}` (`{op.name}`{_at(op)}) is read inside {kind}"
+                               f"{_at(outer)}, several times a step; its one amax history would get one entry a "
+                               "step from several tensors", span=span, key=key,
+                               hint=f"write `{FP8_COMPUTE}` (current scaling) for this model")]
+    return []
+
+
 def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
     """The compute type (`numerics.default`) is one the lowering computes in: fp32, bf16, fp16, or fp8_e4m3 with
-    per-tensor or per-block scaling (products with weights in fp8, the rest in bf16). Other narrow types are storage formats
+    per-tensor, delayed (amax-history) or per-block scaling (products with weights in fp8, the rest in bf16). Other narrow types are storage formats
     here: a parameter may be held in them (`numerics.rules`), not computed in."""
     t = exp.numerics.default
     span, key = exp.span("numerics.default"), "numerics.default"
     if t.base in COMPUTE_TYPES:
         return []
     if t.base == "fp8_e4m3":
-        if t.scale is None or t.scale.kind not in ("per_tensor", "per_block"):
-            what = "no scale" if t.scale is None else f"`@scale({t.scale})`"
-            return [Diagnostic(f"fp8 compute with {what} is not implemented: the products with weights run in fp8 "
-                               "with one scale per tensor from its current amax (`@scale(per_tensor)`) or one per "
-                               "block (`@scale(per_block(N))`: 1×N activation blocks, N×N weight blocks)",
+        if t.scale is None:
+            return [Diagnostic("fp8 compute with no scale is not implemented: the products with weights run in fp8 "
+                               "with one scale per tensor from its current amax (`@scale(per_tensor)`), from an amax "
+                               "history (`@scale(delayed)`, `@scale(delayed(H))`) or one per block "
+                               "(`@scale(per_block(N))`: 1×N activation blocks, N×N weight blocks)",
                                span=span, key=key, hint=f"write `{FP8_COMPUTE}`" + (" @accum(...)" if t.accum else ""))]
         if t.scale.kind == "per_block":
             problems = _block_fp8_problems(t, graph, span, key)
+            if problems:
+                return problems
+        if t.scale.kind == "delayed":
+            problems = _delayed_fp8_problems(exp, t, graph, span, key)
             if problems:
                 return problems
         cplx = _first_op(graph, "spectral_conv")
@@ -176,10 +230,11 @@ def check_compute_type(exp, graph: Graph) -> list[Diagnostic]:
                                "4-bit values as stored, not in fp8", span=span, key=key,
                                hint="compute in bf16 with mxfp4 experts, or hold the experts in bf16/fp32 for fp8")]
         if exp.mesh.size > 1 and not (exp.parallel.deterministic and exp.task.kind == "train"):
-            return [Diagnostic("fp8 compute: inside a sharded step (generation, forward, or training with "
-                               "parallel.deterministic: false) each device would scale its own block of a tensor by "
-                               "the block's amax, not the tensor's, so the numbers would depend on the mesh",
-                               span=span, key=key,
+            also = " (and record that amax in its history)" if t.scale.kind == "delayed" else ""
+            return [Diagnostic(f"fp8 compute (`@scale({t.scale})`): inside a sharded step (generation, forward, or "
+                               "training with parallel.deterministic: false) each device would scale its own block "
+                               f"of a tensor by the block's amax, not the tensor's{also}, so the numbers would depend "
+                               "on the mesh", span=span, key=key,
                                hint="train with parallel.deterministic: true (each canonical shard runs the whole "
                                     "model), or run on one device")]
         return []

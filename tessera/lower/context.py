@@ -49,8 +49,10 @@ class LowerCtx:
     report: Any = None  # a dict that kernel selection records its choices in ({op label: implementation})
     aux: Any = None  # a dict of step counters lowerings add int32 scalars to ({name: count}), e.g. moe_dropped
     unroll: bool = False
-    fp8: str | None = None  # "per_tensor" or "per_block(N)": products with weights run in fp8 with that scaling
-    # (tessera/lower/reference/fp8.py)
+    fp8: str | None = None  # "per_tensor", "per_block(N)" or "delayed(H)": products with weights run in fp8 with that
+    # scaling (tessera/lower/reference/fp8.py)
+    fp8_history: Any = None  # under delayed scaling in a train step: {the op's param name: its amax history [3, H]}
+    # (tessera/lower/fp8_delayed.py); None elsewhere (the products then take the current amax, as per_tensor)
     last_only: bool = False
     scan_unroll: bool = False  # `repeat` is still one lax.scan, which XLA unrolls (scientific models: see program.py)
     # {path: TensorType} of the graph's params: an op that declares no params but reads one written `param(...)`

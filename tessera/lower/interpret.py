@@ -32,6 +32,7 @@ from tessera.ir.ops_recurrence import invariant
 from tessera.ir.registry import get_op
 from tessera.ir.types import Op, ParamRef, PerLayer, Region, Value
 from tessera.lower.context import REMAT_SAVED, LowerCtx
+from tessera.lower.fp8_delayed import HISTORY
 from tessera.lower.table import get_lowering
 
 State = dict[str, Any]
@@ -131,6 +132,9 @@ def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):
     lowering = get_lowering(op.name)
     attrs = resolve_attrs(op.attrs, layer)
     local = {name: params[path] for name, path in param_bindings(op)}
+    if ctx.fp8 is not None and ctx.fp8.startswith("delayed("):  # the train step's amax histories (fp8_delayed.py)
+        history = {name: params[path + HISTORY] for name, path in param_bindings(op) if path + HISTORY in params}
+        ctx = ctx.replace(fp8_history=history or None)
     if ctx.shard is not None:  # FSDP: gather what the op does not handle split, per layer inside the scan
         local = {name: ctx.shard.gather_param(op.name, name, path, params[path]) for name, path in param_bindings(op)}
     if lowering.stateful:
@@ -150,12 +154,14 @@ def region_param_paths(region: Region) -> list[str]:
 
 
 def _stacked_paths(op: Op, params: dict) -> list[str]:
-    """The parameters of a `repeat` op held stacked, one slice per layer ([n, ...])."""
+    """The parameters of a `repeat` op held stacked, one slice per layer ([n, ...]); with them the amax histories
+    of delayed fp8 scaling that a train step adds beside its stacked weights (`<path>#amax_history`, [n, ...])."""
     n = op.attrs["n"]
     if op.attrs.get("axis") is None:  # weight-shared: every iteration reads the same params
         return []
-    return [path for path in region_param_paths(op.region)
-            if not isinstance(params[path], list) and params[path].ndim and params[path].shape[0] == n]
+    paths = [path for path in region_param_paths(op.region)
+             if not isinstance(params[path], list) and params[path].ndim and params[path].shape[0] == n]
+    return paths + [path + HISTORY for path in paths if path + HISTORY in params]
 
 
 def stacked_layers(region: Region, shapes: dict) -> dict[str, int]:

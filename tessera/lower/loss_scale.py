@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from tessera.lower import fp8_delayed
+
 DYNAMIC_INIT = 2.0 ** 15
 DYNAMIC_INTERVAL = 2000
 
@@ -74,14 +76,18 @@ def loss_scaled(inner: optax.GradientTransformation, *, kind: str, init: float,
 
 
 def state_of(opt_state) -> LossScaleState | None:
-    """The loss-scale state inside an optimizer state `loss_scaled` made, else None."""
+    """The loss-scale state inside an optimizer state `loss_scaled` made (under delayed fp8 scaling's wrapper,
+    tessera/lower/fp8_delayed.py, when there is one), else None."""
+    opt_state = fp8_delayed.inner_state(opt_state)
     if isinstance(opt_state, tuple) and len(opt_state) == 2 and isinstance(opt_state[0], LossScaleState):
         return opt_state[0]
     return None
 
 
 def inner_state(opt_state) -> Any:
-    """The wrapped optimizer's own state (opt_state itself when it is not loss scaled)."""
+    """The wrapped optimizer's own state (opt_state itself when it is neither loss scaled nor carries delayed fp8
+    scaling's histories)."""
+    opt_state = fp8_delayed.inner_state(opt_state)
     return opt_state[1] if state_of(opt_state) is not None else opt_state
 
 

@@ -116,7 +116,7 @@ def _linear(ctx, op, attrs, ins, params):
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
                packed_ref.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
-               fp8=ctx.fp8)
+               fp8=ctx.fp8, fp8_history=_history(ctx, "weight"))
     if "bias" in params:
         y = _plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
     return [y.astype(dt)]
@@ -224,16 +224,23 @@ def _sdpa(ctx, op, attrs, ins, params):
     return [align(out, ("batch", "seq", "heads", "head_dim"), names(op.results[0])).astype(_dtype(op))]
 
 
-def _weight_product(ctx, spec: str, x, w, store):
-    """x ⊗ w for a weight w: in fp8 under an fp8 policy (reference/fp8.py), else accumulating in ctx.accum_dtype."""
+def _history(ctx, name: str):
+    """The amax history of the op's weight `name` under delayed fp8 scaling in a train step, else None."""
+    return ctx.fp8_history.get(name) if ctx.fp8_history else None
+
+
+def _weight_product(ctx, spec: str, x, w, store, name: str):
+    """x ⊗ w for the op's weight `name`: in fp8 under an fp8 policy (reference/fp8.py), else accumulating in
+    ctx.accum_dtype."""
     if ctx.fp8 is not None:
-        return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8)
+        return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8,
+                              history=_history(ctx, name))
     return accum_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
 
 
-def _project(ctx, x, w, b):
+def _project(ctx, x, w, b, name: str):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
-    y = _weight_product(ctx, "bse,ehd->bshd", x, w.astype(x.dtype), stored_dtype(x.dtype, ctx.accum_dtype))
+    y = _weight_product(ctx, "bse,ehd->bshd", x, w.astype(x.dtype), stored_dtype(x.dtype, ctx.accum_dtype), name)
     if b is not None:
         y = _plus_bias(y, b)
     return y.astype(x.dtype)
@@ -268,9 +275,9 @@ def _attention(ctx, op, attrs, ins, params, cache):
     if ctx.shard is not None:  # sequence parallel: the block sees the whole sequence
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
-    q = _project(ctx, x, p["q"], p.get("q_bias"))
-    k = _project(ctx, x, p["k"], p.get("k_bias"))
-    v = _project(ctx, x, p["v"], p.get("v_bias"))
+    q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
+    k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
+    v = _project(ctx, x, p["v"], p.get("v_bias"), "v")
     if attrs["rope"] is not None:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
@@ -292,7 +299,7 @@ def _attention(ctx, op, attrs, ins, params, cache):
         new_cache = _cache_write(cache, k, v, pos)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
-    y = _weight_product(ctx, "bshd,hde->bse", out, p["o"], store)
+    y = _weight_product(ctx, "bshd,hde->bse", out, p["o"], store, "o")
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
@@ -308,13 +315,13 @@ def _mlp(ctx, op, attrs, ins, params):
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype)
     cols = stored_dtype(x.dtype, ctx.accum_dtype)
-    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols)
-    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols)
+    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
+    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")
     if "gate_bias" in p:
         g, u = _plus_bias(g, p["gate_bias"]), _plus_bias(u, p["up_bias"])
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
-    y = _weight_product(ctx, "bsf,fe->bse", h, p["down"], rows)
+    y = _weight_product(ctx, "bsf,fe->bse", h, p["down"], rows, "down")
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
         y = ctx.shard.reduce_out(y, "mlp")
     if "down_bias" in p:
@@ -345,6 +352,8 @@ def _moe(ctx, op, attrs, ins, params):
                 up_bias=p.get("experts/up_bias", zeros((n_exp, d_ff))),
                 down_bias=p.get("experts/down_bias", zeros((n_exp, e))),
                 top_k=attrs["top_k"], act=functools.partial(_act, attrs["act"]), accum=ctx.accum_dtype)
+    if ctx.fp8_history:  # delayed fp8 scaling in a train step: each grouped product with its amax history
+        args["fp8_history"] = {m: _history(ctx, f"experts/{m}") for m in ("gate", "up", "down")}
     label = f"{op_scope(op)} experts"
     few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
     if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)

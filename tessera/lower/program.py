@@ -23,7 +23,7 @@ from tessera.lower.generation import generate_tokens
 from tessera.lower.interpret import eval_region, init_state, split_layers, stacked_layers
 from tessera.lower.reference import fp8_blocks, mxfp4
 from tessera.lower.reference.losses import cross_entropy
-from tessera.lower import loss_scale, storage
+from tessera.lower import fp8_delayed, loss_scale, storage
 from tessera.lower import sampling
 
 Params = dict[str, jax.Array]
@@ -369,10 +369,19 @@ class Program:
         """A scalar of the train state (the step, the optimizer's counts and hyperparameters) replicated
         on the mesh, where the train step returns it: left on one device, it gave the first step an input
         placement no later step has, and every sharded run compiled its train step twice (13 s each
-        for the tests' tiny GPT-OSS on 8 CPU devices). Tracers (`tessera plan`'s abstract state) pass."""
-        if self.plan is None or isinstance(x, jax.core.Tracer) or getattr(x, "ndim", None) != 0:
+        for the tests' tiny GPT-OSS on 8 CPU devices). On one device the deterministic step runs on a
+        one-device mesh and returns every array placed on it: the whole state goes there, or the second
+        step compiled again (the tests' tiny Llama: half the CPU time of a 5-step fixture). Tracers
+        (`tessera plan`'s abstract state) pass."""
+        if isinstance(x, jax.core.Tracer) or not hasattr(x, "ndim"):
             return x
         from jax.sharding import NamedSharding, PartitionSpec as P
+        if self.plan is None:
+            if self.deterministic and not (self.graph.losses and not self.canonical_objective):
+                return jax.device_put(x, NamedSharding(self._det().mesh, P()))
+            return x
+        if getattr(x, "ndim", None) != 0:
+            return x
         return jax.device_put(x, NamedSharding(self.plan.mesh, P()))
 
     def _loss_and_counts(self, params, batch):
@@ -396,28 +405,33 @@ class Program:
             return state, {**metrics, **self._counters({})}
         m = int(getattr(self.exp.task, "microbatches", 1) or 1)
         ls = loss_scale.state_of(state.opt_state)  # None unless the loss is scaled (lower/loss_scale.py)
-        if ls is None:
-            grad_fn = jax.value_and_grad(self._loss_and_counts, has_aux=True)
-        else:
-            def scaled(params, batch):
-                loss, counts = self._loss_and_counts(params, batch)
-                return loss * ls.scale, counts
+        history = fp8_delayed.history_of(state.opt_state)  # delayed fp8 scaling's amax histories (fp8_delayed.py)
 
-            grad_fn = jax.value_and_grad(scaled, has_aux=True)
+        def scaled(params, batch):
+            loss, counts = self._loss_and_counts(params, batch)
+            return (loss if ls is None else loss * ls.scale), counts
+
+        grad_fn = jax.value_and_grad(scaled, has_aux=True)
+        inputs = fp8_delayed.merged(state.params, history)  # the histories beside the params: their "gradients" are
+        # the step's amaxes
         if m == 1:  # no accumulator: the gradients are the backward pass's own buffers
-            (loss, counts), grads = grad_fn(state.params, batch)
+            (loss, counts), grads = grad_fn(inputs, batch)
+            grads, amaxes = fp8_delayed.split(grads, history)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # as the accumulator holds them
             counts = jax.tree.map(lambda c: c[None], counts)
         else:
             micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
 
-            def accumulate(carry, mb):  # microbatches summed in a fixed order
-                (loss, counts), grads = grad_fn(state.params, mb)
-                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), counts
+            def accumulate(carry, mb):  # microbatches summed in a fixed order (amaxes: their max)
+                (loss, counts), grads = grad_fn(inputs, mb)
+                grads, amaxes = fp8_delayed.split(grads, history)
+                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads),
+                        jax.tree.map(jnp.maximum, carry[2], amaxes)), counts
 
             zero = (jnp.zeros((), jnp.float32),
-                    jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
-            (loss, grads), counts = jax.lax.scan(accumulate, zero, micro)
+                    jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params),
+                    None if history is None else jax.tree.map(jnp.zeros_like, history))
+            (loss, grads, amaxes), counts = jax.lax.scan(accumulate, zero, micro)
             grads = jax.tree.map(lambda g: g / m, grads)
         if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
             loss = loss / ls.scale
@@ -426,6 +440,7 @@ class Program:
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
+        opt_state = fp8_delayed.pushed(opt_state, amaxes)
         metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads), **self._counters(counts),
                    **loss_scale.metrics(opt_state)}
         if self.lr_fn is not None:
@@ -625,6 +640,10 @@ def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
         if exp.mesh.size > 1:
             from tessera.lower.shard.step import make_plan
             plan = make_plan(exp, graph)  # mesh errors are the user's: raised before anything compiles
+        length = fp8_delayed.history_length(graph.attrs.get("fp8"))
+        if optimizer is not None and length is not None:  # delayed fp8 scaling: amax histories in the train state
+            from tessera.ir.passes.numerics import fp8_weights
+            optimizer = fp8_delayed.carrying(optimizer, fp8_weights(graph), length)
         _PROGRAMS[h] = Program(exp, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
                                optimizer=optimizer, lr_fn=lr_fn, plan=plan)
     return _PROGRAMS[h]

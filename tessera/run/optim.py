@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tessera.lower import loss_scale
+from tessera.lower import fp8_delayed, loss_scale
 
 Schedule = Callable[[Any], Any]
 
@@ -153,6 +153,7 @@ def _build_first(exp, opt) -> optax.GradientTransformation:
 def current_lr(opt_state) -> jax.Array:
     """The learning rate the last update used, read from the state `build_optimizer`'s optimizer keeps (Adam then
     L-BFGS: Adam's schedule, L-BFGS taking its steps from its line search; L-BFGS alone: 0)."""
+    opt_state = fp8_delayed.inner_state(opt_state)  # delayed fp8 scaling's histories beside it
     if isinstance(opt_state, SwitchState):
         return current_lr(opt_state.first)
     inner = loss_scale.inner_state(opt_state)

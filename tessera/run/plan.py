@@ -118,7 +118,24 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
         if train:
             grads += n * gradient_bytes(exp, t.dtype)
             opt += states * n * array_bits(t.dtype) / 8
+    if train:
+        opt += delayed_history_bytes(graph)
     return {"params": params, "gradients": grads, "optimizer": opt}
+
+
+def delayed_history_bytes(graph) -> int:
+    """Bytes of delayed fp8 scaling's amax histories in the optimizer state (replicated on every device): fp32
+    [*stacked, 3, H] per fp8 weight (tessera/lower/fp8_delayed.py); 0 under any other policy."""
+    import math
+
+    from tessera.ir.passes.numerics import fp8_weights
+    from tessera.lower.fp8_delayed import OPERANDS, history_length
+
+    length = history_length(graph.attrs.get("fp8"))
+    if length is None:
+        return 0
+    return sum(4 * len(OPERANDS) * length * math.prod(d.size for d in graph.params[path].type.dims[:lead])
+               for path, lead in fp8_weights(graph).items())
 
 
 def _held(exp, graph) -> dict:
@@ -476,6 +493,10 @@ def _numerics_rows(n: dict) -> list[tuple[str, str]]:
     rows = [("compute / accumulate", f"{n['compute']} / {n['accumulate']}"), ("loss scaling", n["loss_scale"])]
     if n.get("fp8_products"):
         rows.append(("products with weights", f"fp8: e4m3 forward, e5m2 gradients, scaled {n['fp8_products']}"))
+    if n.get("fp8_amax_history"):
+        h = n["fp8_amax_history"]
+        rows.append(("  amax history", f"{h['length']} steps x (input, weight, grad) per product, in the optimizer "
+                                       f"state; {h['inference']} at inference"))
     for path, p in n["by_param"].items():
         rule = f"  (rule {p['rule']})" if p["rule"] else ""
         rows.append((f"  {path}", f"{p['storage']} -> {p['compute']}{rule}"))

@@ -16,6 +16,7 @@ from tessera.grammar.numerics import BASE_TYPES, NumericType, NumericTypeError, 
     ("mxfp4", NumericType("mxfp4")),
     ("fp8_e4m3 @accum(fp32) @scale(per_block(32))", NumericType("fp8_e4m3", "fp32", Scale("per_block", 32))),
     ("fp8_e5m2 @scale(delayed)", NumericType("fp8_e5m2", scale=Scale("delayed"))),
+    ("fp8_e4m3 @scale(delayed(1024))", NumericType("fp8_e4m3", scale=Scale("delayed", history=1024))),
     ("int8 @scale(per_tensor)", NumericType("int8", scale=Scale("per_tensor"))),
     ("fp16 @loss_scale(dynamic)", NumericType("fp16", loss_scale="dynamic")),
     ("fp16 @loss_scale(128.0)", NumericType("fp16", loss_scale=128.0)),
@@ -23,6 +24,14 @@ from tessera.grammar.numerics import BASE_TYPES, NumericType, NumericTypeError, 
 def test_parse_canonical(text: str, expected: NumericType) -> None:
     assert parse(text) == expected
     assert str(parse(text)) == text
+
+
+def test_delayed_history_length() -> None:
+    assert parse("fp8_e4m3 @scale(delayed)").scale.history_length == 16
+    assert parse("fp8_e4m3 @scale(delayed(16))") == parse("fp8_e4m3 @scale(delayed)")  # the default, printed bare
+    assert str(parse("fp8_e4m3 @scale( delayed( 16 ) )")) == "fp8_e4m3 @scale(delayed)"
+    assert parse("fp8_e4m3 @scale(delayed(1))").scale.explicit == "delayed(1)"
+    assert parse("fp8_e4m3 @scale(delayed)").scale.explicit == "delayed(16)"
 
 
 def test_non_canonical_text_prints_canonically() -> None:
@@ -60,6 +69,12 @@ ERRORS = [
     ("bf16 @scale(per_block(0))", 22, 1, "block size must be a positive integer"),
     ("bf16 @scale(per_block(2.5))", 22, 3, "block size must be a positive integer"),
     ("bf16 @scale(rowwise)", 12, 7, "unknown scaling `rowwise`"),
+    ("fp8_e4m3 @scale(delayed(0))", 24, 1, "amax history length must be an integer from 1 to 65536, got `0`"),
+    ("fp8_e4m3 @scale(delayed(-2))", 24, 2, "amax history length must be an integer from 1 to 65536"),
+    ("fp8_e4m3 @scale(delayed(1.5))", 24, 3, "amax history length must be an integer from 1 to 65536"),
+    ("fp8_e4m3 @scale(delayed(65537))", 24, 5, "amax history length must be an integer from 1 to 65536"),
+    ("fp8_e4m3 @scale(per_tensor(8))", 16, 10, "per_tensor takes no size"),
+    ("fp8_e4m3 @scale(delay(8))", 16, 5, "unknown scaling `delay(...)`; only per_block(N) and delayed(H) take a size"),
     ("bf16 @accum(fp32) @accum(fp32)", 18, 6, "given twice"),
     ("fp16 @loss_scale(-1)", 17, 2, "loss scale must be positive"),
     ("fp16 @loss_scale(always)", 17, 6, "@loss_scale takes a positive number or `dynamic`"),
@@ -91,7 +106,8 @@ _types = st.builds(
     base=st.sampled_from(sorted(BASE_TYPES)),
     accum=st.none() | st.sampled_from(["fp32", "bf16", "fp16"]),
     scale=st.none() | st.builds(Scale, kind=st.sampled_from(["per_tensor", "delayed"]))
-    | st.builds(Scale, kind=st.just("per_block"), block=st.integers(1, 4096)),
+    | st.builds(Scale, kind=st.just("per_block"), block=st.integers(1, 4096))
+    | st.builds(Scale, kind=st.just("delayed"), history=st.integers(1, 65536)),
     loss_scale=st.none() | st.just("dynamic") | st.floats(1e-3, 1e9, allow_nan=False),
 )
 

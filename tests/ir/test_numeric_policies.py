@@ -94,6 +94,8 @@ def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
             extra = [f"{b} @loss_scale({s})" for b in compute for s in ("1024.0", "dynamic")]
         extra.append("fp8_e4m3 @scale(per_tensor)")  # products with weights in fp8, activations bf16
         extra.append("fp8_e4m3 @scale(per_block(32))")  # the same products, scaled per 1×32 / 32×32 block
+        extra.append("fp8_e4m3 @scale(delayed)")  # scaled from amax histories in the train state (per_tensor's at
+        # inference)
         assert sorted(accepted) == sorted(["fp32", "fp32 @accum(fp32)", "bf16", "bf16 @accum(fp32)", "fp16",
                                            "fp16 @accum(fp32)"] + extra)
     elif where == "params":

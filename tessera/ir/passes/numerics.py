@@ -4,9 +4,9 @@ Params are stored in `params` (master weights), then each rule whose glob matche
 (fnmatch: `*` crosses `/`) sets its type, the last match winning. Activations take the base type of
 `default` (the embedding's output type and float graph inputs), and result types are re-inferred.
 The policy's accumulation type is recorded as the graph attribute `accum`. Under `fp8_e4m3 @scale(per_tensor)` (or
-`@scale(per_block(N))`)
-activations are bf16 and the graph attribute `fp8` (the scaling) tells the lowering to run the products with
-weights in fp8 (tessera/lower/reference/fp8.py).
+`@scale(per_block(N))`, `@scale(delayed(H))`)
+activations are bf16 and the graph attribute `fp8` (the scaling, sizes written out: `delayed` is `delayed(16)`)
+tells the lowering to run the products with weights in fp8 (tessera/lower/reference/fp8.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def apply_numerics(graph: Graph, ctx) -> Graph:
                 op.attrs = {**op.attrs, "dtype": compute}
     graph.attrs["compute"] = compute
     if fp8:
-        graph.attrs["fp8"] = str(default.scale) if default.scale is not None else "per_tensor"
+        graph.attrs["fp8"] = default.scale.explicit if default.scale is not None else "per_tensor"
     if default.accum is not None:
         graph.attrs["accum"] = canonical_dtype(default.accum)
     return retype(graph)
@@ -77,6 +77,36 @@ _FP32_STATISTICS = ("rmsnorm", "layernorm")  # ops whose parameters scale fp32 s
 # experts' grouped products through table.choose)
 _FP8_WEIGHTS = {("attention", n) for n in "qkvo"} | {(op, n) for op in ("mlp", "moe") for n in ("gate", "up", "down")} \
     | {("linear", "weight")}
+
+
+def fp8_product_dims(op_name: str, param: str, attrs: dict) -> tuple[int, int]:
+    """(contracted, total) trailing dims of weight `param` (the name after its last `/`) in one fp8 product of op
+    `op_name`; any dims before them are stacked by a repeat. The experts' matrices [.., experts, in, out] count
+    the experts dim in `total`: one grouped product covers all experts."""
+    if op_name == "linear":
+        return len(attrs["over"]), len(attrs["over"]) + len(attrs["out"])
+    if op_name == "attention":
+        return (2 if param == "o" else 1), 3
+    if op_name == "moe":
+        return 1, 3
+    return 1, 2  # mlp
+
+
+def fp8_weights(graph: Graph) -> dict[str, int]:
+    """{path: number of leading (stacked) dims} of every weight whose product runs in fp8 under an fp8 policy, in
+    first-use order. Under delayed scaling each keeps an amax history of shape leading dims + (3, H)
+    (tessera/lower/fp8_delayed.py)."""
+    out: dict[str, int] = {}
+    for region, _ in regions(graph):
+        for op in region.ops:
+            for ref in op.operands:
+                if not isinstance(ref, ParamRef) or ref.path in out or ref.path not in graph.params:
+                    continue
+                name = ref.path.rsplit("/", 1)[-1]
+                if (op.name, name) in _FP8_WEIGHTS:
+                    total = fp8_product_dims(op.name, name, op.attrs)[1]
+                    out[ref.path] = len(graph.params[ref.path].type.dims) - total
+    return out
 
 
 def resolved_policy(graph: Graph, policy: Any) -> dict:
@@ -103,5 +133,10 @@ def resolved_policy(graph: Graph, policy: Any) -> dict:
         elif graph.attrs.get("fp8") and (owner.get(path), path.rsplit("/", 1)[-1]) in _FP8_WEIGHTS:
             used = "fp8_e4m3"
         params[path] = {"storage": p.type.dtype, "compute": used, "rule": rule}
-    return {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss,
-            "fp8_products": graph.attrs.get("fp8"), "by_param": params}
+    out = {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss,
+           "fp8_products": graph.attrs.get("fp8"), "by_param": params}
+    scaling = graph.attrs.get("fp8") or ""
+    if scaling.startswith("delayed("):  # tessera/lower/fp8_delayed.py
+        out["fp8_amax_history"] = {"length": int(scaling[len("delayed("):-1]), "operands": ["input", "weight", "grad"],
+                                   "weights": list(fp8_weights(graph)), "inference": "current amax (per_tensor)"}
+    return out

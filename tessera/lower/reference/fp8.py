@@ -1,12 +1,13 @@
-"""fp8 contractions with per-tensor current scaling: `numerics.default: fp8_e4m3 @scale(per_tensor)`, and (see
-`block_einsum` and the grouped `_ragged_blocked` at the end) per-block scaling: `fp8_e4m3 @scale(per_block(N))`.
+"""fp8 contractions with per-tensor current scaling: `numerics.default: fp8_e4m3 @scale(per_tensor)`; delayed
+scaling from an amax history, `fp8_e4m3 @scale(delayed(H))` (`_delayed` below); and (see `block_einsum` and the
+grouped `_ragged_blocked` at the end) per-block scaling: `fp8_e4m3 @scale(per_block(N))`.
 
 The usual fp8 training recipe for the products of activations with weights (linear, attention's q/k/v/o
 projections, the MLP's gate/up/down, the MoE experts' grouped products): both operands are quantised to e4m3 in the forward pass and the
 incoming gradient to e5m2 in the backward pass, each with one scale per tensor taken from its current amax,
 and the products of the quantised values accumulate in the `@accum` type (reference/accum.py for bf16/fp16):
 
-    s_x = 2^floor(log2(max_e4m3 / amax|x|))       x_q = e4m3(x · s_x)   (a power of two: x · s_x is exact)
+    s_x = 2^floor(log2(max_e4m3 / amax|x|))       x_q = e4m3(x · s_x)   (a power of two, `_pow2_scale`: exact)
     y   = (x_q ⊗ w_q) / (s_x · s_w)               accumulated in @accum, stored in the result type
     dx  = (g_q ⊗ w_qᵀ) / (s_g · s_w),  dw = (x_qᵀ ⊗ g_q) / (s_x · s_g),   g_q = e5m2(g · s_g)
 
@@ -38,9 +39,7 @@ def quantize(x, dtype):
     largest value, rounded to fp8 (saturating); x ≈ x_q / s. An all-zero x gets s = 1."""
     xf = x.astype(jnp.float32)
     big = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(xf))
-    exp = jnp.floor(jnp.log2(big / jnp.where(amax > 0, amax, 1.0)))
-    s = jnp.where((amax > 0) & jnp.isfinite(amax), jnp.exp2(exp), 1.0)
+    s = _pow2_scale(jnp.max(jnp.abs(xf)), dtype)
     return jnp.clip(xf * s, -big, big).astype(dtype), s
 
 
@@ -91,14 +90,88 @@ def _bwd(spec, accum, out_dtype, res, g):
 _einsum.defvjp(_fwd, _bwd)
 
 
-def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str | None = "per_tensor"):
+def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str | None = "per_tensor",
+           history=None):
     """x (activations) ⊗ w (a weight) as the module doc says; the result in preferred_element_type (default x's).
-    `scaling` (LowerCtx.fp8): "per_tensor", or "per_block(N)" for the blocked products below."""
+    `scaling` (LowerCtx.fp8): "per_tensor", "per_block(N)" for the blocked products below, or "delayed(H)" with
+    `history` this product's amax history (fp32 [3, H]: delayed scaling below; without one, as per_tensor)."""
     n = block_of(scaling)
     if n is not None:
         return block_einsum(spec, x, w, n, preferred_element_type=preferred_element_type)
     out = jnp.dtype(preferred_element_type or x.dtype)
+    if history is not None and delayed_of(scaling) is not None:
+        return _delayed(spec.replace(" ", ""), x, w, history, jnp.dtype(accum), out)
     return _einsum(spec.replace(" ", ""), x, w, jnp.dtype(accum), out)
+
+
+# ---- delayed scaling: `numerics.default: fp8_e4m3 @scale(delayed(H))` (Transformer Engine's recipe) --------------
+#
+# Each product carries an amax history `h` (fp32 [3, H]; rows: the activation x, the weight w, the output gradient
+# g; column 0 the newest step). The scale of an operand is per_tensor's power of two taken from the max of its row,
+# known before the step's operand is (margin 0), so quantising needs no reduction over the operand first:
+#
+#     s_x = 2^floor(log2(max_e4m3 / max h[0]))      x_q = e4m3(clip(x · s_x, ±max_e4m3))   (saturating)
+#
+# and likewise w (row 1, e4m3) and, in the backward pass, g (row 2, e5m2). A row whose max is 0 — an empty history
+# (the first step) or one of all-zero tensors — carries no range: the operand is scaled by its current amax, as
+# per_tensor does it (so the first step is per_tensor's, bit for bit). The step's own amaxes |x|, |w|, |g| are
+# measured beside the product and handed back as the "gradient" of `h`: zeros but column 0 = [amax x, amax w,
+# amax g] (Flax's fp8 ops do the same). The train step (tessera/lower/fp8_delayed.py) takes that cotangent — the
+# max over canonical shards and microbatches, not the sum — and pushes it into the history it keeps in the
+# optimizer state. Everything else (the products, their rescaling, the backward's reuse of the forward's quantised
+# operands) is per_tensor's.
+
+
+def delayed_of(scaling) -> int | None:
+    """H of a `delayed(H)` scaling string (LowerCtx.fp8), else None."""
+    if isinstance(scaling, str) and scaling.startswith("delayed(") and scaling.endswith(")"):
+        return int(scaling[len("delayed("):-1])
+    return None
+
+
+def _amax(x):
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def quantize_delayed(x, row, dtype):
+    """(x_q, s): x quantised to `dtype` with the power of two from max(row) (an amax history's row), saturating; an
+    all-zero row (no history yet) uses x's current amax (`quantize`)."""
+    past = jnp.max(row)
+    xf = x.astype(jnp.float32)
+    big = float(jnp.finfo(dtype).max)
+    # only the fallback reduces over x: with a history, the scale is known before x is
+    s = jax.lax.cond((past > 0) & jnp.isfinite(past), lambda xf: _pow2_scale(past, dtype),
+                     lambda xf: _pow2_scale(jnp.max(jnp.abs(xf)), dtype), xf)
+    return jnp.clip(xf * s, -big, big).astype(dtype), s
+
+
+def _record(history, amaxes):
+    """The cotangent of a history: zeros, column 0 the step's amaxes [3]."""
+    return jnp.zeros_like(history).at[:, 0].set(amaxes.astype(history.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _delayed(spec, x, w, history, accum, out_dtype):
+    return _delayed_fwd(spec, x, w, history, accum, out_dtype)[0]
+
+
+def _delayed_fwd(spec, x, w, history, accum, out_dtype):
+    (xq, sx), (wq, sw) = quantize_delayed(x, history[0], E4M3), quantize_delayed(w, history[1], E4M3)
+    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
+    seen = jnp.stack([_amax(x), _amax(w)])
+    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
+
+
+def _delayed_bwd(spec, accum, out_dtype, res, g):
+    xq, sx, wq, sw, zx, zw, history, seen = res
+    a, b, o = _split(spec)
+    gq, sg = quantize_delayed(g, history[2], E5M2)
+    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype)
+    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype)
+    return dx, dw, _record(history, jnp.concatenate([seen, _amax(g)[None]]))
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 # ---- the experts' grouped product (`ragged_dot`: lhs [M, K] rows grouped by group_sizes, rhs [G, K, N]) --------
@@ -136,16 +209,47 @@ def _ragged_bwd(accum, out_dtype, res, g):
 _ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
 
 
-def ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, accum=None, scaling: str | None = "per_tensor"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ragged_delayed(lhs, rhs, group_sizes, history, accum, out_dtype):
+    return _ragged_delayed_fwd(lhs, rhs, group_sizes, history, accum, out_dtype)[0]
+
+
+def _ragged_delayed_fwd(lhs, rhs, group_sizes, history, accum, out_dtype):
+    (lq, sl), (rq, sr) = quantize_delayed(lhs, history[0], E4M3), quantize_delayed(rhs, history[1], E4M3)
+    out = (_ragged(lq, rq, group_sizes, accum) / (sl * sr)).astype(out_dtype)
+    seen = jnp.stack([_amax(lhs), _amax(rhs)])
+    return out, (lq, sl, rq, sr, group_sizes, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype), history, seen)
+
+
+def _ragged_delayed_bwd(accum, out_dtype, res, g):
+    lq, sl, rq, sr, group_sizes, zl, zr, history, seen = res
+    gq, sg = quantize_delayed(g, history[2], E5M2)
+    wide = jnp.bfloat16
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32),
+                     lq.astype(wide), rq.astype(wide))
+    dl, dr = vjp(gq.astype(jnp.float32))
+    return (dl.astype(jnp.float32) / (sg * sr)).astype(zl.dtype), (dr.astype(jnp.float32) / (sl * sg)).astype(zr.dtype), \
+        None, _record(history, jnp.concatenate([seen, _amax(g)[None]]))
+
+
+_ragged_delayed.defvjp(_ragged_delayed_fwd, _ragged_delayed_bwd)
+
+
+def ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, accum=None, scaling: str | None = "per_tensor",
+               history=None):
     """The experts' grouped product with e4m3 operands (one scale for the tokens, one for all experts' weights) and
-    e5m2 gradients, as `einsum` for dense products; the result in preferred_element_type (default lhs's dtype)."""
+    e5m2 gradients, as `einsum` for dense products; the result in preferred_element_type (default lhs's dtype).
+    Under "delayed(H)" with `history` (fp32 [3, H]) the scales come from the history, as `einsum`'s."""
     out = jnp.dtype(preferred_element_type or lhs.dtype)
     n = block_of(scaling)
     if n is not None:
         if accum is not None and jnp.dtype(accum) != jnp.float32:
             raise NotImplementedError("per-block fp8 accumulates in fp32 (tessera check refuses a narrow @accum)")
         return _ragged_blocked(lhs, rhs, group_sizes, n, out)
-    return _ragged_dot(lhs, rhs, group_sizes, jnp.dtype(accum if accum is not None else jnp.float32), out)
+    accum = jnp.dtype(accum if accum is not None else jnp.float32)
+    if history is not None and delayed_of(scaling) is not None:
+        return _ragged_delayed(lhs, rhs, group_sizes, history, accum, out)
+    return _ragged_dot(lhs, rhs, group_sizes, accum, out)
 
 
 # ---- per-block scaling: `numerics.default: fp8_e4m3 @scale(per_block(N))` (DeepSeek-V3 style) ------------------
@@ -181,9 +285,17 @@ def block_of(scaling) -> int | None:
 
 
 def _pow2_scale(amax, dtype):
+    """2^floor(log2(max_dtype / amax)) in fp32, exactly (1 where amax is 0 or not finite): the largest power of two
+    k with amax · 2^k <= max, from the exponents and mantissas of amax and max (frexp, exact), the power built from
+    its bits. XLA's log2 and exp2 are not exact (on the CPU exp2(13) is 8192.0039 and log2(57344 / 7) is just below
+    13), which made scales that were not powers of two and rescaling that was not exact."""
     big = float(jnp.finfo(dtype).max)
-    exp = jnp.floor(jnp.log2(big / jnp.where(amax > 0, amax, 1.0)))
-    return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.exp2(exp), 1.0)
+    mb, eb = np.frexp(big)  # max = mb · 2^eb, mb in [0.5, 1)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    ma, ea = jnp.frexp(jnp.where(ok, amax, 1.0).astype(jnp.float32))
+    k = jnp.clip(eb - ea - (ma > mb).astype(jnp.int32), -126, 127)  # a normal fp32 power of two
+    s = jax.lax.bitcast_convert_type((k + 127).astype(jnp.int32) << 23, jnp.float32)
+    return jnp.where(ok, s, 1.0)
 
 
 def quantize_rows(x, n: int, dtype):

@@ -124,11 +124,13 @@ def _operand(w, dtype):
 
 
 def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
-        act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot, accum=None) -> jax.Array:
+        act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot, accum=None, fp8_history=None) -> jax.Array:
     """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `ragged_dot` per group.
 
     `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul);
     gate, up and down may be packed `MXFP4` experts, which it must then accept (`mxfp4.any_ragged_dot` does).
+    `fp8_history` ({gate, up, down: amax history}, delayed fp8 scaling in a train step) goes to each product's
+    `ragged_dot` as its `history` (reference/fp8.py's takes it).
     """
     t, d = x.shape
     n_experts = gate.shape[0]
@@ -143,11 +145,12 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     group_sizes = jnp.diff(bounds).astype(jnp.int32)  # [E]
     xs = jnp.repeat(x, top_k, axis=0).at[order].get(unique_indices=True)  # [T*k, D], sorted copies
     ct = wide(x.dtype)
-    rd = functools.partial(ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
-    g = rd(xs, _operand(gate, x.dtype)) + gate_bias.astype(ct)[sorted_expert]  # [T*k, F]
-    u = rd(xs, _operand(up, x.dtype)) + up_bias.astype(ct)[sorted_expert]
+    base = functools.partial(ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
+    rd = lambda name: base if fp8_history is None else functools.partial(base, history=fp8_history[name])  # noqa: E731
+    g = rd("gate")(xs, _operand(gate, x.dtype)) + gate_bias.astype(ct)[sorted_expert]  # [T*k, F]
+    u = rd("up")(xs, _operand(up, x.dtype)) + up_bias.astype(ct)[sorted_expert]
     h = act(g.astype(x.dtype), u.astype(x.dtype))
-    y = rd(h, _operand(down, x.dtype)) + down_bias.astype(ct)[sorted_expert]  # [T*k, D]
+    y = rd("down")(h, _operand(down, x.dtype)) + down_bias.astype(ct)[sorted_expert]  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                    unique_indices=True)
     y = y.at[inverse].get(unique_indices=True).reshape(t, top_k, d)  # back in routing order

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from tessera.diagnostics import error
-from tessera.lower import loss_scale
+from tessera.lower import fp8_delayed, loss_scale
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard.collectives import block_index
 
@@ -158,15 +158,19 @@ class Deterministic:
             full = {k: gather_full(v, specs[k]) for k, v in params.items()}
             opt = _per_spec(gather_full, ospecs, opt_state)
             ls = loss_scale.state_of(opt)  # None unless the loss is scaled (lower/loss_scale.py)
+            history = fp8_delayed.history_of(opt)  # delayed fp8 scaling's amax histories (lower/fp8_delayed.py)
 
-            def scaled(p, sh):
+            def scaled(p, sh):  # the histories ride beside the params: their "gradients" are the shard's amaxes
                 s, n, terms = self._shard_sums(p, sh)
                 return (s if ls is None else s * ls.scale), (n, terms)
 
             grad_fn = jax.value_and_grad(scaled, has_aux=True)
-            (sums, (counts, terms)), grads = self._per_shard(lambda sh: grad_fn(full, sh), batch, c)
+            inputs = fp8_delayed.merged(full, history)
+            (sums, (counts, terms)), grads = self._per_shard(lambda sh: grad_fn(inputs, sh), batch, c)
+            grads, amaxes = fp8_delayed.split(grads, history)
             count = jnp.maximum(tree_sum(counts), 1.0)
             grads = {k: tree_sum(g) / count for k, g in grads.items()}
+            amaxes = None if amaxes is None else {k: jnp.max(a, axis=0) for k, a in amaxes.items()}  # exact
             if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
                 sums = sums / ls.scale
                 grads = {k: g / ls.scale for k, g in grads.items()}
@@ -180,6 +184,7 @@ class Deterministic:
                 updates, opt = prog.optimizer.update(grads, opt, full, **extra)
                 new = optax.apply_updates(full, updates)
                 new = {k: new[k].astype(full[k].dtype) for k in full}
+            opt = fp8_delayed.pushed(opt, amaxes)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **loss_scale.metrics(opt),
                        **{k: tree_sum(v) / count for k, v in terms.items()}}
             if prog.lr_fn is not None:

@@ -1,0 +1,339 @@
+"""Delayed fp8 scaling (`numerics.default: fp8_e4m3 @scale(delayed(H))`, tessera/lower/fp8_delayed.py and
+reference/fp8.py): each product's operands are scaled from an amax history of the previous H steps, checked against
+a numpy model of the history on exactly representable operands (so every check is an equality); the first step is
+per_tensor's bit for bit; the histories are train state that records each step's amaxes, is checkpointed and
+resumes bit-identically; a tiny Llama trains within 0.5 % of bf16; what would not run as written is refused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tessera.lower import fp8_delayed
+from tessera.lower.program import compile_experiment
+from tessera.lower.reference import fp8
+from tessera.lower.reference.losses import cross_entropy
+from tessera.run.optim import build_optimizer, current_lr
+from tessera.spec import load_experiment
+from tests.lower.shard.make_snapshots import ROOT
+
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+# ---- the products against a numpy model of the history -------------------------------------------------------------
+
+def _scale(row: np.ndarray, current: float, fmt) -> float:
+    """The scale delayed scaling applies: per_tensor's power of two from the row's max, or (an all-zero row) from
+    the current amax."""
+    amax = row.max() if row.max() > 0 else current
+    return 2.0 ** np.floor(np.log2(float(ml_dtypes.finfo(fmt).max) / amax)) if amax > 0 else 1.0
+
+
+def _q(v: np.ndarray, s: float, fmt) -> np.ndarray:
+    big = float(ml_dtypes.finfo(fmt).max)
+    return np.clip(v * s, -big, big).astype(fmt).astype(np.float64)  # saturating, as the history may be short
+
+
+def _ints(rng, shape, top: int, exp: int) -> np.ndarray:
+    """Integers in [-top, top] (one of them ±top: the amax is known) times 2^exp: on the fp8 grid at any power-of-two
+    scale that keeps them in range (top = 15 has e4m3's 4 significant bits, 6 e5m2's 3), so the products' sums are
+    exact in fp32. Neither 448 / 15 nor 57344 / 6 is a power of two, whose fp32 log2 may fall just short of the
+    integer (the scale would then be one power of two lower than numpy's)."""
+    v = rng.integers(-top, top + 1, shape).astype(np.float64)
+    v.flat[rng.integers(v.size)] = top * rng.choice([-1, 1])
+    return v * 2.0 ** exp
+
+
+# per step, the powers of two of x, w and g: ranges that jump above the history (saturating) and fall below it
+EXPONENTS = [(0, -6, 0), (3, -6, 2), (-2, -4, -1), (1, -7, 4), (1, -7, -3), (-3, -5, 0)]
+
+
+def test_each_steps_scales_come_from_the_previous_steps_amaxes():
+    """Six steps of a dense and a grouped product with H = 2: y, dx, dw and the recorded amaxes equal the numpy model
+    (scales from the max over the last two steps' amaxes, the current amax on the first step), bit for bit."""
+    rng, h = np.random.default_rng(0), 2
+    hist_np = {"dense": np.zeros((3, h)), "grouped": np.zeros((3, h))}
+    hist = {k: jnp.zeros((3, h), jnp.float32) for k in hist_np}
+    sizes = np.array([3, 0, 4])  # the grouped product's rows per expert; the last row belongs to none
+
+    def step(x, w, g, lhs, rhs, gl, hd, hg):
+        y, vjp = jax.vjp(lambda a, b, c: fp8.einsum("mk,kn->mn", a, b, accum=jnp.float32, scaling=f"delayed({h})",
+                                                    history=c), x, w, hd)
+        yl, vjpl = jax.vjp(lambda a, b, c: fp8.ragged_dot(a, b, jnp.asarray(sizes, jnp.int32), scaling=f"delayed({h})",
+                                                          history=c), lhs, rhs, hg)
+        return y, vjp(g), yl, vjpl(gl)
+
+    step = jax.jit(step)
+    differs = 0
+    for t, (ex, ew, eg) in enumerate(EXPONENTS):
+        x, w, g = _ints(rng, (6, 8), 15, ex), _ints(rng, (8, 5), 15, ew), _ints(rng, (6, 5), 6, eg)
+        lhs, rhs, gl = _ints(rng, (8, 8), 15, ex), _ints(rng, (3, 8, 4), 15, ew), _ints(rng, (8, 4), 6, eg)
+        f32 = lambda *a: [jnp.asarray(v, jnp.float32) for v in a]  # noqa: E731
+        y, (dx, dw, dh), yl, (dl, dr, dhl) = step(*f32(x, w, g, lhs, rhs, gl), hist["dense"], hist["grouped"])
+
+        hd = hist_np["dense"]
+        sx, sw, sg = _scale(hd[0], np.abs(x).max(), E4M3), _scale(hd[1], np.abs(w).max(), E4M3), \
+            _scale(hd[2], np.abs(g).max(), E5M2)
+        xq, wq, gq = _q(x, sx, E4M3), _q(w, sw, E4M3), _q(g, sg, E5M2)
+        np.testing.assert_array_equal(np.asarray(y), xq @ wq / (sx * sw))
+        np.testing.assert_array_equal(np.asarray(dx), gq @ wq.T / (sg * sw))
+        np.testing.assert_array_equal(np.asarray(dw), xq.T @ gq / (sx * sg))
+        seen = [np.abs(x).max(), np.abs(w).max(), np.abs(g).max()]
+        np.testing.assert_array_equal(np.asarray(dh), np.pad(np.array(seen)[:, None], ((0, 0), (0, h - 1))))
+        per_tensor = fp8.einsum("mk,kn->mn", *f32(x, w), accum=jnp.float32)
+        differs += not np.array_equal(np.asarray(per_tensor), np.asarray(y))
+        if t == 0:  # no history yet: the current amax, as per_tensor
+            np.testing.assert_array_equal(np.asarray(per_tensor), np.asarray(y))
+
+        hg = hist_np["grouped"]
+        sl, sr, sgl = _scale(hg[0], np.abs(lhs).max(), E4M3), _scale(hg[1], np.abs(rhs).max(), E4M3), \
+            _scale(hg[2], np.abs(gl).max(), E5M2)
+        lq, rq, glq = _q(lhs, sl, E4M3), _q(rhs, sr, E4M3), _q(gl, sgl, E5M2)
+        want, want_dl, want_dr = np.zeros((8, 4)), np.zeros((8, 8)), np.zeros(rhs.shape)
+        bf16 = lambda v: v.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+        for e, rows in ((0, slice(0, 3)), (2, slice(3, 7))):  # the backward's grouped products come back in bf16
+            want[rows] = lq[rows] @ rq[e] / (sl * sr)
+            want_dl[rows] = bf16(glq[rows] @ rq[e].T) / (sgl * sr)
+            want_dr[e] = bf16(lq[rows].T @ glq[rows]) / (sl * sgl)
+        np.testing.assert_array_equal(np.asarray(yl), want)
+        np.testing.assert_array_equal(np.asarray(dl), want_dl)
+        np.testing.assert_array_equal(np.asarray(dr), want_dr)
+        np.testing.assert_array_equal(np.asarray(dhl)[:, 0], [np.abs(lhs).max(), np.abs(rhs).max(), np.abs(gl).max()])
+
+        # the train step's push: newest first, the oldest dropped; the numpy history likewise
+        state = fp8_delayed.pushed(fp8_delayed.DelayedScalingState(hist, None), {"dense": dh, "grouped": dhl})
+        hist = state.history
+        for k, new in (("dense", seen), ("grouped", [np.abs(lhs).max(), np.abs(rhs).max(), np.abs(gl).max()])):
+            hist_np[k] = np.concatenate([np.array(new)[:, None], hist_np[k][:, :-1]], axis=1)
+            np.testing.assert_array_equal(np.asarray(hist[k]), hist_np[k])
+    assert differs >= 3  # the histories' scales are not the current ones: saturation and coarser grids showed
+
+
+def test_a_non_finite_amax_is_recorded_as_no_range():
+    state = fp8_delayed.DelayedScalingState({"w": jnp.asarray([[1.0, 2.0]] * 3, jnp.float32)}, None)
+    cot = jnp.asarray([[jnp.inf, 0.0], [3.0, 0.0], [jnp.nan, 0.0]], jnp.float32)
+    out = fp8_delayed.pushed(state, {"w": cot}).history["w"]
+    assert np.asarray(out).tolist() == [[0.0, 1.0], [3.0, 1.0], [0.0, 1.0]]
+
+
+def test_the_histories_wrap_loss_scaling_and_the_learning_rate_reads_through():
+    import optax
+
+    from tessera.lower import loss_scale
+    from tessera.run.optim import current_lr
+
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=0.5)
+    opt = fp8_delayed.carrying(loss_scale.loss_scaled(optax.chain(optax.identity(), inner), kind="dynamic", init=8.0),
+                               {"layers/w": 1, "w": 0}, 4)
+    params = {"layers/w": jnp.ones((2, 3, 5)), "w": jnp.ones((3, 5))}
+    state = opt.init(params)
+    assert {k: v.shape for k, v in fp8_delayed.history_of(state).items()} == \
+        {"layers/w" + fp8_delayed.HISTORY: (2, 3, 4), "w" + fp8_delayed.HISTORY: (3, 4)}
+    assert float(loss_scale.state_of(state).scale) == 8.0 and float(current_lr(state)) == 0.5
+    _, state = opt.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert not any(h.any() for h in fp8_delayed.history_of(state).values())  # the optimizer leaves them: the step
+    assert int(loss_scale.state_of(state).good) == 1  # pushes them
+
+
+# ---- a tiny Llama: the train step carries, records and uses the histories ---------------------------------------
+
+ARGS = {"d_model": 32, "d_ff": 64, "head_dim": 8, "heads": 4, "kv_heads": 2, "vocab": 64, "layers": 2}
+STEPS = 5
+DELAYED = "fp8_e4m3 @scale(delayed)"
+
+
+def _exp(policy: str):
+    over = {"numerics.default": policy, "task.batch": 4, "task.seq_len": 16, "task.steps": STEPS,
+            "task.schedule.warmup_steps": 0, "task.optimizer.lr": 1e-2,
+            **{f"model.args.{k}": v for k, v in ARGS.items()}}
+    return load_experiment(str(ROOT / "specs" / "llama_tiny.yaml"), overrides=over)
+
+
+def _batch():
+    seq = jnp.asarray(np.random.default_rng(0).integers(1, 64, (4, 16)), jnp.int32)
+    return {"tokens": seq, "targets": jnp.roll(seq, -1, 1), "mask": jnp.ones((4, 16), jnp.float32)}
+
+
+def _train(policy: str, steps: int, params=None):
+    """(program, [state before step 1, after step 1, ...] as host copies, losses): one batch, learnt by heart.
+    `params`: the initial parameters (the same fp32 values under every policy: one init program serves all)."""
+    exp = _exp(policy)
+    prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
+    state, batch = prog.init_train_state(prog.init(0) if params is None else params), _batch()
+    states, losses = [jax.device_get(state)], []
+    for _ in range(steps):
+        state, m = prog.train_step(state, batch)  # donates its input: keep host copies
+        states.append(jax.device_get(state))
+        losses.append(float(m["loss"]))
+    return prog, states, np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {"delayed": _train(DELAYED, STEPS)}
+    params = out["delayed"][1][0].params
+    out["per_tensor"] = _train("fp8_e4m3 @scale(per_tensor)", 1, params)
+    out["bf16"] = _train("bf16 @accum(fp32)", STEPS, params)
+    return out
+
+
+def _equal(a, b) -> bool:
+    return jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b))
+
+
+def test_step_one_is_per_tensor_bit_for_bit(runs):
+    _, delayed, d_loss = runs["delayed"]
+    _, per_tensor, p_loss = runs["per_tensor"]
+    assert d_loss[0] == p_loss[0]
+    assert _equal(delayed[1].params, per_tensor[1].params)
+    assert _equal(fp8_delayed.inner_state(delayed[1].opt_state), per_tensor[1].opt_state)  # Adam's moments too
+
+
+def test_the_histories_record_each_steps_amaxes(runs):
+    prog, states, _ = runs["delayed"]
+    weights = ["layers/attention/q", "layers/attention/k", "layers/attention/v", "layers/attention/o",
+               "layers/mlp/gate", "layers/mlp/up", "layers/mlp/down"]
+    first = fp8_delayed.history_of(states[0].opt_state)
+    assert sorted(first) == sorted(w + fp8_delayed.HISTORY for w in weights)
+    assert all(h.shape == (2, 3, 16) and h.dtype == np.float32 and not h.any() for h in first.values())
+    for t in range(1, STEPS + 1):
+        before, after = fp8_delayed.history_of(states[t - 1].opt_state), fp8_delayed.history_of(states[t].opt_state)
+        for key, h in after.items():
+            np.testing.assert_array_equal(h[..., 1:], before[key][..., :-1])  # one step older
+            assert np.all(h[..., 0] > 0) and np.all(h[..., t:] == 0)
+            # the weight's amax, per layer: the bf16 weight the product read (params before the step)
+            w = np.asarray(jnp.asarray(states[t - 1].params[key[:-len(fp8_delayed.HISTORY)]], jnp.bfloat16), np.float32)
+            np.testing.assert_array_equal(h[:, 1, 0], np.abs(w).reshape(2, -1).max(axis=1))
+        hist = lambda w: after[w + fp8_delayed.HISTORY]  # noqa: E731
+        for a, b in [("layers/attention/q", "layers/attention/k"), ("layers/attention/q", "layers/attention/v"),
+                     ("layers/mlp/gate", "layers/mlp/up")]:  # one input, one amax
+            np.testing.assert_array_equal(hist(a)[:, 0, 0], hist(b)[:, 0, 0])
+
+
+def _step(prog, state, history=None):
+    """One train step of `prog` from host state `state` (its histories replaced by `history`, when given)."""
+    if history is not None:
+        state = state._replace(opt_state=state.opt_state._replace(history=history))
+    state, m = prog.train_step(jax.tree.map(prog._on_mesh, state), _batch())
+    return jax.device_get(state), float(m["loss"])
+
+
+def test_the_step_scales_by_the_max_of_the_histories_it_carries(runs):
+    """From step 3's state: only each history row's max matters (the rows' maxes alone in column 0 give the same
+    step, bit for bit); histories 64 times smaller (scales 64 times larger: the products saturate) do not; and
+    all-zero histories make the step per_tensor's (the per_tensor program's step from the same parameters)."""
+    prog, states, losses = runs["delayed"]
+    state, history = states[3], fp8_delayed.history_of(states[3].opt_state)
+    maxes = {k: np.pad(h.max(axis=-1, keepdims=True), [(0, 0)] * (h.ndim - 1) + [(0, h.shape[-1] - 1)])
+             for k, h in history.items()}
+    after, loss = _step(prog, state, maxes)
+    assert loss == losses[3] and _equal(after.params, states[4].params)
+    _, loss = _step(prog, state, {k: h / 64 for k, h in history.items()})
+    assert abs(loss - losses[3]) > 1e-2
+    after, loss = _step(prog, state, {k: np.zeros_like(h) for k, h in history.items()})
+    per_tensor = runs["per_tensor"][0]
+    other, other_loss = _step(per_tensor, states[3]._replace(opt_state=state.opt_state.inner))
+    assert loss == other_loss and _equal(after.params, other.params)
+
+
+def test_a_tiny_llama_trains_with_delayed_scaling_close_to_bf16(runs):
+    delayed, bf16 = runs["delayed"][2], runs["bf16"][2]
+    assert delayed[-1] < delayed[0] - 0.2  # it trains
+    np.testing.assert_allclose(delayed, bf16, rtol=5e-3)
+    assert not np.array_equal(delayed, bf16)  # and the products did run in fp8
+
+
+def test_a_checkpoint_resumes_the_histories_bit_identically(runs, tmp_path):
+    from tessera.run.checkpoint import Checkpoints
+
+    prog, states, losses = runs["delayed"]
+    ck = Checkpoints(tmp_path / "ckpt", keep=2)
+    ck.save(2, states[2], {"spec": {}, "metrics": [], "data_step": 2})
+    ck.wait()
+    state, _ = ck.restore(2, prog.init_train_state(prog.init(0)))  # as a resumed run restores it
+    ck.close()
+    assert _equal(fp8_delayed.history_of(state.opt_state), fp8_delayed.history_of(states[2].opt_state))
+    for t in range(3, STEPS + 1):
+        state, m = prog.train_step(state, _batch())
+        assert float(m["loss"]) == losses[t - 1]
+        assert _equal(jax.device_get(state), states[t])  # params, Adam's moments and the histories
+
+
+def test_plan_and_manifest_report_the_history(runs):
+    from tessera.run.plan import _numerics_rows, delayed_history_bytes
+
+    prog = runs["delayed"][0]
+    report = prog.numerics_report()
+    assert report["fp8_products"] == "delayed(16)"
+    assert report["fp8_amax_history"] == {"length": 16, "operands": ["input", "weight", "grad"],
+                                          "weights": ["layers/attention/q", "layers/attention/k", "layers/attention/v",
+                                                      "layers/attention/o", "layers/mlp/gate", "layers/mlp/up",
+                                                      "layers/mlp/down"],
+                                          "inference": "current amax (per_tensor)"}
+    assert report["by_param"]["layers/mlp/up"]["compute"] == "fp8_e4m3"
+    assert dict(_numerics_rows(report))["  amax history"].startswith("16 steps x (input, weight, grad) per product")
+    assert delayed_history_bytes(prog.graph) == 7 * 2 * 3 * 16 * 4  # 7 weights x 2 layers, fp32 [3, 16] each
+
+
+def test_inference_takes_the_current_amax(runs):
+    """A forward has no histories: delayed runs as per_tensor there (no history's `cond` in the traced forward; the
+    train step has one per operand), and a product given none is per_tensor's."""
+    prog, states, _ = runs["delayed"]
+    tokens = _batch()["tokens"]
+    assert "cond[" not in str(jax.make_jaxpr(prog.forward_fn())(states[2].params, tokens))
+    rng = np.random.default_rng(3)
+    x, w = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16), jnp.asarray(rng.standard_normal((8, 3)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, scaling="delayed(16)")),
+                                  np.asarray(fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32)))
+
+
+# ---- refused at check --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, over, says", [
+    ("llama_tiny.yaml", {"mesh.dp": 2, "parallel.deterministic": False},
+     "fp8 compute (`@scale(delayed)`): inside a sharded step (generation, forward, or training with "
+     "parallel.deterministic: false) each device would scale its own block of a tensor by the block's amax, not the "
+     "tensor's (and record that amax in its history), so the numbers would depend on the mesh"),
+    ("generate", {"mesh.dp": 2}, "fp8 compute (`@scale(delayed)`): inside a sharded step (generation"),
+    ("hrm_sudoku.yaml", {}, "weight `cycles/low/net/attention/q` (`attention` at models/hrm.tsl:18:21) is read inside "
+                            "the weight-shared `repeat` at models/hrm.tsl:26:17, several times a step; its one amax "
+                            "history would get one entry a step from several tensors"),
+    ("pinn_kovasznay.yaml", {}, "the amax histories are carried by the cross-entropy train step; a model with loss "
+                                "entries (`pde`) is not trained with them"),
+])
+def test_delayed_scaling_that_would_not_run_as_written_is_refused(spec, over, says, tmp_path):
+    import yaml
+
+    from tessera.diagnostics import TesseraError
+    from tessera.ir.check import check_experiment
+
+    path = str(ROOT / "specs" / spec)
+    if spec == "generate":  # the tiny Llama with a generate task
+        resolved = load_experiment(str(ROOT / "specs" / "llama_tiny.yaml")).resolved()
+        resolved["model"]["file"] = str(ROOT / "models" / "llama.tsl")
+        resolved["task"] = {"kind": "generate", "seed": 0, "prompts": [[1, 2, 3]], "max_new_tokens": 2}
+        path = tmp_path / "generate.yaml"
+        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    exp = load_experiment(str(path), overrides={"numerics.default": DELAYED, **over})
+    with pytest.raises(TesseraError) as err:
+        check_experiment(exp)
+    (d,) = err.value.diagnostics
+    assert d.key == "numerics.default" and d.span is not None and says in d.message, d.message
+
+
+@pytest.mark.parametrize("text, col, says", [
+    ("fp8_e4m3 @scale(delayed(0))", 25, "amax history length must be an integer from 1 to 65536, got `0`"),
+    ("fp8_e4m3 @scale(delayed(2.5))", 25, "amax history length must be an integer from 1 to 65536, got `2.5`"),
+    ("fp8_e4m3 @scale(delayed(100000))", 25, "amax history length must be an integer from 1 to 65536"),
+    ("fp8_e4m3 @scale(delayd)", 17, "unknown scaling `delayd`"),
+    ("fp8_e4m3 @scale(per_tensor(4))", 17, "per_tensor takes no size"),
+])
+def test_a_malformed_delayed_scaling_is_an_error_at_its_column(capsys, text, col, says):
+    from tessera.cli import main
+
+    assert main(["check", str(ROOT / "specs" / "llama_tiny.yaml"), "--set", f"numerics.default={text}"]) == 2
+    err = capsys.readouterr().err
+    assert f"<--set>:1:{17 + col}: error: numerics.default: {says}" in err, err
