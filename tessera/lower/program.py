@@ -357,12 +357,6 @@ class Program:
         if self.graph.losses:  # L-BFGS's state may hold one buffer twice (each leaf its own, to be donated), and
             # weakly typed scalars the step returns strongly typed (a second compile of the step): neither
             state = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.asarray(x).dtype, copy=True), state)
-        if self.plan is None and self.deterministic and not (self.graph.losses and not self.canonical_objective):
-            # the deterministic step runs under shard_map on a mesh of one device and returns its state placed
-            # there: a state left on the plain device gave the first step an input placement no later step has,
-            # and every one-device run compiled its train step twice (6 s of CPU for the tests' tiny transformer)
-            from jax.sharding import NamedSharding, PartitionSpec as P
-            state = jax.device_put(state, NamedSharding(self._det().mesh, P()))
         return jax.tree.map(self._on_mesh, state)
 
     def _on_mesh(self, x):
