@@ -298,9 +298,7 @@ def test_inference_takes_the_current_amax(runs):
      "parallel.deterministic: false) each device would scale its own block of a tensor by the block's amax, not the "
      "tensor's (and record that amax in its history), so the numbers would depend on the mesh"),
     ("generate", {"mesh.dp": 2}, "fp8 compute (`@scale(delayed)`): inside a sharded step (generation"),
-    ("hrm_sudoku.yaml", {}, "weight `cycles/low/net/attention/q` (`attention` at models/hrm.tsl:18:21) is read inside "
-                            "the weight-shared `repeat` at models/hrm.tsl:26:17, several times a step; its one amax "
-                            "history would get one entry a step from several tensors"),
+    ("shared", {}, "shared.tsl:8:13) is read inside the weight-shared `repeat` at "),  # weight layers/attention/q
     ("pinn_kovasznay.yaml", {}, "the amax histories are carried by the cross-entropy train step; a model with loss "
                                 "entries (`pde`) is not trained with them"),
 ])
@@ -317,11 +315,23 @@ def test_delayed_scaling_that_would_not_run_as_written_is_refused(spec, over, sa
         resolved["task"] = {"kind": "generate", "seed": 0, "prompts": [[1, 2, 3]], "max_new_tokens": 2}
         path = tmp_path / "generate.yaml"
         path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    if spec == "shared":  # the tiny Llama with one layer's weights shared by every layer (a weight-shared repeat)
+        model = tmp_path / "shared.tsl"
+        model.write_text((ROOT / "models" / "llama.tsl").read_text().replace(
+            "repeat(layers, layer, x) as layers", "repeat(layers, layer, x, shared = true) as layers"))
+        resolved = load_experiment(str(ROOT / "specs" / "llama_tiny.yaml")).resolved()
+        resolved["model"]["file"] = str(model)
+        path = tmp_path / "shared.yaml"
+        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
     exp = load_experiment(str(path), overrides={"numerics.default": DELAYED, **over})
     with pytest.raises(TesseraError) as err:
         check_experiment(exp)
     (d,) = err.value.diagnostics
     assert d.key == "numerics.default" and d.span is not None and says in d.message, d.message
+    if spec == "shared":
+        assert d.message.startswith("`fp8_e4m3 @scale(delayed)`: weight `layers/attention/q` (`attention` at ")
+        assert d.message.endswith("shared.tsl:16:9, several times a step; its one amax history would get one entry "
+                                  "a step from several tensors")
 
 
 @pytest.mark.parametrize("text, col, says", [
