@@ -446,4 +446,4 @@ def check_experiment(exp) -> Graph:
     problems = [d for check in CHECKS for d in check(exp, graph)]
     if problems:
         raise TesseraError(problems)
-    return run_pipeline(graph, ctx=PassContext(numerics=exp.numerics, experiment=exp))
+    return run_pipeline(graph, ctx=PassContext.of(exp))

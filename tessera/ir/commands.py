@@ -18,7 +18,7 @@ def ir_command(spec, overrides=(), after: str | None = None, roundtrip: bool = F
 
     exp = load_experiment(spec, overrides=overrides)
     graph = experiment_graph(exp)
-    ctx = PassContext(numerics=exp.numerics, experiment=exp)
+    ctx = PassContext.of(exp)
     if not roundtrip:
         if after is not None:
             graph = next(g for name, g in stages(graph, ctx, after) if name == after)

@@ -17,10 +17,18 @@ Pass = Callable[[Graph, "PassContext"], Graph]
 
 @dataclasses.dataclass
 class PassContext:
-    """What passes may read besides the graph: the numeric policy (and later the mesh and rules)."""
+    """What passes may read besides the graph, built once from the spec (`PassContext.of`): the numeric policy
+    and the logical -> mesh axis rules on the spec's mesh. Passes see these, never the whole experiment."""
 
     numerics: Any = None  # spec Numerics (or {"default": "bf16 @accum(fp32)", "params": ..., "rules": {...}})
-    experiment: Any = None
+    rules: Any = None  # tessera.ir.passes.shard.AxisRules on the spec's mesh; None: the shard pass annotates nothing
+
+    @classmethod
+    def of(cls, exp) -> "PassContext":
+        """The context of an experiment: its numerics and its mesh's axis rules."""
+        from tessera.ir.passes.shard import AxisRules
+
+        return cls(numerics=exp.numerics, rules=AxisRules.from_experiment(exp))
 
 
 PASSES: dict[str, Pass] = {}

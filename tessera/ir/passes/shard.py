@@ -113,9 +113,9 @@ def _annotate_region(region: Region, rules: AxisRules, seen: set) -> None:
 
 def shard(graph: Graph, ctx: PassContext) -> Graph:
     """Every param and value of `graph` annotated with its mesh axes on the experiment's mesh."""
-    if ctx is None or ctx.experiment is None:
+    if ctx is None or ctx.rules is None:
         return graph
-    rules = AxisRules.from_experiment(ctx.experiment)
+    rules = ctx.rules
     for p in graph.params.values():
         p.type = _annotate(p.type, rules, activation=False)
     seen: set = set()

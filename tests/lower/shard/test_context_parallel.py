@@ -125,7 +125,7 @@ def test_shard_pass_splits_activation_seq_over_sp_and_the_plan_checks_the_length
 
     over = {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2, "parallel.sequence_parallel": True, **SEQ}
     exp = load_experiment(ROOT / GPT_OSS, overrides=over)
-    text = str(run_pass("shard", program_graph(exp), PassContext(numerics=exp.numerics, experiment=exp)))
+    text = str(run_pass("shard", program_graph(exp), PassContext.of(exp)))
     assert "input %tokens : i32[batch, seq] | [dp, sp]" in text  # tokens whole over tp, as the lowering takes them
     attention = next(line for line in text.splitlines() if "= attention(" in line)
     assert attention.endswith(": f32[batch, seq, embed=128] | [dp, sp*tp, -]")  # between blocks: seq over sp×tp

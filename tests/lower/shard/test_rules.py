@@ -37,7 +37,7 @@ def test_sequence_parallel_splits_activation_seq_over_tp():
 
 def test_shard_pass_annotates_every_value_and_round_trips():
     exp = _exp(mesh__tp=2, mesh__dp=2, mesh__fsdp=2)
-    graph = run_pass("shard", program_graph(exp), PassContext(numerics=exp.numerics, experiment=exp))
+    graph = run_pass("shard", program_graph(exp), PassContext.of(exp))
     text = str(graph)
     assert "param @layers/attention/q : f32[layers=2, embed=128, heads=4, head_dim=32] | [-, fsdp, tp, -]" in text
     assert "input %tokens : i32[batch, seq] | [dp*fsdp, -]" in text
