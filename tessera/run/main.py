@@ -25,7 +25,10 @@ from tessera.spec.files import file_records
 
 RUNS_DIR = Path("runs")
 SPEC_FILE = "spec.yaml"
-DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true",)
+# Deterministic mode's XLA flags. XLA:CPU's tree-reduction rewrite (a reduce split into a reduce-window and a
+# reduce) took some reductions of a multi-device program and not the same reductions of the one-device program (the
+# spectral MoE's bias gradients: dp=2 differed from one device from step 1; bench/experiments/mesh_divergence.py).
+DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_disable_hlo_passes=tree_reduction_rewriter")
 OOM_MARKERS = ("resource_exhausted", "out of memory")  # matched in the lower-cased error text
 
 

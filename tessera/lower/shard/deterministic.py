@@ -61,10 +61,25 @@ def _entries(spec: P):
 
 
 def gather_full(x, spec: P):
-    """The whole tensor from this device's block (all_gather along every split dim: exact)."""
+    """The whole tensor from this device's block, in the layout a one-device program holds it.
+
+    Each device places its block's bit patterns in a zero tensor of the whole shape and the blocks are summed as
+    integers (exact: one device contributes each element's bits, and -0.0 stays -0.0). Not `all_gather`: XLA
+    lays an all-gather along a minor dim out with that dim major (the spectral MoE's experts {4,3,2,0,1}), and
+    the products reading it then summed in another order than one device's, so ep=2 was not bit-identical
+    (bench/experiments/mesh_divergence.py)."""
     for i, e in _entries(spec):
-        x = jax.lax.all_gather(x, e, axis=i, tiled=True)
+        axes = (e,) if isinstance(e, str) else tuple(e)
+        n = math.prod(jax.lax.axis_size(a) for a in axes)
+        bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+        wide = bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
+        full = jnp.zeros(x.shape[:i] + (x.shape[i] * n,) + x.shape[i + 1:], wide.dtype)
+        full = jax.lax.dynamic_update_slice_in_dim(full, wide, block_index(axes) * x.shape[i], axis=i)
+        x = jax.lax.bitcast_convert_type(jax.lax.psum(full, e).astype(bits.dtype), x.dtype)
     return x
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}  # a dtype's bit pattern, by its item size
 
 
 def local_block(x, spec: P):

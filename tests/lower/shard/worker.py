@@ -132,7 +132,38 @@ def error(spec: str, extra: dict, steps: int) -> dict:
     return {"error": None}
 
 
-KINDS = {"train": train, "train_pde": train_pde, "generate": generate, "error": error}
+def gather(spec: str, extra: dict, steps: int) -> dict:
+    """Deterministic mode's gather_full on 2 x 4 devices, each dtype: whether every bit of the whole tensor (a
+    -0.0, a NaN payload, subnormals among random values) comes back, from blocks split over one axis and two."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from tessera.lower.shard.deterministic import gather_full
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("ep", "dp"))
+    bits = np.random.default_rng(0).integers(0, 2 ** 32, (4, 8, 6), dtype=np.uint64).astype(np.uint32)
+    bits[0, 0, :3] = [0x80000000, 0x7FC01234, 0x00000001]  # -0.0, a NaN with a payload, the smallest subnormal
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        if dtype == "float32":
+            x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float32)
+        else:
+            x = jax.lax.bitcast_convert_type(jnp.asarray((bits & 0xFFFF).astype(np.uint16)), jnp.bfloat16)
+        for spec in (P(None, "ep"), P("dp", ("ep",))):
+            fn = jax.shard_map(lambda v, spec=spec: gather_full(v, spec), mesh=mesh, in_specs=spec, out_specs=P(),
+                               check_vma=False)
+            got = fn(jax.device_put(x, NamedSharding(mesh, spec)))
+            same = np.array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16 if dtype == "bfloat16"
+                                                                          else jnp.uint32)),
+                                  np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16 if dtype == "bfloat16"
+                                                                          else jnp.uint32)))
+            out[f"{dtype} {spec}"] = bool(same)
+    return out
+
+
+KINDS = {"train": train, "train_pde": train_pde, "generate": generate, "error": error, "gather": gather}
 
 
 def main() -> None:
