@@ -19,9 +19,28 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
+# The files that take longest (CPU seconds with a cold compilation cache, 2-core machine), longest first: `make
+# test`'s two workers start them first, and the many short files fill in behind them so both end together.
+LONGEST = ("lower/shard/test_train_meshes.py", "lower/shard/test_pipeline_1f1b.py",
+           "lower/shard/test_expert_dispatch.py", "lower/shard/test_context_parallel.py", "test_setup.py",
+           "run/test_host_invariance.py", "lower/kernels/test_flash_attention.py", "lower/test_mxfp4_padding.py")
+
+
+def pytest_configure(config):
+    """Keep the order below: pytest-xdist would otherwise hand out files by their number of tests, most first, which
+    put the one-test fresh-clone setup file and the few-test 8-device files last, running alone at the end."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _rank(path: Path, slow: set) -> int:
+    rel = path.relative_to(ROOT / "tests").as_posix()
+    return LONGEST.index(rel) if rel in LONGEST else len(LONGEST) + (path not in slow)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with a `slow` test run first. `make test`'s two workers each take whole files in collection order
-    (--dist loadfile), so a long file collected last (the 8-device training files sit in the middle, the
-    fresh-clone setup test at the very end) would run alone after everything else has finished."""
+    """The LONGEST files run first, then the other files with a `slow` test. `make test`'s two workers each take
+    whole files in collection order (--dist loadfile), so a long file collected last would run alone after
+    everything else has finished."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)  # stable: each file's tests stay together, in order
+    items.sort(key=lambda item: _rank(item.path, slow))  # stable: each file's tests stay together, in order

@@ -18,8 +18,9 @@ TINY = Path(__file__).resolve().parents[2] / "specs" / "gpt_oss_tiny.yaml"
 
 @pytest.fixture(scope="module")
 def tiny():
-    """gpt_oss_tiny at 4 layers (period 2: sliding and full attention alternate), fp32, and its params."""
-    prog = tessera.compile(tessera.load(TINY, overrides={"model.args.layers": 4}))
+    """gpt_oss_tiny at 4 layers (period 2: sliding and full attention alternate), fp32, and its params; window 8
+    (the spec's 16 would take 12 decode steps, each unrolled into the compiled program, to pass)."""
+    prog = tessera.compile(tessera.load(TINY, overrides={"model.args.layers": 4, "model.args.window": 8}))
     return prog, prog.init(seed=0)
 
 
@@ -45,11 +46,11 @@ def _prefill_then_decode(prog, params, unroll: bool, tokens, steps: int):
 
 
 def test_unrolled_layers_equal_the_scan(tiny):
-    """Prefill of 7 tokens plus 12 decode steps (past the 16-token window): the same logits, and layer i's cache in
+    """Prefill of 7 tokens plus 4 decode steps (past the 8-token window): the same logits, and layer i's cache in
     the unrolled state is slice i of the scan's stacked one."""
     prog, params = tiny
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 7)), jnp.int32)
-    run = jax.jit(lambda p, t, unroll: _prefill_then_decode(prog, p, unroll, t, 12), static_argnums=2)
+    run = jax.jit(lambda p, t, unroll: _prefill_then_decode(prog, p, unroll, t, 4), static_argnums=2)
     want, stacked = run(params, tokens, False)
     got, layers = run(params, tokens, True)
     for w, g in zip(want, got):
