@@ -395,6 +395,36 @@ def _narrow_accum_training(exp, graph: Graph, accum: str) -> list[Diagnostic]:
     return []
 
 
+MAX_CANONICAL = 8  # canonical batch shards per step: any mesh of up to 8 devices that divides it reproduces
+
+
+def canonical_shards(batch: int) -> int:
+    """C: the largest divisor of the batch that is at most MAX_CANONICAL (deterministic mode's batch shards)."""
+    return max(d for d in range(1, MAX_CANONICAL + 1) if batch % d == 0)
+
+
+def canonical_problems(exp, batch: int, devices: int) -> list[Diagnostic]:
+    """The batch's canonical shards must split evenly over the mesh's devices (at task.batch)."""
+    c = canonical_shards(batch)
+    if c % devices == 0:
+        return []
+    return [Diagnostic(f"deterministic mode cuts the batch of {batch} into {c} canonical shards, which do not split "
+                       f"over {devices} devices", span=exp.span("task.batch"), key="task.batch",
+                       hint=f"use a batch with {devices} dividing its largest divisor ≤ {MAX_CANONICAL} "
+                            f"(e.g. {8 * devices // math.gcd(8, devices)}) on at most {MAX_CANONICAL} "
+                            "devices, or parallel.deterministic: false")]
+
+
+def check_canonical_batch(exp, graph: Graph) -> list[Diagnostic]:
+    """Deterministic mode on a mesh: the task's batch splits into canonical shards the devices share evenly (the
+    rule the sharded step applies, checked before anything compiles)."""
+    batch = getattr(exp.task, "batch", None)
+    mesh = getattr(exp, "mesh", None)
+    if mesh is None or mesh.auto or mesh.size <= 1 or not exp.parallel.deterministic or not isinstance(batch, int):
+        return []
+    return canonical_problems(exp, batch, mesh.size)
+
+
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:
     """No mesh axis splits a dim an op needs whole (`OpDef.whole_dims`: a Fourier transform's): refused here,
     naming the op, the dim and the axis, rather than gathered silently."""
@@ -426,7 +456,7 @@ def check_objectives(exp, graph: Graph) -> list[Diagnostic]:
     return objective_problems(exp, graph)
 
 
-CHECKS = [check_mesh_divides, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
+CHECKS = [check_mesh_divides, check_canonical_batch, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
           check_objectives]
 
 

@@ -22,28 +22,18 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from tessera.diagnostics import error
+from tessera.diagnostics import TesseraError
+from tessera.ir.check import MAX_CANONICAL, canonical_problems, canonical_shards  # noqa: F401 (re-exported)
 from tessera.lower import fp8_delayed, loss_scale
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard.collectives import block_index
 
-MAX_CANONICAL = 8  # canonical batch shards per step: any mesh of up to 8 devices that divides it reproduces
-
-
-def canonical_shards(batch: int) -> int:
-    """C: the largest divisor of the batch that is at most MAX_CANONICAL."""
-    return max(d for d in range(1, MAX_CANONICAL + 1) if batch % d == 0)
-
-
 def check_canonical(exp, batch: int, devices: int) -> None:
-    """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise)."""
-    c = canonical_shards(batch)
-    if c % devices:
-        raise error(f"deterministic mode cuts the batch of {batch} into {c} canonical shards, which do not split "
-                    f"over {devices} devices", span=exp.span("task.batch"), key="task.batch",
-                    hint=f"use a batch with {devices} dividing its largest divisor ≤ {MAX_CANONICAL} "
-                         f"(e.g. {8 * devices // math.gcd(8, devices)}) on at most {MAX_CANONICAL} "
-                         "devices, or parallel.deterministic: false")
+    """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise; `tessera
+    check` runs the same rule, tessera.ir.check.check_canonical_batch)."""
+    problems = canonical_problems(exp, batch, devices)
+    if problems:
+        raise TesseraError(problems)
 
 
 def tree_sum(x):

@@ -148,3 +148,17 @@ def test_deterministic_batch_must_split_into_canonical_shards_over_the_mesh():
     assert d.key == "task.batch" and d.span is not None
     x = np.asarray([1e8, 1.0, -1e8, 1.0, 3.0], np.float32)
     assert float(tree_sum(x)) == float(((x[0] + x[1]) + (x[2] + x[3])) + x[4])
+
+
+def test_check_refuses_a_batch_whose_canonical_shards_do_not_split_over_the_mesh():
+    """`tessera check` applies the sharded step's rule before anything compiles (the run sweep found a spec that
+    `check` accepted and `run` refused); fast mode and one device are not concerned."""
+    from tessera.ir.check import check_experiment
+
+    exp = load_experiment(ROOT / "specs" / "gpt_oss_tiny.yaml", overrides={"task.batch": 2, "mesh.sp": 2, "mesh.tp": 2})
+    with pytest.raises(TesseraError) as e:
+        check_experiment(exp)
+    (d,) = e.value.diagnostics
+    assert d.key == "task.batch" and d.span is not None and "into 2 canonical shards" in d.message
+    check_experiment(load_experiment(ROOT / "specs" / "gpt_oss_tiny.yaml",
+                                     overrides={"task.batch": 8, "mesh.sp": 2, "mesh.tp": 2}))
