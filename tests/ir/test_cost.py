@@ -93,7 +93,7 @@ def test_kv_cache_sliding_window_layers_hold_their_window():
 
 def test_per_device_bytes_under_fsdp_and_tp(tmp_path):
     args = dict(vocab=32, d_model=16, layers=2, heads=4, kv_heads=4, head_dim=8, d_ff=32)
-    exp = load_experiment(spec(tmp_path, LLAMA, args, "mesh: {fsdp: 2, tp: 4}\n"))
+    exp = load_experiment(spec(tmp_path, LLAMA, args, "mesh: {fsdp: 2, tp: 4}\nparallel: {deterministic: false}\n"))
     graph, layout = program_graph(exp), cost.Layout.of(exp)
     per = {p.path: layout.per_device(p.type) for p in graph.params.values()}
     assert per["layers/attention/q"] == 2 * 16 * 4 * 8 / (2 * 4)   # embed by fsdp, heads by tp
@@ -108,7 +108,7 @@ def test_per_device_bytes_under_fsdp_and_tp(tmp_path):
 
 def test_tensor_parallel_collectives_per_layer(tmp_path):
     args = dict(vocab=32, d_model=16, layers=3, heads=4, kv_heads=4, head_dim=8, d_ff=32)
-    exp = load_experiment(spec(tmp_path, LLAMA, args, "mesh: {dp: 2, tp: 4}\n"))
+    exp = load_experiment(spec(tmp_path, LLAMA, args, "mesh: {dp: 2, tp: 4}\nparallel: {deterministic: false}\n"))
     graph, layout = program_graph(exp), cost.Layout.of(exp)
     rows = {(r["axis"], r["kind"], r["what"]): r["bytes"]
             for r in cost.collectives(graph, {"batch": 8, "seq": 5}, layout, train=True)}
