@@ -85,28 +85,17 @@ FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tes
 def _fp8_weights(graph: Graph):
     """(param, contracted dims, kept dims) for each weight whose product runs in fp8 (a dense product: its true dims
     are the param's last ones, any leading ones stacked by a repeat)."""
-    from tessera.ir.passes.numerics import _FP8_WEIGHTS
-    from tessera.ir.passes.rewrite import regions
-    from tessera.ir.types import ParamRef
+    from tessera.ir.passes.numerics import fp8_weight_uses
 
-    seen = set()
-    for region, _ in regions(graph):
-        for op in region.ops:
-            for ref in op.operands:
-                if not isinstance(ref, ParamRef) or ref.path in seen or ref.path not in graph.params:
-                    continue
-                name = ref.path.rsplit("/", 1)[-1]
-                if (op.name, name) not in _FP8_WEIGHTS:
-                    continue
-                seen.add(ref.path)
-                if op.name == "linear":
-                    ncon, total = len(op.attrs["over"]), len(op.attrs["over"]) + len(op.attrs["out"])
-                elif op.name == "attention":
-                    ncon, total = (2 if name == "o" else 1), 3
-                else:  # mlp, and moe's experts [.., experts, in, out] (the experts dim is the grouped product's)
-                    ncon, total = 1, 2
-                dims = graph.params[ref.path].type.dims[-total:]
-                yield graph.params[ref.path], dims[:ncon], dims[ncon:]
+    for op, path, name in fp8_weight_uses(graph):
+        if op.name == "linear":
+            ncon, total = len(op.attrs["over"]), len(op.attrs["over"]) + len(op.attrs["out"])
+        elif op.name == "attention":
+            ncon, total = (2 if name == "o" else 1), 3
+        else:  # mlp, and moe's experts [.., experts, in, out] (the experts dim is the grouped product's)
+            ncon, total = 1, 2
+        dims = graph.params[path].type.dims[-total:]
+        yield graph.params[path], dims[:ncon], dims[ncon:]
 
 
 def _block_fp8_problems(t, graph: Graph, span, key) -> list[Diagnostic]:

@@ -92,21 +92,27 @@ def fp8_product_dims(op_name: str, param: str, attrs: dict) -> tuple[int, int]:
     return 1, 2  # mlp
 
 
+def fp8_weight_uses(graph: Graph):
+    """(op, param path, weight name) at the first use of every weight whose product runs in fp8 under an fp8
+    policy, in first-use order."""
+    seen: set[str] = set()
+    for region, _ in regions(graph):
+        for op in region.ops:
+            for ref in op.operands:
+                if not isinstance(ref, ParamRef) or ref.path in seen or ref.path not in graph.params:
+                    continue
+                name = ref.path.rsplit("/", 1)[-1]
+                if (op.name, name) in _FP8_WEIGHTS:
+                    seen.add(ref.path)
+                    yield op, ref.path, name
+
+
 def fp8_weights(graph: Graph) -> dict[str, int]:
     """{path: number of leading (stacked) dims} of every weight whose product runs in fp8 under an fp8 policy, in
     first-use order. Under delayed scaling each keeps an amax history of shape leading dims + (3, H)
     (tessera/lower/fp8_delayed.py)."""
-    out: dict[str, int] = {}
-    for region, _ in regions(graph):
-        for op in region.ops:
-            for ref in op.operands:
-                if not isinstance(ref, ParamRef) or ref.path in out or ref.path not in graph.params:
-                    continue
-                name = ref.path.rsplit("/", 1)[-1]
-                if (op.name, name) in _FP8_WEIGHTS:
-                    total = fp8_product_dims(op.name, name, op.attrs)[1]
-                    out[ref.path] = len(graph.params[ref.path].type.dims) - total
-    return out
+    return {path: len(graph.params[path].type.dims) - fp8_product_dims(op.name, name, op.attrs)[1]
+            for op, path, name in fp8_weight_uses(graph)}
 
 
 def resolved_policy(graph: Graph, policy: Any) -> dict:
