@@ -40,6 +40,32 @@ def _route_wt(x, *, router, router_bias, top_k, accum=None):
     return _finish(logits, router_bias, top_k)
 
 
+def _route_einsum(x, *, router, router_bias, top_k, accum=None):
+    # one einsum over the whole K, as before the blocked router (XLA orders the sum)
+    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), **F32)
+    return _finish(logits, router_bias, top_k)
+
+
+def _route_f32(x, *, router, router_bias, top_k, accum=None):
+    # an fp32 product of the exactly widened operands (same products, fp32 sums): an fp32 GEMV for XLA
+    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    return _finish(logits, router_bias, top_k)
+
+
+def _route_bf16_out(x, *, router, router_bias, top_k, accum=None):
+    # fp32 accumulation stored bf16 (as Hugging Face's bf16 router computes it), widened for top_k
+    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.bfloat16)
+    return _finish(logits.astype(jnp.float32), router_bias, top_k)
+
+
+def _no_router(x, *, router, router_bias, top_k, accum=None):
+    # ablation: experts 0..k-1 for every token, equal weights (x kept as an operand)
+    logits = jnp.zeros((x.shape[0], top_k), jnp.float32) + x[:, :1].astype(jnp.float32) * 0
+    experts = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (x.shape[0], top_k))
+    return jax.nn.softmax(logits, axis=-1), experts
+
+
 def _finish(logits, router_bias, top_k):
     if router_bias is not None:
         logits = logits + router_bias.astype(logits.dtype)
@@ -68,6 +94,10 @@ VARIANTS = {
     "base": [],
     "router rows2": [(moe, "route", _route_rows2)],
     "router w.T": [(moe, "route", _route_wt)],
+    "router einsum": [(moe, "route", _route_einsum)],
+    "router f32": [(moe, "route", _route_f32)],
+    "router bf16 out": [(moe, "route", _route_bf16_out)],
+    "ablate: no router": [(moe, "route", _no_router)],
     "gemv 264 programs": [(mxfp4_gemv, "gemv", _gemv_fewer_splits)],
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv)],
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],

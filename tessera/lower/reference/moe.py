@@ -35,13 +35,36 @@ GPT_OSS_ACT: Activation = functools.partial(clamped_swiglu, alpha=1.702, limit=7
 def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int, accum=None):
     """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k]); the router's
     product accumulates in fp32, or in `accum` where narrower (reference/accum.py)."""
-    ct = wide(x.dtype)
-    logits = accum_ref.einsum("td,de->te", x, router.astype(x.dtype), accum=accum if accum_ref.narrow(accum) else ct,
-                              preferred_element_type=ct)
+    logits = router_logits(x, router, accum)
     if router_bias is not None:
         logits = logits + router_bias.astype(logits.dtype)
     top, experts = jax.lax.top_k(logits, top_k)  # [T, k], sorted descending
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+
+
+# The router's K is summed in blocks of ROUTER_BLOCK: each block's products summed in fp32, then the blocks
+# added in order. A fixed order of the spec's, not XLA's: a one-token router product [1, D] x [D, E] with few
+# experts becomes a column reduce in XLA:GPU, which its deterministic mode (tessera run's default) may not
+# split over blocks, so one block summed 2,880 rows: 26 us a layer, 0.6 of the 3.2 ms a GPT-OSS-20B token
+# took (one H100, python -m bench.experiments.decode_variants); and the order does not depend on how many
+# tokens a device holds.
+ROUTER_BLOCK = 32
+
+
+def router_logits(x, router, accum=None):
+    """x [T, D] @ router [D, E] accumulating in fp32 (or `accum` where narrower): fp32 [T, E]. With D a
+    multiple of ROUTER_BLOCK (and more than one block), the blocks' sums [T, D / block, E] are added in order."""
+    ct = wide(x.dtype)
+    w = router.astype(x.dtype)
+    if accum_ref.narrow(accum):
+        return accum_ref.einsum("td,de->te", x, w, accum=accum, preferred_element_type=ct)
+    t, d = x.shape
+    if d % ROUTER_BLOCK or d == ROUTER_BLOCK:
+        return jnp.einsum("td,de->te", x, w, preferred_element_type=ct)
+    c = d // ROUTER_BLOCK
+    blocks = jnp.einsum("tcj,cje->tce", x.reshape(t, c, ROUTER_BLOCK), w.reshape(c, ROUTER_BLOCK, -1),
+                        preferred_element_type=ct)
+    return blocks.sum(axis=1)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
