@@ -42,12 +42,12 @@ def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
 
 
-# The router's K is summed in blocks of ROUTER_BLOCK: each block's products summed in fp32, then the blocks
-# added in order. A fixed order of the spec's, not XLA's: a one-token router product [1, D] x [D, E] with few
-# experts becomes a column reduce in XLA:GPU, which its deterministic mode (tessera run's default) may not
-# split over blocks, so one block summed 2,880 rows: 26 us a layer, 0.6 of the 3.2 ms a GPT-OSS-20B token
-# took (one H100, python -m bench.experiments.decode_variants); and the order does not depend on how many
-# tokens a device holds.
+# The router's K is summed in blocks of ROUTER_BLOCK: each block's products summed in fp32, then the blocks'
+# sums added. A one-token router product [1, D] x [D, E] with few experts becomes a column reduce in XLA:GPU,
+# which its deterministic mode (tessera run's default) does not split over thread blocks: one block summed
+# 2,880 rows, 26 us a layer, 0.6 of the 3.2 ms a GPT-OSS-20B token took on one H100 (0.18 in fast mode;
+# python -m bench.experiments.decode_variants). Two reduces of 32 and 90 rows instead; the blocks are the
+# spec's, the same for any number of tokens a device holds.
 ROUTER_BLOCK = 32
 
 
@@ -64,7 +64,8 @@ def router_logits(x, router, accum=None):
     c = d // ROUTER_BLOCK
     blocks = jnp.einsum("tcj,cje->tce", x.reshape(t, c, ROUTER_BLOCK), w.reshape(c, ROUTER_BLOCK, -1),
                         preferred_element_type=ct)
-    return blocks.sum(axis=1)
+    # the barrier keeps the two sums apart: XLA folds a reduce of a reduce into one reduce over both dims
+    return jax.lax.optimization_barrier(blocks).sum(axis=1)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
