@@ -39,6 +39,29 @@ def test_routing_is_top_k_then_softmax(gpt_oss_pieces, gpt_oss_params, layer):
     assert np.abs(np.sort(full, -1)[:, -2:].sum(-1) - 1).max() > 1e-2
 
 
+def test_router_logits_sum_fixed_blocks_whatever_the_token_count():
+    """A few tokens, K = 96 in blocks of 32: each block summed, then the blocks; a token's logits have the same
+    bits alone or among others, and equal a float64 product to fp32 rounding; K not a multiple of the block,
+    or more than ROUTER_ROWS_MAX tokens: one einsum."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(7))
+    x = jax.random.normal(kx, (6, 96), jnp.bfloat16)
+    w = jax.random.normal(kw, (96, 5), jnp.bfloat16)
+    many = np.asarray(jax.jit(moe.router_logits)(x, w))
+    for t in range(6):
+        np.testing.assert_array_equal(np.asarray(jax.jit(moe.router_logits)(x[t:t + 1], w))[0], many[t])
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(many, exact, rtol=0, atol=1e-4 * np.abs(exact).max())
+    blocks = (np.asarray(x, np.float32).reshape(6, 3, 32, 1) * np.asarray(w, np.float32).reshape(1, 3, 32, 5))
+    np.testing.assert_allclose(many, blocks.sum(2).sum(1), rtol=1e-6, atol=1e-5)
+    odd = jax.random.normal(kx, (2, 40), jnp.bfloat16)
+    wo = jax.random.normal(kw, (40, 5), jnp.bfloat16)
+    np.testing.assert_array_equal(moe.router_logits(odd, wo),
+                                  jnp.einsum("td,de->te", odd, wo, preferred_element_type=jnp.float32))
+    big = jax.random.normal(kx, (moe.ROUTER_ROWS_MAX + 1, 96), jnp.bfloat16)
+    np.testing.assert_array_equal(moe.router_logits(big, w),
+                                  jnp.einsum("td,de->te", big, w, preferred_element_type=jnp.float32))
+
+
 @pytest.mark.parametrize("formulation", [moe.moe, moe.moe_pairs, moe.moe_dense])
 @pytest.mark.parametrize("layer", [0, 1])
 def test_moe_block_matches_transformers(gpt_oss_pieces, gpt_oss_params, formulation, layer):

@@ -42,28 +42,32 @@ def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
 
 
-# The router's K is summed in blocks of ROUTER_BLOCK: each block's products summed in fp32, then the blocks'
-# sums added. A one-token router product [1, D] x [D, E] with few experts becomes a column reduce in XLA:GPU,
-# which its deterministic mode (tessera run's default) does not split over thread blocks: one block summed
-# 2,880 rows, 26 us a layer, 0.6 of the 3.2 ms a GPT-OSS-20B token took on one H100 (0.18 in fast mode;
-# python -m bench.experiments.decode_variants). Two reduces of 32 and 90 rows instead; the blocks are the
-# spec's, the same for any number of tokens a device holds.
+# A few tokens' router product (decode) sums K in blocks of ROUTER_BLOCK: each block's products summed in
+# fp32, then the blocks' sums. XLA:GPU turns a one-token product [1, D] x [D, E] with few experts into a
+# column reduce, which its deterministic mode (tessera run's default) does not split over thread blocks: one
+# block summed 2,880 rows, 26 us a layer, 0.6 of the 3.2 ms a GPT-OSS-20B token took on one H100 (0.18 in
+# fast mode; python -m bench.experiments.decode_variants). Two reduces of 32 and 90 rows instead, written as
+# products and sums rather than a dot, so the order is the same for any number of tokens up to
+# ROUTER_ROWS_MAX (a dot's is not: XLA:CPU's differs in the last bit between one token and six). More
+# tokens (prefill, training) take one dot.
 ROUTER_BLOCK = 32
+ROUTER_ROWS_MAX = 64
 
 
 def router_logits(x, router, accum=None):
-    """x [T, D] @ router [D, E] accumulating in fp32 (or `accum` where narrower): fp32 [T, E]. With D a
-    multiple of ROUTER_BLOCK (and more than one block), the blocks' sums [T, D / block, E] are added in order."""
+    """x [T, D] @ router [D, E] accumulating in fp32 (or `accum` where narrower): fp32 [T, E]. For at most
+    ROUTER_ROWS_MAX tokens and D a multiple of ROUTER_BLOCK (more than one block), the blocks' sums
+    [T, D / block, E] are added apart."""
     ct = wide(x.dtype)
     w = router.astype(x.dtype)
     if accum_ref.narrow(accum):
         return accum_ref.einsum("td,de->te", x, w, accum=accum, preferred_element_type=ct)
     t, d = x.shape
-    if d % ROUTER_BLOCK or d == ROUTER_BLOCK:
+    if t > ROUTER_ROWS_MAX or d % ROUTER_BLOCK or d == ROUTER_BLOCK:
         return jnp.einsum("td,de->te", x, w, preferred_element_type=ct)
     c = d // ROUTER_BLOCK
-    blocks = jnp.einsum("tcj,cje->tce", x.reshape(t, c, ROUTER_BLOCK), w.reshape(c, ROUTER_BLOCK, -1),
-                        preferred_element_type=ct)
+    # products in fp32 (exact for 16-bit operands), each block's 32 summed
+    blocks = (x.reshape(t, c, ROUTER_BLOCK, 1).astype(ct) * w.reshape(1, c, ROUTER_BLOCK, -1).astype(ct)).sum(2)
     # the barrier keeps the two sums apart: XLA folds a reduce of a reduce into one reduce over both dims
     return jax.lax.optimization_barrier(blocks).sum(axis=1)
 
