@@ -64,7 +64,7 @@ def state_checksum(state) -> str:
 
 
 def train(spec: str, extra: dict, steps: int) -> dict:
-    """Loss curve, grad norms and final parameter checksum of `steps` train steps."""
+    """Loss curve, grad norms, final parameter and train state checksums of `steps` train steps."""
     import numpy as np
 
     from tessera.lower.program import compile_experiment
@@ -80,7 +80,7 @@ def train(spec: str, extra: dict, steps: int) -> dict:
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     params = {k: host(v).astype(np.float64) for k, v in state.params.items()}
-    return {"losses": losses, "norms": norms, "checksum": checksum(state.params),
+    return {"losses": losses, "norms": norms, "checksum": checksum(state.params), "state": state_checksum(state),
             "params": {k: v.ravel()[:64].tolist() for k, v in params.items()},
             "collectives": prog.collectives, "deterministic": prog.deterministic}
 
