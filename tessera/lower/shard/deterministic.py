@@ -5,7 +5,7 @@ gradients are computed by the same function on the same shapes wherever it runs,
 (parameters all-gathered: exact, no arithmetic). The devices share the C shards between them (every
 mesh axis acts as a data axis here), all-gather the per-shard results and reduce them in one fixed
 balanced binary tree over the C leaves; then each device applies the optimizer to the full tensors
-(the same arithmetic everywhere) and keeps its own block. On one device the same program runs on a
+(the same arithmetic everywhere: the sum and the update compile on their own, `fenced`) and keeps its own block. On one device the same program runs on a
 one-device mesh, so the single-device run is the reference every mesh reproduces.
 
 A model with loss entries trained on batches of samples (burgers pairs: `Program.canonical_objective`) runs
@@ -108,8 +108,9 @@ def fenced(fn, *args):
     nothing outside is fused with what fn computes, and fn's arithmetic (where XLA:CPU contracts a product and a
     sum into an fma, in which order elementwise work runs) is the same whatever surrounds it: the gathers of a
     mesh's blocks before it, the slices of them after it, or neither on one device. The branch never taken
-    returns zeros. A conditional rather than a loop of one: a loop's inputs are invariant, and XLA hoists the
-    work that depends only on them out of the loop."""
+    returns zeros (never run; the taken branch adds no copies to the one-device program). A conditional rather
+    than `_opaque_map`'s loop: a loop of one over inputs it does not change would invite XLA's loop-invariant code
+    motion to move the work back out."""
     shapes = jax.eval_shape(fn, *args)
     zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     return jax.lax.cond(jax.lax.optimization_barrier(jnp.bool_(True)), fn, zeros, *args)
