@@ -5,8 +5,9 @@ gradients are computed by the same function on the same shapes wherever it runs,
 (parameters all-gathered: exact, no arithmetic). The devices share the C shards between them (every
 mesh axis acts as a data axis here), all-gather the per-shard results and reduce them in one fixed
 balanced binary tree over the C leaves; then each device applies the optimizer to the full tensors
-(the same arithmetic everywhere: the sum and the update compile on their own, `fenced`) and keeps its own block. On one device the same program runs on a
-one-device mesh, so the single-device run is the reference every mesh reproduces.
+(the same arithmetic everywhere: the sum and the update compile on their own, `fenced`) and keeps its own
+block. On one device the same program runs on a one-device mesh, so the single-device run is the reference
+every mesh reproduces.
 
 A model with loss entries trained on batches of samples (burgers pairs: `Program.canonical_objective`) runs
 the same way: each canonical shard's weighted objective and named terms (means over its samples, which
