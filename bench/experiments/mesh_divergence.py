@@ -3,10 +3,13 @@
     python -m bench.experiments.mesh_divergence SPEC [--mesh ep=2] [--steps 3] [--set KEY=VALUE ...] [--xla FLAGS]
 
 Trains SPEC (a train spec; `--set` overrides, e.g. a smaller data set) for `--steps` deterministic steps on one
-device and on the given mesh, in one process with 8 host devices, and prints after each step the parameters and
-optimizer moments that differ and by how much. Adam's first step is sign-like (m/sqrt(v) = +-1), so the moments
-(`mu`, `nu`) show a gradient difference a step before the parameters do. `--xla` adds XLA flags (for instance
-`--xla_disable_hlo_passes=tree_reduction_rewriter`, which makes dp=2 equal one device on the spectral MoE).
+device and on the given mesh, in one process with 8 host devices, compiled with the XLA flags `tessera run` sets in
+deterministic mode, and prints after each step the parameters and optimizer moments that differ, by how much and in
+how many elements. Adam's first step is sign-like (m/sqrt(v) = +-1), so the moments (`mu`, `nu`) show a gradient
+difference a step before the parameters do; a moment that differs while the gradients agree is the update's own
+rounding (docs/parallel.md: ep=2's fused update). `--xla` adds XLA flags (for instance
+`--xla_backend_optimization_level=0`, the test suite's quick compile, under which XLA:CPU's fma contraction did
+not show).
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--xla", default="", help="extra XLA flags")
     args = ap.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {args.xla}".strip()
-    os.environ.setdefault("PJRT_NPROC", "256")  # as `tessera run` in deterministic mode
+    from tessera.run.main import DETERMINISTIC_CPU_THREADS, DETERMINISTIC_XLA_FLAGS  # before JAX starts
+
+    os.environ["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8", *DETERMINISTIC_XLA_FLAGS,
+                                        args.xla]).strip()
+    os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)  # as `tessera run` in deterministic mode
 
     import jax
     import numpy as np
@@ -53,11 +59,17 @@ def main() -> None:
             snaps.append({jax.tree_util.keystr(p): np.asarray(jax.device_get(v)) for p, v in leaves})
         runs[name] = snaps
     one, other = runs.values()
+    first = None
     for n, (a, b) in enumerate(zip(one, other), start=1):
-        diff = {k: float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a if a[k].shape == b[k].shape}
-        bad = {k: v for k, v in diff.items() if v}
-        print(f"after step {n}: {len(bad)} of {len(diff)} arrays differ" + "".join(f"\n  {k}: {v:.3g}" for k, v in
-                                                                                 sorted(bad.items())))
+        same = {k: a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes() for k in a}
+        bad = {k: (float(np.max(np.abs(a[k].astype(np.float64) - b[k]))), int(np.sum(a[k] != b[k])), a[k].size)
+               if a[k].shape == b[k].shape else (float("nan"), a[k].size, a[k].size)
+               for k, ok in same.items() if not ok}
+        first = first or (n if bad else None)
+        print(f"after step {n}: {len(bad)} of {len(same)} arrays differ" + "".join(
+            f"\n  {k}: max {d:.3g}, {c} of {size} elements" for k, (d, c, size) in sorted(bad.items())))
+    print(f"{args.mesh}: " + (f"departs from one device at step {first}" if first else
+                              f"bit-identical to one device over {len(one)} steps (params and optimizer state)"))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import tessera
 from tessera.diagnostics import TesseraError
 from tessera.ir.check import check_experiment
 from tessera.ir.cost import param_summary
-from tessera.run.main import run_experiment
+from tessera.run.main import DETERMINISTIC_XLA_FLAGS, DETERMINISTIC_CPU_THREADS, run_experiment
 from tessera.run.pde import BurgersSource
 from tests.lower.shard.conftest import run_jobs
 
@@ -79,8 +79,30 @@ def test_expert_parallelism_reproduces_one_device_bit_for_bit(cache):
     assert gathered and all(gathered.values()), gathered
     assert ep["collectives"] and not one["collectives"]
     assert ep["losses"] == one["losses"] and ep["norms"] == one["norms"] and one["losses"][0] != one["losses"][1]
-    assert ep["checksum"] == one["checksum"] and ep["forward"] == one["forward"]
+    assert ep["checksum"] == one["checksum"] and ep["forward"] == one["forward"] and ep["state"] == one["state"]
     assert ep["expert_blocks"] == [2] and one["expert_blocks"] == [4]  # experts per device
+
+
+# The smallest spectral MoE found whose ep=2 run stored other Adam moments than one device's after two steps
+# (before the update was fenced: lower/shard/deterministic.py `fenced`).
+TINY = {"model.args.width": 4, "model.args.modes": 4, "model.args.bands": 2, "model.args.layers": 1,
+        "model.args.proj": 8, "task.batch": 8, "task.data.train": 16, "task.data.eval": 8}
+
+
+@pytest.mark.slow  # an 8-device subprocess compiling two programs at LLVM's default level (~35 s on 2 cores)
+def test_expert_parallelism_keeps_the_optimizer_state_bit_for_bit_as_a_run_compiles(cache):
+    """ep=2 against one device, compiled as `tessera run` compiles in deterministic mode: its XLA flags and none of
+    the suite's quick compile flags (at their LLVM level 0, XLA:CPU contracts no product and sum into an fma, and
+    that is where ep=2 differed: its optimizer update, fused with the slice of each device's block, rounded Adam's
+    first moment of the split experts as fma(0.9, mu, 0.1 g) where one device rounds fma(0.1, g, 0.9 mu)). The
+    whole train state is compared: the moments differ a step before the parameters do."""
+    flags = " ".join(["--xla_force_host_platform_device_count=8", *DETERMINISTIC_XLA_FLAGS])
+    jobs = [{"kind": "train_pde", "spec": str(SPEC), "steps": 2, "overrides": {**TINY, **mesh}}
+            for mesh in ({}, {"mesh.ep": 2})]
+    one, ep = run_jobs(jobs, XLA_FLAGS=flags, PJRT_NPROC=DETERMINISTIC_CPU_THREADS)
+    assert ep["expert_blocks"] == [2] and one["expert_blocks"] == [4]
+    assert ep["losses"] == one["losses"] and ep["norms"] == one["norms"]
+    assert ep["state"] == one["state"] and ep["checksum"] == one["checksum"] and ep["forward"] == one["forward"]
 
 
 @pytest.mark.parametrize("spec, overrides, key, message", [

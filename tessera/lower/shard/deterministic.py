@@ -5,8 +5,9 @@ gradients are computed by the same function on the same shapes wherever it runs,
 (parameters all-gathered: exact, no arithmetic). The devices share the C shards between them (every
 mesh axis acts as a data axis here), all-gather the per-shard results and reduce them in one fixed
 balanced binary tree over the C leaves; then each device applies the optimizer to the full tensors
-(the same arithmetic everywhere) and keeps its own block. On one device the same program runs on a
-one-device mesh, so the single-device run is the reference every mesh reproduces.
+(the same arithmetic everywhere: the sum and the update compile on their own, `fenced`) and keeps its own
+block. On one device the same program runs on a one-device mesh, so the single-device run is the reference
+every mesh reproduces.
 
 A model with loss entries trained on batches of samples (burgers pairs: `Program.canonical_objective`) runs
 the same way: each canonical shard's weighted objective and named terms (means over its samples, which
@@ -103,6 +104,19 @@ def _opaque_map(fn, xs, n: int):
     return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, init)
 
 
+def fenced(fn, *args):
+    """fn(*args) as a computation of its own: the branch of a conditional whose predicate XLA cannot know, so
+    nothing outside is fused with what fn computes, and fn's arithmetic (where XLA:CPU contracts a product and a
+    sum into an fma, in which order elementwise work runs) is the same whatever surrounds it: the gathers of a
+    mesh's blocks before it, the slices of them after it, or neither on one device. The branch never taken
+    returns zeros (never run; the taken branch adds no copies to the one-device program). A conditional rather
+    than `_opaque_map`'s loop: a loop of one over inputs it does not change would invite XLA's loop-invariant code
+    motion to move the work back out."""
+    shapes = jax.eval_shape(fn, *args)
+    zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    return jax.lax.cond(jax.lax.optimization_barrier(jnp.bool_(True)), fn, zeros, *args)
+
+
 def _per_spec(fn, specs, tree):
     """fn(leaf, spec) over a tree whose subtrees `specs` (a prefix tree of PartitionSpecs) describes."""
     return jax.tree.map(lambda s, sub: jax.tree.map(lambda leaf: fn(leaf, s), sub), specs, tree,
@@ -173,28 +187,33 @@ class Deterministic:
             inputs = fp8_delayed.merged(full, history)
             (sums, (counts, terms)), grads = self._per_shard(lambda sh: grad_fn(inputs, sh), batch, c)
             grads, amaxes = fp8_delayed.split(grads, history)
-            count = jnp.maximum(tree_sum(counts), 1.0)
-            grads = {k: tree_sum(g) / count for k, g in grads.items()}
-            amaxes = None if amaxes is None else {k: jnp.max(a, axis=0) for k, a in amaxes.items()}  # exact
-            if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
-                sums = sums / ls.scale
-                grads = {k: g / ls.scale for k, g in grads.items()}
-            # XLA contracts a*b+c into fma where a fusion allows it, so the update must be one region that
-            # every mesh compiles alike: barriers on its inputs and outputs keep neighbours out of its fusions
-            grads, opt, full = jax.lax.optimization_barrier((grads, opt, full))
-            loss = tree_sum(sums) / count
-            with jax.named_scope("optimizer"):
-                extra = {} if not prog.graph.losses else dict(  # L-BFGS's line search re-evaluates the objective
-                    value=loss, grad=grads, value_fn=lambda p: self._mean_loss(p, batch, c))
-                updates, opt = prog.optimizer.update(grads, opt, full, **extra)
-                new = optax.apply_updates(full, updates)
-                new = {k: new[k].astype(full[k].dtype) for k in full}
-            opt = fp8_delayed.pushed(opt, amaxes)
-            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **loss_scale.metrics(opt),
-                       **{k: tree_sum(v) / count for k, v in terms.items()}}
-            if prog.lr_fn is not None:
-                metrics["lr"] = prog.lr_fn(opt)
-            new, opt = jax.lax.optimization_barrier((new, opt))
+
+            def update(grads, sums, counts, terms, amaxes, opt, full):
+                count = jnp.maximum(tree_sum(counts), 1.0)
+                grads = {k: tree_sum(g) / count for k, g in grads.items()}
+                amaxes = None if amaxes is None else {k: jnp.max(a, axis=0) for k, a in amaxes.items()}  # exact
+                if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
+                    sums = sums / ls.scale
+                    grads = {k: g / ls.scale for k, g in grads.items()}
+                loss = tree_sum(sums) / count
+                with jax.named_scope("optimizer"):
+                    extra = {} if not prog.graph.losses else dict(  # L-BFGS's line search re-evaluates the objective
+                        value=loss, grad=grads, value_fn=lambda p: self._mean_loss(p, batch, c))
+                    updates, opt = prog.optimizer.update(grads, opt, full, **extra)
+                    new = optax.apply_updates(full, updates)
+                    new = {k: new[k].astype(full[k].dtype) for k in full}
+                opt = fp8_delayed.pushed(opt, amaxes)
+                metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **loss_scale.metrics(opt),
+                           **{k: tree_sum(v) / count for k, v in terms.items()}}
+                if prog.lr_fn is not None:
+                    metrics["lr"] = prog.lr_fn(opt)
+                return new, opt, metrics
+
+            # The reduction and the update compile on their own (`fenced`): in one program with their inputs'
+            # gathers and their outputs' slices, XLA fuses them with those, and XLA:CPU contracts a*b+c*d into
+            # an fma on whichever product the fusion's code puts first (ep=2 stored Adam's first moment of the
+            # split experts as fma(0.9, mu, 0.1*g), one device as fma(0.1, g, 0.9*mu)).
+            new, opt, metrics = fenced(update, grads, sums, counts, terms, amaxes, opt, full)
             return ({k: local_block(v, specs[k]) for k, v in new.items()},
                     _per_spec(local_block, ospecs, opt), metrics)
 

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[3]
 DEVICES = 8
 
 
-def run_jobs(jobs: list[dict], devices: int = DEVICES) -> list[dict]:
-    """Run worker jobs in one fresh interpreter with `devices` host devices; their JSON results."""
-    env = cpu_env(devices)
+def run_jobs(jobs: list[dict], devices: int = DEVICES, **env_vars: str) -> list[dict]:
+    """Run worker jobs in one fresh interpreter with `devices` host devices (and `env_vars` set, XLA_FLAGS
+    included: they replace the suite's); their JSON results."""
+    env = cpu_env(devices, **env_vars)
     proc = subprocess.run([sys.executable, "-m", "tests.lower.shard.worker", json.dumps(jobs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "RESULT " in proc.stdout, proc.stderr[-4000:]

@@ -52,8 +52,19 @@ def checksum(params) -> str:
     return h.hexdigest()
 
 
+def state_checksum(state) -> str:
+    """sha256 over every leaf of a train state (parameters, optimizer moments, counts), in tree order: a
+    difference in Adam's moments shows a step before the parameters move apart."""
+    import jax
+
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state)):
+        h.update(host(leaf).tobytes())
+    return h.hexdigest()
+
+
 def train(spec: str, extra: dict, steps: int) -> dict:
-    """Loss curve, grad norms and final parameter checksum of `steps` train steps."""
+    """Loss curve, grad norms, final parameter and train state checksums of `steps` train steps."""
     import numpy as np
 
     from tessera.lower.program import compile_experiment
@@ -69,14 +80,15 @@ def train(spec: str, extra: dict, steps: int) -> dict:
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     params = {k: host(v).astype(np.float64) for k, v in state.params.items()}
-    return {"losses": losses, "norms": norms, "checksum": checksum(state.params),
+    return {"losses": losses, "norms": norms, "checksum": checksum(state.params), "state": state_checksum(state),
             "params": {k: v.ravel()[:64].tolist() for k, v in params.items()},
             "collectives": prog.collectives, "deterministic": prog.deterministic}
 
 
 def train_pde(spec: str, extra: dict, steps: int) -> dict:
     """A scientific model's `steps` train steps on its spec's Burgers pairs (`extra` as given): losses, grad norms,
-    the parameter checksum, a checksum of its held-out predictions, and how many experts each device holds."""
+    the parameter checksum, the whole train state's, a checksum of its held-out predictions, and how many experts
+    each device holds."""
     import jax
     import numpy as np
 
@@ -96,7 +108,7 @@ def train_pde(spec: str, extra: dict, steps: int) -> dict:
         norms.append(float(m["grad_norm"]))
     pred = np.asarray(jax.device_get(prog.forward(state.params, source.eval[0])))
     experts = [v for k, v in state.params.items() if k.endswith("experts/w_re")]
-    return {"losses": losses, "norms": norms, "checksum": checksum(state.params),
+    return {"losses": losses, "norms": norms, "checksum": checksum(state.params), "state": state_checksum(state),
             "forward": hashlib.sha256(pred.tobytes()).hexdigest(), "collectives": prog.collectives,
             "expert_blocks": [int(v.addressable_shards[0].data.shape[1]) for v in experts]}
 
