@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -198,7 +199,7 @@ class Deterministic:
                 loss = tree_sum(sums) / count
                 with jax.named_scope("optimizer"):
                     extra = {} if not prog.graph.losses else dict(  # L-BFGS's line search re-evaluates the objective
-                        value=loss, grad=grads, value_fn=lambda p: self._mean_loss(p, batch, c))
+                        value=loss, grad=grads, value_fn=self._mean_loss_fn(batch, c))
                     updates, opt = prog.optimizer.update(grads, opt, full, **extra)
                     new = optax.apply_updates(full, updates)
                     new = {k: new[k].astype(full[k].dtype) for k in full}
@@ -221,6 +222,34 @@ class Deterministic:
                            check_vma=False)
         params, opt_state, metrics = fn(state.params, state.opt_state, batch)
         return type(state)(state.step + 1, params, opt_state), metrics
+
+    def _mean_loss_fn(self, batch: dict, c: int):
+        """The mean loss at whole params, differentiable: L-BFGS's line search takes values and gradients of it
+        at trial params. `_per_shard`'s loop is one JAX cannot reverse-differentiate, so the gradient is the train
+        step's own: each canonical shard's, tree-summed, as its VJP (first order)."""
+        def value_and_grad(p, batch):
+            grad_fn = jax.value_and_grad(lambda q, sh: self._shard_sums(q, sh)[:2], has_aux=True)
+            (sums, counts), grads = self._per_shard(lambda sh: grad_fn(p, sh), batch, c)
+            count = jnp.maximum(tree_sum(counts), 1.0)
+            return tree_sum(sums) / count, {k: tree_sum(g) / count for k, g in grads.items()}
+
+        @jax.custom_vjp
+        def mean_loss(p, batch):
+            return self._mean_loss(p, batch, c)
+
+        def fwd(p, batch):
+            value, grads = value_and_grad(p, batch)
+            return value, (grads, batch)
+
+        def bwd(res, g):
+            grads, batch = res
+            no_grad = jax.tree.map(  # the batch is data: integer leaves take float0 cotangents
+                lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.inexact)
+                else jnp.zeros_like(a), batch)
+            return {k: (g * v).astype(v.dtype) for k, v in grads.items()}, no_grad
+
+        mean_loss.defvjp(fwd, bwd)
+        return lambda p: mean_loss(p, batch)
 
     def _mean_loss(self, full: dict, batch: dict, c: int):
         """The loss at whole params `full`: this device's canonical shards, all C gathered and tree-summed."""
