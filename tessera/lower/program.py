@@ -319,9 +319,11 @@ class Program:
         line search (`value_fn`). The line search ends on the point that becomes the next step's params, having
         taken the objective's value and gradient there: an L-BFGS step after the first reuses them (optax's
         `value_and_grad_from_state`) instead of differentiating the objective again, and evaluates the terms
-        forward only, for the metrics. That halves an L-BFGS step whose search accepts its first trial."""
+        forward only, for the metrics. That halves an L-BFGS step whose search accepts its first trial. Only where
+        the step's batch is the last step's (`_same_batch`): collocation points of one draw."""
         stored = _linesearch_state(state.opt_state)
-        if stored is None:
+        same = self._same_batch(state.step)
+        if stored is None or same is False:
             (loss, terms), grads = jax.value_and_grad(self.objective, has_aux=True)(state.params, batch)
         else:
             def fresh(params):
@@ -330,7 +332,7 @@ class Program:
             def reuse(params):
                 return (stored.value, self.loss_terms(params, batch)), stored.grad
 
-            (loss, terms), grads = jax.lax.cond(jnp.isfinite(stored.value), reuse, fresh, state.params)
+            (loss, terms), grads = jax.lax.cond(jnp.isfinite(stored.value) & same, reuse, fresh, state.params)
         with jax.named_scope("optimizer"):
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params, value=loss, grad=grads,
                                                        value_fn=lambda p: self.objective(p, batch)[0])
@@ -340,6 +342,16 @@ class Program:
         if self.lr_fn is not None:
             metrics["lr"] = self.lr_fn(opt_state)
         return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _same_batch(self, step):
+        """Whether the train task feeds data step `step` the batch it fed step `step - 1` (what the trainer passes
+        `train_step`): collocation points drawn once, or within one draw of `resample_every` steps (a traced
+        bool); False for data that changes every step."""
+        data = getattr(self.exp.task, "data", None)
+        if getattr(data, "kind", None) != "collocation":
+            return False
+        every = int(getattr(data, "resample_every", 0) or 0)
+        return jnp.asarray(True) if every == 0 else step % every != 0
 
     def _loss(self, params, batch):
         if self.graph.losses and not self.canonical_objective:
