@@ -1,8 +1,10 @@
 """Elaboration of calls: registered ops, user blocks (inlined), `param`, struct values (`repeat` and `loop`:
 elab_recurrence.py).
 
-Scopes: a call's parameter scope is its `as` path, else the op's (or block's) name; parameter paths are
-the enclosing scopes joined with `/` plus the name the op declares (`layers/attention/q`).
+Scopes: a call's parameter scope is its `as` path, else the op's name; parameter paths are the enclosing
+scopes joined with `/` plus the name the op declares (`layers/attention/q`). A block called by its name is
+named from the innermost repeat's or loop's scope instead, and every call of it there reads one set of
+parameters (`block_scope`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,22 @@ def _scope(frame: _Frame, e: A.Call, default: str) -> tuple[str, ...]:
     return frame.prefix + tuple((e.scope or default).split("/"))
 
 
+def block_scope(el: Elaborator, frame: _Frame, e: A.Call, block: str) -> tuple[tuple[str, ...], bool]:
+    """(the scope a call of `block` names its parameters from, whether it reads an instance elaborated before).
+
+    A block called by its name is one sub-network of the model: its scope is the innermost repeat's or loop's
+    (the top level outside one) plus its name, wherever the call is (forward, a loss entry, another block, a
+    derivative region), so `energy` calling `net` reads the same `@net/...` as `forward`'s `net(xy)`, and a
+    second call of it reads the parameters the first declared. `as path` names a separate instance under the
+    caller's scope (`energy/twin/...`)."""
+    if e.scope:
+        return frame.prefix + tuple(e.scope.split("/")), False
+    scope = frame.root + (block,)
+    again = el.instances.get(scope) == block
+    el.instances.setdefault(scope, block)
+    return scope, again
+
+
 def _param(el: Elaborator, e: A.Call, env: dict, frame: _Frame) -> PTensor:
     if not e.scope:
         raise el.error("a `param(...)` needs a name: write param([...]) as name", e.span)
@@ -135,8 +153,8 @@ def _inline(el: Elaborator, e: A.Call, env: dict, frame: _Frame):
     missing = [p.name for p in block.params if p.name not in names]
     if missing:
         raise el.error(f"block `{e.func}` needs argument `{missing[0]}`", e.span)
-    inner = _Frame(frame.region, _scope(frame, e, e.func), frame.axes, frame.stack + (e.func,), frame.root,
-                   frame.shares)
+    scope, again = block_scope(el, frame, e, e.func)
+    inner = _Frame(frame.region, scope, frame.axes, frame.stack + (e.func,), frame.root, frame.shares or again)
     outs = el.exec_body(block, benv, inner)
     return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -5,15 +5,17 @@
     ct = vjp(net, xy, w)                        # w^T J: [points, coord]
 
 The block is elaborated once into the op's region, whose arguments are (x, other tensor arguments...). Its
-parameters are named from the innermost repeat's scope (the top level outside one) plus the `as` path or
-the block's name, so `jvp(net, ...)` anywhere reads the same `@net/...` as a plain `net(xy)` call.
+parameters are named as a call of the block at the same place names them (elab_calls.block_scope): by name,
+from the innermost repeat's scope (the top level outside one), so `jvp(net, ...)` anywhere, and `grad(energy,
+...)` of an `energy` that calls `net`, read the same `@net/...` as a plain `net(xy)` call; with `as`, under
+the caller's scope.
 """
 
 from __future__ import annotations
 
 from tessera.diagnostics import did_you_mean
 from tessera.grammar import model_ast as A
-from tessera.ir.elab_calls import _check_ann, _tensor
+from tessera.ir.elab_calls import _check_ann, _tensor, block_scope
 from tessera.ir.elaborate import Elaborator, Tensor, _Frame, _kind
 from tessera.ir.registry import OpError, get_op
 from tessera.ir.types import Op, ParamRef, Region, Value
@@ -47,7 +49,7 @@ def _region(el: Elaborator, e: A.Call, block: A.Block, tensors: list, exprs: lis
         v = Value(t.type, p.name)
         args.append(v)
         benv[p.name] = v
-    scope = frame.root + tuple((e.scope or block.name).split("/"))
+    scope, _ = block_scope(el, frame, e, block.name)
     inner = _Frame(Region(args, [], []), scope, frame.axes, frame.stack + (block.name,), frame.root, shares=True)
     outs = el.exec_body(block, benv, inner)
     if len(outs) != 1 or not isinstance(outs[0], Tensor):

@@ -62,7 +62,7 @@ class _Frame:
     prefix: tuple[str, ...]
     axes: tuple[tuple[str, int], ...]
     stack: tuple[str, ...]  # blocks being elaborated, for recursion errors
-    root: tuple[str, ...] = ()  # the scope derivative regions name their block from: the innermost repeat's
+    root: tuple[str, ...] = ()  # the scope a block called by name (or differentiated) is named from: the innermost repeat's
     shares: bool = False  # in a loss or a derivative region: a param declared again the same way is the same param
 
 
@@ -78,6 +78,7 @@ class Elaborator:
         self.arg_key_span = arg_key_span or self.arg_span  # ... and its name: an unknown one is wrong there
         self.params: dict[str, Param] = {}
         self.shared: set[str] = set()  # params declared in a loss or a derivative region (others may read them)
+        self.instances: dict[tuple[str, ...], str] = {}  # a by-name block call's scope -> the block (elab_calls)
         self.globals = self._bind_args(args)
 
     # ---- diagnostics

@@ -316,8 +316,23 @@ class Program:
 
     def _objective_step(self, state: TrainState, batch):
         """One step on the weighted terms; the optimizer may be L-BFGS, which re-evaluates the objective in its
-        line search (`value_fn`)."""
-        (loss, terms), grads = jax.value_and_grad(self.objective, has_aux=True)(state.params, batch)
+        line search (`value_fn`). The line search ends on the point that becomes the next step's params, having
+        taken the objective's value and gradient there: an L-BFGS step after the first reuses them (optax's
+        `value_and_grad_from_state`) instead of differentiating the objective again, and evaluates the terms
+        forward only, for the metrics. That halves an L-BFGS step whose search accepts its first trial. Only where
+        the step's batch is the last step's (`_same_batch`): collocation points of one draw."""
+        stored = _linesearch_state(state.opt_state)
+        same = self._same_batch(state.step)
+        if stored is None or same is False:
+            (loss, terms), grads = jax.value_and_grad(self.objective, has_aux=True)(state.params, batch)
+        else:
+            def fresh(params):
+                return jax.value_and_grad(self.objective, has_aux=True)(params, batch)
+
+            def reuse(params):
+                return (stored.value, self.loss_terms(params, batch)), stored.grad
+
+            (loss, terms), grads = jax.lax.cond(jnp.isfinite(stored.value) & same, reuse, fresh, state.params)
         with jax.named_scope("optimizer"):
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params, value=loss, grad=grads,
                                                        value_fn=lambda p: self.objective(p, batch)[0])
@@ -327,6 +342,16 @@ class Program:
         if self.lr_fn is not None:
             metrics["lr"] = self.lr_fn(opt_state)
         return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _same_batch(self, step):
+        """Whether the train task feeds data step `step` the batch it fed step `step - 1` (what the trainer passes
+        `train_step`): collocation points drawn once, or within one draw of `resample_every` steps (a traced
+        bool); False for data that changes every step."""
+        data = getattr(self.exp.task, "data", None)
+        if getattr(data, "kind", None) != "collocation":
+            return False
+        every = int(getattr(data, "resample_every", 0) or 0)
+        return jnp.asarray(True) if every == 0 else step % every != 0
 
     def _loss(self, params, batch):
         if self.graph.losses and not self.canonical_objective:
@@ -620,6 +645,14 @@ def program_graph(exp) -> Graph:
     from tessera.ir.check import check_experiment
 
     return check_experiment(exp)
+
+
+def _linesearch_state(opt_state):
+    """The zoom line search's state inside an L-BFGS optimizer state (its value and gradient at the params it
+    accepted: +inf before L-BFGS's first step), or None for an optimizer without one."""
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByZoomLinesearchState))
+             if isinstance(s, optax.ScaleByZoomLinesearchState)]
+    return found[0] if len(found) == 1 else None
 
 
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:

@@ -74,10 +74,8 @@ def test_derivatives_match_finite_differences_in_float64_through_repeat(graph):
         e0, e1 = jnp.array([h, 0.0]), jnp.array([0.0, h])
         d_y = (f(x + e1) - f(x - e1)) / (2 * h)
         d_xx = (f(x + e0) - 2 * f(x) + f(x - e0)) / h ** 2
-        # `energy` reads its own `energy/net/...` (a block's scope nests the blocks it calls): FD of its region
-        energy = next(op for op in graph.losses[0].region.ops if op.name == "grad").region
-        e = lambda x: eval_region(energy, [x], params, CTX)[0][0]  # noqa: E731
-        g_y = jnp.stack([(e(x.at[i, 1].add(h)) - e(x.at[i, 1].add(-h))) / (2 * h) for i in range(x.shape[0])])
+        # `energy` calls `net`: the same `@net/...` the forward reads, so d/dy of sum(sin(u)) is cos(u) du/dy
+        g_y = jnp.cos(f(x)[:, 0]) * d_y[:, 0]
         d_x = (f(x + e0) - f(x - e0)) / (2 * h)
         pull_x = jnp.sum(w * d_x, axis=1)  # (w^T J)_x
         want = [jnp.mean(d_y[:, 0]), jnp.mean(d_xx[:, 1]), jnp.mean(g_y), jnp.mean(pull_x),
@@ -95,6 +93,73 @@ def test_derivative_ops_and_loss_entries_round_trip(graph):
         assert op in text, op
     again = verify(parse_graph(text))
     assert print_graph(again) == text and again == graph
+
+
+SHARED = """
+model s(width: int = 5) {
+  block layer(h: [points, hidden]) {
+    return tanh(rename(linear(h, [hidden_out = width], over = [hidden], bias = true), hidden_out, hidden) * 20.0)
+  }
+  block net(x: [points, coord]) {
+    h = tanh(linear(x, [hidden = width], over = [coord], bias = true) as input * 20.0)
+    return linear(repeat(2, layer, h) as layers, [field = 2], over = [hidden]) as output * 20.0
+  }
+  block energy(x: [points, coord]) { return sum(sin(take(net(x), field, 0)), over = [points]) }
+  block apart(x: [points, coord]) { return sum(sin(take(net(x) as twin, field, 0)), over = [points]) }
+  forward(x: f64[points, coord = 2]) { return net(x) }
+  loss l(x: f64[points, coord = 2]) -> direct, gradient, second, twin {
+    return energy(x), mean(take(grad(energy, x), coord, 1), over = [points]),
+           mean(take(jvp(energy_x, x, basis(x, coord, 0)), coord, 0), over = [points]),
+           mean(take(grad(apart, x), coord, 0), over = [points])
+  }
+  block energy_x(x: [points, coord]) { return grad(energy, x) }
+}
+"""
+
+
+def test_a_network_called_inside_a_derivative_region_is_the_forwards_network(tmp_path):
+    """`grad(energy, x)` of an `energy` that calls `net` reads `net`'s params, not a copy `energy/net/...`: the
+    param tree holds the network once, and the derivative region's result is the derivative of the forward's
+    output (float64). `net(x) as twin` is a separate instance, under its caller's scope."""
+    graph = build_graph(_model(tmp_path, SHARED, "s.tsl"), {})
+    net = ["net/input/weight", "net/input/bias", "net/layers/linear/weight", "net/layers/linear/bias",
+           "net/output/weight"]
+    assert list(graph.params) == net + ["apart/twin/" + p.removeprefix("net/") for p in net]
+    assert all(graph.params[p].type == graph.params["apart/twin/" + p.removeprefix("net/")].type for p in net)
+    region_params = {o.path for op in graph.losses[0].region.walk() for o in op.operands if hasattr(o, "path")}
+    assert region_params == set(graph.params)
+    text = print_graph(graph)
+    assert "energy/" not in text.replace('"energy', "")  # no param path under energy/
+    again = verify(parse_graph(text))
+    assert print_graph(again) == text and again == graph
+    with jax.enable_x64(True):
+        params = _params(graph)
+        x = jnp.asarray(np.random.default_rng(2).uniform(-1, 1, (9, 2)))
+        got = jax.jit(lambda x: eval_region(graph.losses[0].region, [x], params, CTX)[0])(x)
+        forward = lambda x: eval_region(graph.body, [x], params, CTX)[0][0]  # noqa: E731
+        energy = lambda x: jnp.sum(jnp.sin(forward(x)[:, 0]))  # noqa: E731
+        twin = {p: params["apart/twin/" + p.removeprefix("net/")] for p in net}
+        twin_energy = lambda x: jnp.sum(jnp.sin(eval_region(graph.body, [x], twin, CTX)[0][0][:, 0]))  # noqa: E731
+        e0 = jnp.zeros_like(x).at[:, 0].set(1.0)
+        d_xx = jax.jvp(lambda x: jax.grad(energy)(x)[:, 0], (x,), (e0,))[1]  # energy is a sum over the points
+        want = jax.jit(lambda x: [energy(x), jnp.mean(jax.grad(energy)(x)[:, 1]), jnp.mean(d_xx),
+                                  jnp.mean(jax.grad(twin_energy)(x)[:, 0]), jnp.mean(jax.grad(energy)(x)[:, 0])])(x)
+        for name, g, w in zip(graph.losses[0].terms, got, want):
+            assert g.dtype == jnp.float64
+            np.testing.assert_allclose(float(g), float(w), rtol=1e-12, atol=1e-14, err_msg=name)
+        assert abs(float(got[3]) - float(want[4])) > 1e-3  # the twin is another network
+
+
+def test_a_block_called_by_name_twice_is_one_network_and_as_makes_another(tmp_path):
+    text = """
+model t() {
+  block net(x: [points, coord]) { return linear(x, [field = 2], over = [coord]) }
+  block outer(x: [points, coord]) { return net(x) + net(x) as other }
+  forward(x: f32[points, coord = 2]) { return net(x) + outer(x) }
+}
+"""
+    graph = build_graph(_model(tmp_path, text, "t.tsl"), {})
+    assert list(graph.params) == ["net/linear/weight", "outer/other/linear/weight"]
 
 
 ADJOINT = """

@@ -235,3 +235,47 @@ def test_the_kovasznay_objective_and_its_gradient_match_plain_jax():
     for path in params:
         np.testing.assert_allclose(np.asarray(g_got[path]), np.asarray(g_want[path]), rtol=2e-3, atol=1e-4,
                                    err_msg=path)
+
+
+@pytest.mark.slow
+def test_an_lbfgs_step_reuses_the_line_search_value_and_gradient(monkeypatch):
+    """After its first step, L-BFGS takes the objective's value and gradient at the step's params from the line
+    search that accepted them (one differentiation of the objective a step, not two): the step's metrics are
+    still those of its params and its batch. The first step on a new draw of points differentiates afresh."""
+    import jax
+    import optax
+
+    from tessera.lower.program import Program, _linesearch_state
+
+    calls = []
+    objective = Program.objective
+
+    def counted(self, params, batch):
+        jax.debug.callback(lambda: calls.append(1))
+        return objective(self, params, batch)
+
+    overrides = {**TINY, "task.optimizer.lbfgs_after": 2, "model.args.width": 8, "model.args.depth": 2,
+                 "task.data.sets.interior.n": 64, "task.data.sets.boundary.n": 32, "task.data.resample_every": 5}
+    exp = tessera.load(KOV, overrides=overrides)
+    prog = tessera.compile(exp)
+    source = CollocationSource(exp.task.data)
+    monkeypatch.setattr(Program, "objective", counted)
+    state = prog.init_train_state(prog.init(0))
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: objective(prog, p, b)[0]))
+    weights = exp.task.loss_weights
+    for step in range(8):
+        batch = source.batch(step)
+        value, grad = value_and_grad(state.params, batch)
+        calls.clear()
+        state, m = prog.train_step(state, batch)
+        jax.block_until_ready(m)
+        jax.effects_barrier()
+        trials = int(_linesearch_state(state.opt_state).info.num_linesearch_steps)
+        # Adam, L-BFGS's first step and the first on new points (step 5): the step's own evaluation (+ the line
+        # search's trials); otherwise the trials only
+        assert len(calls) == (1 if step < 2 else trials + (step in (2, 5))), step
+        np.testing.assert_allclose(float(m["loss"]), float(value), rtol=1e-5)
+        np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grad)), rtol=1e-4)
+        total = sum(float(weights.get(k, 1.0)) * float(m[k]) for k in ("momentum_x", "momentum_y", "continuity",
+                                                                         "boundary"))
+        np.testing.assert_allclose(total, float(m["loss"]), rtol=1e-5)
