@@ -39,7 +39,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from tessera.lower.storage import check_packed
 
     exp = load_experiment(args.spec, overrides=args.overrides)
-    check_packed(CompileOptions.of(exp), check_experiment(exp))  # packed storage's own limits (inference only, whole K groups)
+    # packed storage's own limits (inference only, whole K groups)
+    check_packed(CompileOptions.of(exp), check_experiment(exp))
     print(exp.to_yaml() if args.print_resolved else summary(exp), end="")
     return EXIT_OK
 

@@ -22,7 +22,7 @@ import optax
 
 from tessera.ir.types import Graph
 from tessera.lower.context import LowerCtx, jnp_dtype
-from tessera.lower.generation import generate_tokens
+from tessera.lower.generation import generation_fn
 from tessera.lower.interpret import eval_region, init_state, stacked_layers
 from tessera.lower.options import CompileOptions
 from tessera.lower.reference import fp8_blocks, mxfp4
@@ -188,7 +188,8 @@ class Program:
         packed = {path for path, held in shapes.items() if isinstance(held, mxfp4.MXFP4)}
         blocks = {path for path, held in shapes.items() if isinstance(held, fp8_blocks.FP8Blocks)}  # read in fp32
         params = load_hf_weights(directory, family=self.options.model_file.stem,
-                                 args=dict(self.options.model_args), model=self.options.model_file, packed=packed, split_layers=split_layers,
+                                 args=dict(self.options.model_args), model=self.options.model_file, packed=packed,
+                                 split_layers=split_layers,
                                  dtypes=lambda path: None if path in packed else
                                  jnp.float32 if path in blocks else shapes[path].dtype)
         missing = sorted(set(shapes) - set(params))
@@ -350,15 +351,9 @@ class Program:
                     stop_tokens: tuple[int, ...] = ()):
         """(params, prompts [batch, P], seed, max_new) -> tokens [batch, P + capacity]: the generation program
         `generate` jits, unjitted; it decodes max_new <= capacity tokens (the slots after them are 0). On a
-        mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)."""
-        def run(p, x, s, n, shard=None):
-            ctx = functools.partial(self.lower_ctx, shard=shard, unroll=True)
-            return generate_tokens(self.graph.body, ctx, p, x, s, n, capacity, rule, stop_tokens, shard)
-
-        if self.plan is None:
-            return run
-        from tessera.lower.shard.step import sharded_generate
-        return sharded_generate(self.plan, run, batch, self.param_specs(params))
+        mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)
+        (tessera/lower/generation.py)."""
+        return generation_fn(self, params, batch, capacity, rule, stop_tokens)
 
     # ---- accounting ----------------------------------------------------------------------------
     def kernel_report(self) -> dict[str, str]:
