@@ -37,6 +37,12 @@ def init_train_state(prog, params) -> TrainState:
     if prog.graph.losses:  # L-BFGS's state may hold one buffer twice (each leaf its own, to be donated), and
         # weakly typed scalars the step returns strongly typed (a second compile of the step): neither
         state = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.asarray(x).dtype, copy=True), state)
+    return placed(prog, state)
+
+
+def placed(prog, state: TrainState) -> TrainState:
+    """`state` placed where `prog`'s train step returns it (what `init_train_state` does to a fresh state; a
+    state edited by hand goes through it too, or the step compiles again for the other placement)."""
     return jax.tree.map(lambda x: _on_mesh(prog, x), state)
 
 
