@@ -91,10 +91,10 @@ def test_a_smaller_mesh_takes_the_first_devices():
 def test_several_processes_must_use_every_device():
     from tessera.lower.shard.mesh import check_devices
 
-    exp = _exp(mesh__tp=2, mesh__dp=2)
-    d, = check_devices(CompileOptions.of(exp), 8, processes=2)
+    options = CompileOptions.of(_exp(mesh__tp=2, mesh__dp=2))
+    d, = check_devices(options, 8, processes=2)
     assert "8 are available over 2 processes, which must all take part" in d.message and "dp=8" in d.hint
-    assert check_devices(CompileOptions.of(exp), 8) == [] and check_devices(CompileOptions.of(exp), 4, processes=2) == []
+    assert check_devices(options, 8) == [] and check_devices(options, 4, processes=2) == []
 
 
 def test_axis_that_does_not_divide_a_parameter_dim_names_it():
