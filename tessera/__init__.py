@@ -39,6 +39,9 @@ def load_run(run_dir, step=None):
 
 def save_weights(params, directory, exp=None):
     """Write parameters as a Hugging Face checkpoint (config.json + safetensors)."""
+    from tessera.lower.options import CompileOptions
+    from tessera.lower.program import program_graph
     from tessera.lower.weights import save_weights as _save
 
-    return _save(params, directory, exp=exp)
+    options = CompileOptions.of(exp)
+    return _save(params, directory, options=options, graph=program_graph(exp) if options.mesh_size > 1 else None)

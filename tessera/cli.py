@@ -35,10 +35,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from tessera.spec import load_experiment, summary
 
     from tessera.ir.check import check_experiment
+    from tessera.lower.options import CompileOptions
     from tessera.lower.storage import check_packed
 
     exp = load_experiment(args.spec, overrides=args.overrides)
-    check_packed(exp, check_experiment(exp))  # packed storage's own limits (inference only, whole K groups)
+    # packed storage's own limits (inference only, whole K groups)
+    check_packed(CompileOptions.of(exp), check_experiment(exp))
     print(exp.to_yaml() if args.print_resolved else summary(exp), end="")
     return EXIT_OK
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from typing import Callable
 
-from tessera.diagnostics import Diagnostic, TesseraError
+from tessera.diagnostics import Diagnostic, Span, TesseraError
 from tessera.grammar.numerics import held_name
 from tessera.ir.types import Graph
 from tessera.spec.tasks import trains
@@ -20,16 +21,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_params_divide(exp, params, rules=None) -> list[Diagnostic]:
-    """Every parameter dim that mesh axes split is divisible by their product.
+def check_params_divide(params, rules, span: Callable[[str], Span | None]) -> list[Diagnostic]:
+    """Every parameter dim that mesh axes split is divisible by their product; `span(key)` locates a spec key
+    (`Experiment.span`).
 
     The split is `AxisRules`' (the spec's rules, size-1 axes dropped, the stacked layers over pp), the one the
     shard pass annotates and the lowering shards by. One error per (dim, axes), at the mesh axis that does not
     fit, with notes at the spec's rule (where the spec wrote one) and at the parameter's declaration.
     """
-    from tessera.ir.passes.shard import AxisRules
-
-    rules = AxisRules.from_experiment(exp) if rules is None else rules
     sizes, out, seen = dict(rules.sizes), [], set()
     for p in params.values():
         for d, axes in zip(p.type.dims, rules.dims(p.type.names)):
@@ -42,9 +41,9 @@ def check_params_divide(exp, params, rules=None) -> list[Diagnostic]:
             ok = ", ".join(map(str, ds[:6])) + (" ..." if len(ds) > 6 else "")
             key = f"mesh.{axes[-1]}"
             out.append(Diagnostic(f"{where} does not divide `{d.name}` = {d.size} (param `{p.path}`)",
-                                  span=exp.span(key), key=key,
+                                  span=span(key), key=key,
                                   hint=f"use a mesh whose {' × '.join(axes)} divides {d.size}: {ok}"))
-            rule = exp.span(f"parallel.rules.{d.name}")
+            rule = span(f"parallel.rules.{d.name}")
             if rule is not None:
                 out.append(Diagnostic(f"`{d.name}` is split over {' × '.join(axes)} by this rule", span=rule,
                                       severity="note"))
@@ -56,7 +55,9 @@ def check_params_divide(exp, params, rules=None) -> list[Diagnostic]:
 
 def check_mesh_divides(exp, graph: Graph) -> list[Diagnostic]:
     """`check_params_divide` over the model's parameters (what `tessera check` runs)."""
-    return check_params_divide(exp, graph.params)
+    from tessera.ir.passes.shard import AxisRules
+
+    return check_params_divide(graph.params, AxisRules.from_experiment(exp), exp.span)
 
 
 def check_numeric_rules(exp, graph: Graph) -> list[Diagnostic]:
@@ -392,13 +393,14 @@ def canonical_shards(batch: int) -> int:
     return max(d for d in range(1, MAX_CANONICAL + 1) if batch % d == 0)
 
 
-def canonical_problems(exp, batch: int, devices: int) -> list[Diagnostic]:
-    """The batch's canonical shards must split evenly over the mesh's devices (at task.batch)."""
+def canonical_problems(batch: int, devices: int, span: Callable[[str], Span | None]) -> list[Diagnostic]:
+    """The batch's canonical shards must split evenly over the mesh's devices (at task.batch, which `span(key)`
+    locates: `Experiment.span`)."""
     c = canonical_shards(batch)
     if c % devices == 0:
         return []
     return [Diagnostic(f"deterministic mode cuts the batch of {batch} into {c} canonical shards, which do not split "
-                       f"over {devices} devices", span=exp.span("task.batch"), key="task.batch",
+                       f"over {devices} devices", span=span("task.batch"), key="task.batch",
                        hint=f"use a batch with {devices} dividing its largest divisor ≤ {MAX_CANONICAL} "
                             f"(e.g. {8 * devices // math.gcd(8, devices)}) on at most {MAX_CANONICAL} "
                             "devices, or parallel.deterministic: false")]
@@ -411,7 +413,7 @@ def check_canonical_batch(exp, graph: Graph) -> list[Diagnostic]:
     mesh = getattr(exp, "mesh", None)
     if mesh is None or mesh.auto or mesh.size <= 1 or not exp.parallel.deterministic or not isinstance(batch, int):
         return []
-    return canonical_problems(exp, batch, mesh.size)
+    return canonical_problems(batch, mesh.size, exp.span)
 
 
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:

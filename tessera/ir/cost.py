@@ -197,8 +197,12 @@ def train_flops(counts: dict[str, float], remat: str = "none") -> dict[str, floa
 
 def flops_per_token(graph: Graph, exp) -> dict[str, float]:
     """Forward, training-step and training-step-with-recompute FLOPs per token at the task's shapes."""
-    sizes = task_dims(exp)
-    per = train_flops(flop_counts(graph, sizes), exp.parallel.remat)
+    return token_flops(graph, task_dims(exp), exp.parallel.remat)
+
+
+def token_flops(graph: Graph, sizes: dict[str, int], remat: str) -> dict[str, float]:
+    """`flops_per_token` at run-time sizes {"batch", "seq"} under rematerialisation policy `remat`."""
+    per = train_flops(flop_counts(graph, sizes), remat)
     return {k: v / (sizes["batch"] * sizes["seq"]) for k, v in per.items()}
 
 

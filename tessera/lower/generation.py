@@ -8,6 +8,8 @@ ones (`Program.init(split_layers=True)`) pass as they are. One compiled program 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -48,3 +50,18 @@ def generate_tokens(body: Region, ctx, params, prompts, seed, max_new, capacity:
     if capacity > 1:  # a loop of max_new - 1 steps, that many known only when it runs (one program for every length)
         _, _, _, rest = jax.lax.fori_loop(0, jnp.minimum(max_new, capacity) - 1, step, (first, done, state, rest))
     return jnp.concatenate([prompts, first[:, None], rest], axis=1)
+
+
+def generation_fn(prog, params, batch: int, capacity: int, rule: sampling.SamplingRule,
+                  stop_tokens: tuple[int, ...] = ()):
+    """(params, prompts [batch, P], seed, max_new) -> tokens [batch, P + capacity]: `prog`'s generation program,
+    unjitted (`Program.generate_fn`); on a mesh under shard_map (shard/step.py's `sharded_generate`) for `params`
+    as held (stacked or split layers; arrays or their shapes)."""
+    def run(p, x, s, n, shard=None):
+        ctx = functools.partial(prog.lower_ctx, shard=shard, unroll=True)
+        return generate_tokens(prog.graph.body, ctx, p, x, s, n, capacity, rule, stop_tokens, shard)
+
+    if prog.plan is None:
+        return run
+    from tessera.lower.shard.step import sharded_generate
+    return sharded_generate(prog.plan, run, batch, prog.param_specs(params))

@@ -37,7 +37,7 @@ from tessera.lower.table import get_lowering
 
 State = dict[str, Any]
 
-_REMAT_POLICIES = {
+REMAT_POLICIES = {  # parallel.remat -> the jax.checkpoint policy of a `repeat` body in training (none: no remat)
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED)),
@@ -219,8 +219,8 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
             new_states.append(st)
         return carry, ((None if layer_state is None else new_states), inner.aux)
 
-    if ctx.mode == "train" and remat in _REMAT_POLICIES:
-        body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    if ctx.mode == "train" and remat in REMAT_POLICIES:
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     xs = (jnp.arange(n // p, dtype=jnp.int32), xs_params, state)
     carry, (new_state, aux) = jax.lax.scan(body, tuple(ins), xs, unroll=bool(ctx.scan_unroll))
     for name, per_step in (aux or {}).items():

@@ -31,7 +31,7 @@ from tessera.lower.named import align
 
 def eval_loop(op: Op, ins: list, params: dict, ctx: LowerCtx, layer: int | None, remat: str) -> list:
     """The loop's results: its carried values after the last step."""
-    from tessera.lower.interpret import _REMAT_POLICIES, eval_region
+    from tessera.lower.interpret import REMAT_POLICIES, eval_region
 
     ctx = ctx.replace(aux=None, unroll=False)  # one body, traced once: nothing to unroll, no KV cache
     cap, body, until = op.attrs["max"], op.region, op.second
@@ -56,7 +56,7 @@ def eval_loop(op: Op, ins: list, params: dict, ctx: LowerCtx, layer: int | None,
     ins = tuple(ins)
     if ctx.mode != "train":
         return list(_while(step, ins, halted(ins, params), params, cap, _agree(ctx, pdims)))
-    policy = _REMAT_POLICIES.get(remat)
+    policy = REMAT_POLICIES.get(remat)
     if op.attrs["grad"] != "last":
         def scan_body(carry, _):
             return step(*carry, params), None

@@ -1,7 +1,11 @@
 """`tessera.compile(exp)`: the Graph IR of an experiment as a JAX program.
 
-The program owns the jitted functions (forward, loss, train step, generate) over a flat parameter
-dict keyed by parameter path. Programs are cached on the hash of everything that changes them.
+`compile_experiment` runs the compiler's pipeline (`program_graph`), reads the spec's settings once into a
+`CompileOptions` (tessera/lower/options.py) and makes a `Program`: the jitted functions (forward, loss, train
+step, generate) over a flat parameter dict keyed by parameter path, and the traced model functions the step
+builders compose. Its pieces live beside it: the train step in tessera/lower/train_step.py, parameter
+initialisation in tessera/lower/param_init.py, the generation loop in tessera/lower/generation.py, the sharded
+and deterministic steps in tessera/lower/shard/. Programs are cached on the hash of everything that changes them.
 """
 
 from __future__ import annotations
@@ -9,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import zlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,32 +22,29 @@ import optax
 
 from tessera.ir.types import Graph
 from tessera.lower.context import LowerCtx, jnp_dtype
-from tessera.lower.generation import generate_tokens
-from tessera.lower.interpret import eval_region, init_state, split_layers, stacked_layers
+from tessera.lower.generation import generation_fn
+from tessera.lower.interpret import eval_region, init_state, stacked_layers
+from tessera.lower.options import CompileOptions
 from tessera.lower.reference import fp8_blocks, mxfp4
 from tessera.lower.reference.losses import cross_entropy
-from tessera.lower import fp8_delayed, loss_scale, storage
+from tessera.lower import fp8_delayed, param_init, storage, train_step as steps
 from tessera.lower import sampling
+from tessera.lower.train_step import TrainState
 
 Params = dict[str, jax.Array]
-
-
-class TrainState(NamedTuple):
-    """What a training step carries: the step count, parameters and optimizer state."""
-
-    step: jax.Array
-    params: Params
-    opt_state: Any
-
+__all__ = ["CompileOptions", "Program", "TrainState", "compile_experiment", "program_graph", "program_hash"]
 
 storage_dtype = storage.storage_dtype  # the jax dtype of a plain parameter (packed ones: storage.abstract)
 
 
 @dataclasses.dataclass
 class Program:
-    """A compiled experiment: jitted forward / loss / train_step / generate over flat params."""
+    """A compiled experiment: jitted forward / loss / train_step / generate over flat params.
 
-    exp: Any
+    `options` are the spec's settings the lowering reads (CompileOptions); `exp` is the experiment it was
+    compiled from, kept for callers (a run's name, its spec), never read by the lowering."""
+
+    options: CompileOptions
     graph: Graph
     ir_hash: str
     optimizer: optax.GradientTransformation | None = None
@@ -53,6 +53,7 @@ class Program:
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
     _report: dict | None = dataclasses.field(default=None, repr=False)  # kernel choices, while kernel_report traces
     last_key: Any = dataclasses.field(default=None, repr=False)  # the jitted function called last (lower)
+    exp: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def vocab(self) -> int:
@@ -62,16 +63,14 @@ class Program:
     @property
     def deterministic(self) -> bool:
         """Whether cross-device reductions run in a fixed, mesh-independent order (the manifest records it)."""
-        return bool(self.exp.parallel.deterministic)
+        return self.options.deterministic
 
     @property
     def canonical_objective(self) -> bool:
         """Whether the model's loss entries train on canonical shards of a batch of samples (deterministic mode
         on batched data, burgers pairs: shard/deterministic.py), the way a language model's cross-entropy does;
         collocation points (PINNs) keep one objective over all their points, on one device."""
-        from tessera.ir.check_objectives import batched_data
-
-        return bool(self.graph.losses) and self.deterministic and batched_data(self.exp)
+        return bool(self.graph.losses) and self.deterministic and self.options.batched_data
 
     @property
     def collectives(self) -> list[str]:
@@ -80,21 +79,22 @@ class Program:
             return []
         if self.deterministic:
             return ["all_gather(params, optimizer state)", "all_gather(per-shard loss and grads) + fixed-tree sum"]
-        return self.plan.collectives(self.exp.parallel.pipeline.schedule)
+        return self.plan.collectives(self.options.pipeline_schedule)
 
     def parallel_report(self) -> dict:
         """What the manifest records about distribution: mesh, determinism and the collectives used."""
-        return {"mesh": {a: n for a, n in self.exp.mesh.axes.items() if n > 1} or {"devices": 1},
+        return {"mesh": {a: n for a, n in self.options.mesh_axes.items() if n > 1} or {"devices": 1},
                 "deterministic": self.deterministic, "collectives": self.collectives}
 
     def numerics_report(self) -> dict:
         """What the manifest records about numerics: compute and accumulation types, loss scaling, and per
         parameter path its storage type, compute type and the rule that set it (ir/passes/numerics.py)."""
         from tessera.ir.passes.numerics import resolved_policy
-        return resolved_policy(self.graph, self.exp.numerics)
+        return resolved_policy(self.graph, self.options.numerics)
 
-    def _det(self):
-        """The deterministic executor (canonical batch shards) on this program's mesh, one device included."""
+    def deterministic_executor(self):
+        """The deterministic executor (canonical batch shards: shard/deterministic.py's `Deterministic`, with its
+        loss, train step and forward) on this program's mesh, one device included."""
         if "det" not in self._cache:
             from jax.sharding import Mesh, PartitionSpec as P
             from tessera.lower.shard.deterministic import Deterministic
@@ -123,7 +123,7 @@ class Program:
     def held_types(self) -> dict[str, Any]:
         """Each parameter's TensorType as held (the IR's, with storage.padding applied)."""
         if "held" not in self._cache:
-            self._cache["held"] = storage.held_types(self.exp, self.graph)
+            self._cache["held"] = storage.held_types(self.options, self.graph)
         return self._cache["held"]
 
     def stacked(self) -> dict[str, int]:
@@ -135,7 +135,7 @@ class Program:
     def padding(self) -> dict[str, dict[str, int]]:
         """{path: {dim: held size}} of the params held larger than the IR says (checkpoints record it)."""
         if "padding" not in self._cache:
-            self._cache["padding"] = storage.padding(self.exp, self.graph)
+            self._cache["padding"] = storage.padding(self.options, self.graph)
         return self._cache["padding"]
 
     def param_specs(self, params: Params | None = None) -> dict:
@@ -151,7 +151,8 @@ class Program:
                 specs[path] = [P(*tuple(specs[path])[1:])] * len(value)
         return specs
 
-    def _shardings(self, params: Params | None = None) -> dict | None:
+    def shardings(self, params: Params | None = None) -> dict | None:
+        """Each parameter's NamedSharding on the mesh in `params`' layout (see `param_specs`); None on one device."""
         from jax.sharding import NamedSharding
 
         specs = self.param_specs(params)
@@ -168,57 +169,13 @@ class Program:
         wants (it holds one copy of the weights only when they come split). `on_layer(i)` is called after
         layer i is made. Values are bitwise those of the stacked form."""
         if split_layers:
-            return self._init_split(jnp.asarray(seed, jnp.uint32), on_layer)
-        return self._jit("init", lambda: jax.jit(self._init, out_shardings=self._shardings()))(
+            return param_init.init_split(self, jnp.asarray(seed, jnp.uint32), on_layer)
+        return self._jit("init", lambda: jax.jit(self.init_fn(), out_shardings=self.shardings()))(
             jnp.asarray(seed, jnp.uint32))
 
-    def _init(self, seed):
-        key, stacked = jax.random.key(seed), self.stacked()
-        params = {}
-        for path in self.param_shapes():
-            if path in stacked:  # one layer at a time: a whole stacked draw in fp32 would sit in memory
-                layers = jnp.arange(stacked[path], dtype=jnp.uint32)
-                params[path] = jax.lax.map(lambda i, path=path: self._init_param(key, path, i), layers)
-            else:
-                params[path] = self._init_param(key, path)
-        return params
-
-    def _init_param(self, key, path: str, layer=None):
-        """One parameter's initial value at its held shape, or (layer) layer `layer` of a stacked one."""
-        p, held = self.graph.params[path], self.param_shapes()[path]
-        key = jax.random.fold_in(key, zlib.crc32(path.encode()))
-        true, shape = tuple(d.size for d in p.type.dims), tuple(held.shape)  # drawn at the IR's shape, then padded
-        if layer is not None:
-            key, true, shape = jax.random.fold_in(key, layer), true[1:], shape[1:]
-        if isinstance(held, fp8_blocks.FP8Blocks):  # the plain fp32 draw, quantised (held at its own shape)
-            return fp8_blocks.quantize(_init_array(p.init, key, true, jnp.float32), held.block)
-        if isinstance(held, mxfp4.MXFP4):
-            return storage.resize(_init_packed(p.init, key, true), shape)
-        return storage.resize(_init_array(p.init, key, true, held.dtype), shape)
-
-    def _init_split(self, seed, on_layer) -> Params:
-        stacked, shapes = self.stacked(), self.param_shapes()
-        specs = self._shardings(self.param_shapes(split_layers=True))
-        pick = lambda paths: None if specs is None else {p: specs[p] for p in paths}  # noqa: E731
-        shared = [p for p in shapes if p not in stacked]
-        make = jax.jit(lambda s: {p: self._init_param(jax.random.key(s), p) for p in shared},
-                       out_shardings=pick(shared))
-        params = dict(make(seed))
-        for n in sorted(set(stacked.values())):
-            paths = [p for p, m in stacked.items() if m == n]
-            layer_specs = None if specs is None else {p: specs[p][0] for p in paths}
-            one = jax.jit(lambda s, i, paths=paths: {p: self._init_param(jax.random.key(s), p, i) for p in paths},
-                          out_shardings=layer_specs)
-            for p in paths:
-                params[p] = []
-            for i in range(n):
-                made = one(seed, jnp.asarray(i, jnp.uint32))
-                for p in paths:
-                    params[p].append(made[p])
-                del made
-                if on_layer is not None:
-                    on_layer(i)
-        return {p: params[p] for p in shapes}
+    def init_fn(self) -> Callable:
+        """seed (uint32) -> params: what `init` jits, traced and not jitted (tessera/lower/param_init.py)."""
+        return functools.partial(param_init.init_params, self)
 
     def load_weights(self, directory, *, split_layers: bool = False) -> Params:
         """Parameters from a Hugging Face checkpoint directory (config.json + safetensors).
@@ -230,8 +187,9 @@ class Program:
         shapes = self.param_shapes()
         packed = {path for path, held in shapes.items() if isinstance(held, mxfp4.MXFP4)}
         blocks = {path for path, held in shapes.items() if isinstance(held, fp8_blocks.FP8Blocks)}  # read in fp32
-        params = load_hf_weights(directory, family=self.exp.model.file.stem, args=dict(self.exp.model.args),
-                                 model=self.exp.model.file, packed=packed, split_layers=split_layers,
+        params = load_hf_weights(directory, family=self.options.model_file.stem,
+                                 args=dict(self.options.model_args), model=self.options.model_file, packed=packed,
+                                 split_layers=split_layers,
                                  dtypes=lambda path: None if path in packed else
                                  jnp.float32 if path in blocks else shapes[path].dtype)
         missing = sorted(set(shapes) - set(params))
@@ -250,7 +208,7 @@ class Program:
             value = params.pop(path)  # each loaded array freed as soon as its held form exists
             out[path] = [held(v, w) for v, w in zip(value, target[path])] if isinstance(value, list) \
                 else held(value, target[path])
-        specs = self._shardings(out)
+        specs = self.shardings(out)
         return out if specs is None else jax.device_put(out, specs)
 
     # ---- forward and loss ----------------------------------------------------------------------
@@ -266,15 +224,15 @@ class Program:
         # parameters): XLA runs the scan unrolled, 4.5x faster a Kovasznay step on the CPU than as a loop
         kw.setdefault("scan_unroll", bool(self.graph.losses))
         kw.setdefault("param_types", {path: p.type for path, p in self.graph.params.items()})
-        return LowerCtx(kernels=self.exp.kernels, backend=jax.default_backend(),
-                        deterministic=self.exp.parallel.deterministic, **kw)
+        return LowerCtx(kernels=self.options.kernels, backend=jax.default_backend(),
+                        deterministic=self.options.deterministic, **kw)
 
     def logits(self, params, tokens, mode: str = "train", *, shard=None, aux=None):
         """Logits [batch, seq, vocab] of int32 tokens [batch, seq], traced under `mode` ("train", "forward");
         `shard`: inside shard_map, the ShardEnv the lowerings see local blocks by; `aux`: a dict the
         lowerings add step counters to."""
         ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux)
-        (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.exp.parallel.remat)
+        (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.options.remat)
         return logits
 
     def forward_fn(self, mode: str = "forward"):
@@ -283,7 +241,7 @@ class Program:
         if self.plan is None:
             return lambda p, t: self.logits(p, t, mode)
         if self.graph.losses:
-            return self._det().forward
+            return self.deterministic_executor().forward
         from tessera.lower.shard.step import sharded_forward
         return sharded_forward(self, self.plan, mode)
 
@@ -310,54 +268,20 @@ class Program:
     def objective(self, params, batch: dict):
         """(Σ weight · term, {term: value}) with task.loss_weights (a term left out weighs 1)."""
         terms = self.loss_terms(params, batch)
-        weights = getattr(self.exp.task, "loss_weights", None) or {}
+        weights = self.options.loss_weights
         total = sum(float(weights.get(name, 1.0)) * value for name, value in terms.items())
         return total, terms
 
-    def _objective_step(self, state: TrainState, batch):
-        """One step on the weighted terms; the optimizer may be L-BFGS, which re-evaluates the objective in its
-        line search (`value_fn`). The line search ends on the point that becomes the next step's params, having
-        taken the objective's value and gradient there: an L-BFGS step after the first reuses them (optax's
-        `value_and_grad_from_state`) instead of differentiating the objective again, and evaluates the terms
-        forward only, for the metrics. That halves an L-BFGS step whose search accepts its first trial. Only where
-        the step's batch is the last step's (`_same_batch`): collocation points of one draw."""
-        stored = _linesearch_state(state.opt_state)
-        same = self._same_batch(state.step)
-        if stored is None or same is False:
-            (loss, terms), grads = jax.value_and_grad(self.objective, has_aux=True)(state.params, batch)
-        else:
-            def fresh(params):
-                return jax.value_and_grad(self.objective, has_aux=True)(params, batch)
-
-            def reuse(params):
-                return (stored.value, self.loss_terms(params, batch)), stored.grad
-
-            (loss, terms), grads = jax.lax.cond(jnp.isfinite(stored.value) & same, reuse, fresh, state.params)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params, value=loss, grad=grads,
-                                                       value_fn=lambda p: self.objective(p, batch)[0])
-            params = optax.apply_updates(state.params, updates)
-            params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **terms}
-        if self.lr_fn is not None:
-            metrics["lr"] = self.lr_fn(opt_state)
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    def _same_batch(self, step):
-        """Whether the train task feeds data step `step` the batch it fed step `step - 1` (what the trainer passes
-        `train_step`): collocation points drawn once, or within one draw of `resample_every` steps (a traced
-        bool); False for data that changes every step."""
-        data = getattr(self.exp.task, "data", None)
-        if getattr(data, "kind", None) != "collocation":
-            return False
-        every = int(getattr(data, "resample_every", 0) or 0)
-        return jnp.asarray(True) if every == 0 else step % every != 0
+    def loss_fn(self) -> Callable:
+        """(params, batch) -> the mean loss: what `loss` jits, traced and not jitted (the weighted objective of
+        a model with loss entries; the canonical-shard loss in deterministic mode; the sharded loss on a mesh)."""
+        return self._loss
 
     def _loss(self, params, batch):
         if self.graph.losses and not self.canonical_objective:
             return self.objective(params, batch)[0]
         if self.deterministic:
-            return self._det().loss(params, batch)
+            return self.deterministic_executor().loss(params, batch)
         if self.plan is not None:
             from tessera.lower.shard.step import sharded_loss
             return sharded_loss(self, self.plan)(params, batch)
@@ -369,102 +293,14 @@ class Program:
         return self._jit("loss", self._make_loss)(params, batch)
 
     def _make_loss(self):
-        return jax.jit(self._loss)
+        return jax.jit(self.loss_fn())
 
     eval_loss = loss
 
     # ---- training ------------------------------------------------------------------------------
     def init_train_state(self, params: Params) -> TrainState:
-        """Step 0 with fresh optimizer state."""
-        if self.optimizer is None:
-            raise ValueError("this program was compiled without an optimizer (task is not `train`)")
-        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
-        if self.graph.losses:  # L-BFGS's state may hold one buffer twice (each leaf its own, to be donated), and
-            # weakly typed scalars the step returns strongly typed (a second compile of the step): neither
-            state = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.asarray(x).dtype, copy=True), state)
-        return jax.tree.map(self._on_mesh, state)
-
-    def _on_mesh(self, x):
-        """A scalar of the train state (the step, the optimizer's counts and hyperparameters) replicated
-        on the mesh, where the train step returns it: left on one device, it gave the first step an input
-        placement no later step has, and every sharded run compiled its train step twice (13 s each
-        for the tests' tiny GPT-OSS on 8 CPU devices). On one device the deterministic step runs on a
-        one-device mesh and returns every array placed on it: the whole state goes there, or the second
-        step compiled again (the tests' tiny Llama: half the CPU time of a 5-step fixture). Tracers
-        (`tessera plan`'s abstract state) pass."""
-        if isinstance(x, jax.core.Tracer) or not hasattr(x, "ndim"):
-            return x
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        if self.plan is None:
-            if self.deterministic and not (self.graph.losses and not self.canonical_objective):
-                return jax.device_put(x, NamedSharding(self._det().mesh, P()))
-            return x
-        if getattr(x, "ndim", None) != 0:
-            return x
-        return jax.device_put(x, NamedSharding(self.plan.mesh, P()))
-
-    def _loss_and_counts(self, params, batch):
-        """(loss, {counter: int32 scalar}): the fast sharded loss also returns the step's counters (moe_dropped)."""
-        if self.plan is not None and not self.deterministic:
-            from tessera.lower.shard.step import sharded_loss
-            return sharded_loss(self, self.plan, counted=True)(params, batch)
-        return self._loss(params, batch), {}
-
-    def _counters(self, counts: dict) -> dict:
-        """Metrics from per-microbatch counters: moe_dropped iff parallel.expert_capacity is set (0 where none drop)."""
-        if self.exp.parallel.expert_capacity is None:
-            return {}
-        return {"moe_dropped": jnp.sum(counts.get("moe_dropped", jnp.zeros((), jnp.int32)))}
-
-    def _train_step(self, state: TrainState, batch):
-        if self.graph.losses and not self.canonical_objective:
-            return self._objective_step(state, batch)
-        if self.deterministic:  # dropless: the whole model per canonical shard
-            state, metrics = self._det().train_step(state, batch)
-            return state, {**metrics, **self._counters({})}
-        m = int(getattr(self.exp.task, "microbatches", 1) or 1)
-        ls = loss_scale.state_of(state.opt_state)  # None unless the loss is scaled (lower/loss_scale.py)
-        history = fp8_delayed.history_of(state.opt_state)  # delayed fp8 scaling's amax histories (fp8_delayed.py)
-
-        def scaled(params, batch):
-            loss, counts = self._loss_and_counts(params, batch)
-            return (loss if ls is None else loss * ls.scale), counts
-
-        grad_fn = jax.value_and_grad(scaled, has_aux=True)
-        inputs = fp8_delayed.merged(state.params, history)  # the histories beside the params: their "gradients" are
-        # the step's amaxes
-        if m == 1:  # no accumulator: the gradients are the backward pass's own buffers
-            (loss, counts), grads = grad_fn(inputs, batch)
-            grads, amaxes = fp8_delayed.split(grads, history)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # as the accumulator holds them
-            counts = jax.tree.map(lambda c: c[None], counts)
-        else:
-            micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
-
-            def accumulate(carry, mb):  # microbatches summed in a fixed order (amaxes: their max)
-                (loss, counts), grads = grad_fn(inputs, mb)
-                grads, amaxes = fp8_delayed.split(grads, history)
-                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads),
-                        jax.tree.map(jnp.maximum, carry[2], amaxes)), counts
-
-            zero = (jnp.zeros((), jnp.float32),
-                    jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params),
-                    None if history is None else jax.tree.map(jnp.zeros_like, history))
-            (loss, grads, amaxes), counts = jax.lax.scan(accumulate, zero, micro)
-            grads = jax.tree.map(lambda g: g / m, grads)
-        if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
-            loss = loss / ls.scale
-            grads = jax.tree.map(lambda g: g / ls.scale, grads)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, state.params)
-        opt_state = fp8_delayed.pushed(opt_state, amaxes)
-        metrics = {"loss": loss / m, "grad_norm": optax.tree.norm(grads), **self._counters(counts),
-                   **loss_scale.metrics(opt_state)}
-        if self.lr_fn is not None:
-            metrics["lr"] = self.lr_fn(opt_state)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        """Step 0 with fresh optimizer state (tessera/lower/train_step.py)."""
+        return steps.init_train_state(self, params)
 
     def train_step(self, state: TrainState, batch: dict):
         """One optimizer step over the batch (gradient accumulation over task.microbatches).
@@ -473,8 +309,13 @@ class Program:
         are held once, not twice, across the step), so pass each call the state the last one returned."""
         return self._jit("train_step", self._make_train_step)(state, self.global_batch(batch))
 
+    def train_step_fn(self) -> Callable:
+        """(state, batch) -> (state, metrics): what `train_step` jits, traced and not jitted
+        (tessera.lower.train_step.train_step)."""
+        return functools.partial(steps.train_step, self)
+
     def _make_train_step(self):
-        return jax.jit(self._train_step, donate_argnums=0)
+        return jax.jit(self.train_step_fn(), donate_argnums=0)
 
     def global_batch(self, batch: dict) -> dict:
         """With several processes, every process passes the same host batch: make it one global array."""
@@ -510,22 +351,14 @@ class Program:
                     stop_tokens: tuple[int, ...] = ()):
         """(params, prompts [batch, P], seed, max_new) -> tokens [batch, P + capacity]: the generation program
         `generate` jits, unjitted; it decodes max_new <= capacity tokens (the slots after them are 0). On a
-        mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)."""
-        def run(p, x, s, n, shard=None):
-            ctx = functools.partial(self.lower_ctx, shard=shard, unroll=True)
-            return generate_tokens(self.graph.body, ctx, p, x, s, n, capacity, rule, stop_tokens, shard)
-
-        if self.plan is None:
-            return run
-        from tessera.lower.shard.step import sharded_generate
-        return sharded_generate(self.plan, run, batch, self.param_specs(params))
+        mesh it is sharded for `params` as held (stacked or split layers; arrays or their shapes)
+        (tessera/lower/generation.py)."""
+        return generation_fn(self, params, batch, capacity, rule, stop_tokens)
 
     # ---- accounting ----------------------------------------------------------------------------
     def kernel_report(self) -> dict[str, str]:
         """The implementation each attention and MoE op takes on this backend at the task's shapes."""
-        from tessera.ir.cost import task_dims
-
-        sizes, report, decoding = task_dims(self.exp), {}, {}
+        sizes, report, decoding = dict(self.options.task_sizes), {}, {}
         b, s = sizes["batch"], sizes["seq"]
         params, sds = self.param_shapes(), jax.ShapeDtypeStruct
         body = self.graph.body
@@ -554,9 +387,9 @@ class Program:
 
     def flops_per_token(self) -> dict[str, float]:
         """Forward and training-step FLOPs per token, counted from the Graph IR at the task's shapes."""
-        from tessera.ir.cost import flops_per_token
+        from tessera.ir.cost import token_flops
 
-        return flops_per_token(self.graph, self.exp)
+        return token_flops(self.graph, dict(self.options.task_sizes), self.options.remat)
 
     def _jit(self, key, make):
         if key not in self._cache:
@@ -585,23 +418,6 @@ class Program:
         return "highest" if self.graph.attrs.get("compute", "f32") in ("f32", "f64") else "default"
 
 
-def _init_array(init, key, shape, dtype):
-    """One parameter's initial value: normal(0, std) drawn in fp32, ones or zeros."""
-    if init.kind == "normal":
-        return storage.to_held(jax.random.normal(key, shape, jnp.float32) * init.std, dtype)
-    return (jnp.ones if init.kind == "ones" else jnp.zeros)(shape, dtype)
-
-
-def _init_packed(init, key, shape):
-    """A packed (MXFP4) parameter's initial value, drawn in fp32 and quantised one [K, N] matrix at a time
-    (each leading index i folded into the key): quantising reduces over groups, so a whole draw would sit
-    in memory in fp32 (one 120b layer's 128 experts: 8.5 GB)."""
-    if len(shape) < 3:
-        return mxfp4.quantize(_init_array(init, key, shape, jnp.float32))
-    one = lambda i: _init_packed(init, jax.random.fold_in(key, i), shape[1:])  # noqa: E731
-    return jax.lax.map(one, jnp.arange(shape[0], dtype=jnp.uint32))
-
-
 def _with_precision(fn, precision: str):
     """fn called (and so traced) under `jax.default_matmul_precision(precision)`."""
     @functools.wraps(fn)
@@ -615,26 +431,13 @@ def _with_precision(fn, precision: str):
 _PROGRAMS: dict[str, Program] = {}
 
 
-def program_hash(exp, graph: Graph) -> str:
-    """Hash of everything that changes the compiled program: the graph and the spec's program fields."""
+def program_hash(options: CompileOptions, graph: Graph) -> str:
+    """Hash of everything that changes the compiled program: the graph and the spec's program fields
+    (`CompileOptions.program_fields`)."""
     from tessera.ir.printer import print_graph
 
-    spec = exp.resolved()
-    relevant = {k: spec.get(k) for k in ("model", "mesh", "parallel", "numerics", "kernels")}
-    relevant["task"] = {k: v for k, v in spec.get("task", {}).items()
-                        if k in ("kind", "optimizer", "schedule", "microbatches", "steps", "loss_weights")}  # steps: the schedule
-    text = print_graph(graph) + "\n" + repr(sorted(_flatten(relevant).items()))
+    text = print_graph(graph) + "\n" + repr(list(options.program_fields))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = repr(v)
-    return out
 
 
 def program_graph(exp) -> Graph:
@@ -647,30 +450,24 @@ def program_graph(exp) -> Graph:
     return check_experiment(exp)
 
 
-def _linesearch_state(opt_state):
-    """The zoom line search's state inside an L-BFGS optimizer state (its value and gradient at the params it
-    accepted: +inf before L-BFGS's first step), or None for an optimizer without one."""
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByZoomLinesearchState))
-             if isinstance(s, optax.ScaleByZoomLinesearchState)]
-    return found[0] if len(found) == 1 else None
-
-
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
-    """Build, check and lower the experiment's graph; cached on the program hash."""
+    """Build, check and lower the experiment's graph; cached on the program hash. The spec is read here, once,
+    into the program's CompileOptions; everything below reads those."""
     graph = program_graph(exp)
+    options = CompileOptions.of(exp)
     if graph.attrs.get("compute") == "f64" or any(p.type.dtype == "f64" for p in graph.params.values()):
         jax.config.update("jax_enable_x64", True)  # f64 arrays exist only with x64 on (a process-wide setting)
-    h = program_hash(exp, graph)
+    h = program_hash(options, graph)
     if h not in _PROGRAMS:
-        storage.check_packed(exp, graph)  # packed params: an inference task, groups that fit the shape and mesh
+        storage.check_packed(options, graph)  # packed params: an inference task, groups that fit the shape and mesh
         plan = None
-        if exp.mesh.size > 1:
+        if options.mesh_size > 1:
             from tessera.lower.shard.step import make_plan
-            plan = make_plan(exp, graph)  # mesh errors are the user's: raised before anything compiles
+            plan = make_plan(options, graph)  # mesh errors are the user's: raised before anything compiles
         length = fp8_delayed.history_length(graph.attrs.get("fp8"))
         if optimizer is not None and length is not None:  # delayed fp8 scaling: amax histories in the train state
             from tessera.ir.passes.numerics import fp8_weights
             optimizer = fp8_delayed.carrying(optimizer, fp8_weights(graph), length)
-        _PROGRAMS[h] = Program(exp, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
-                               optimizer=optimizer, lr_fn=lr_fn, plan=plan)
+        _PROGRAMS[h] = Program(options, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
+                               optimizer=optimizer, lr_fn=lr_fn, plan=plan, exp=exp)
     return _PROGRAMS[h]

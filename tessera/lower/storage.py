@@ -21,6 +21,7 @@ import numpy as np
 from tessera.diagnostics import Diagnostic, TesseraError
 from tessera.grammar.numerics import BASE_TYPES, MX_BLOCK, NumericType, block_scaled, block_scaled_bits
 from tessera.lower.context import jnp_dtype
+from tessera.lower.options import CompileOptions
 from tessera.lower.reference import fp8_blocks, mxfp4
 
 HELD_AS_BF16 = 16.0  # bits per element of a low-precision float the program holds as bf16
@@ -75,39 +76,33 @@ def storage_bits(ir_dtype: str) -> float:
     return jnp.dtype(storage_dtype(ir_dtype)).itemsize * 8.0
 
 
-def _rule_key(exp, path: str) -> tuple[str, object]:
+def _rule_key(options: CompileOptions, path: str) -> tuple[str, object]:
     """(key, span) of the numerics rule that gives `path` its type: the last matching glob."""
-    glob = next((g for g in reversed(list(exp.numerics.rules or {})) if fnmatch.fnmatchcase(path, g)), None)
+    glob = next((g for g in reversed(list(options.numerics.rules or {})) if fnmatch.fnmatchcase(path, g)), None)
     if glob is None:
-        return "numerics.params", exp.span("numerics.params")
-    return "numerics.rules", exp.span(f"numerics.rules.{glob}") or exp.span("numerics.rules")
+        return "numerics.params", options.span("numerics.params")
+    return "numerics.rules", options.span(f"numerics.rules.{glob}") or options.span("numerics.rules")
 
 
-def _trains(exp) -> bool:
-    from tessera.spec.tasks import trains
-
-    return trains(exp.task)
-
-
-def check_packed(exp, graph) -> None:
+def check_packed(options: CompileOptions, graph) -> None:
     """Packed parameters fit their task, shape and mesh; a TesseraError naming each one that does not."""
-    from tessera.lower.shard.rules import AxisRules, annotated_axes
+    from tessera.lower.shard.rules import annotated_axes
 
-    rules = AxisRules.from_experiment(exp) if exp.mesh.size > 1 else None
-    held = held_types(exp, graph) if rules is not None else {}
+    rules = options.rules if options.mesh_size > 1 else None
+    held = held_types(options, graph) if rules is not None else {}
     problems: list[Diagnostic] = []
     for path, p in graph.params.items():
         if not is_packed(p.type.dtype):
             continue
-        key, span = _rule_key(exp, path)
+        key, span = _rule_key(options, path)
         dims = p.type.dims
-        if _trains(exp):
+        if options.trains:
             problems.append(Diagnostic(
                 f"{p.type.dtype} storage is for inference tasks: generate/forward/bench without train_step; "
-                f"parameter `{path}` is trained by task.kind={exp.task.kind}", span=span, key=key,
+                f"parameter `{path}` is trained by task.kind={options.task_kind}", span=span, key=key,
                 hint="for training keep the experts in bf16/fp32 (drop this rule, or give them bf16)"))
         elif block_scaled(p.type.dtype):
-            problems += _check_blocks(exp, rules, path, p.type, span, key)
+            problems += _check_blocks(options, rules, path, p.type, span, key)
         elif len(dims) < 2 or dims[-2].size % MX_BLOCK:
             got = f"`{dims[-2].name}` = {dims[-2].size}" if len(dims) >= 2 else f"{len(dims)} dim"
             problems.append(Diagnostic(
@@ -116,12 +111,12 @@ def check_packed(exp, graph) -> None:
                 hint="give this parameter a plain type, e.g. add a later rule `\"*_bias\": bf16`"))
         elif rules is not None:
             k_axes = annotated_axes(p.type)[-2]  # how the program places it
-            problems += _check_split(exp, rules, path, held[path], k_axes)  # K as held: a padded d_ff fits
+            problems += _check_split(options, rules, path, held[path], k_axes)  # K as held: a padded d_ff fits
     if problems:
         raise TesseraError(problems)
 
 
-def _check_blocks(exp, rules, path: str, t, span, key: str) -> list[Diagnostic]:
+def _check_blocks(options, rules, path: str, t, span, key: str) -> list[Diagnostic]:
     """A block-scaled fp8 parameter's last two dims are whole numbers of N-blocks, on the whole and on every
     device of the mesh (a block never straddles two devices)."""
     n, dims = block_scaled(t.dtype)[1], t.dims
@@ -149,12 +144,12 @@ def _check_blocks(exp, rules, path: str, t, span, key: str) -> list[Diagnostic]:
             axis = axes[-1]
             out.append(Diagnostic(
                 f"mesh axes {'×'.join(axes)} split `{d.name}` = {d.size} of `{path}` ({written}) into {ways} pieces "
-                f"of {d.size // ways}, not whole {n}-element scale blocks", span=exp.span(f"mesh.{axis}"),
+                f"of {d.size // ways}, not whole {n}-element scale blocks", span=options.span(f"mesh.{axis}"),
                 key=f"mesh.{axis}", hint=f"use a mesh whose {'×'.join(axes)} divides {d.size // n}, or a smaller block"))
     return out
 
 
-def _check_split(exp, rules, path: str, t, axes: tuple[str, ...]) -> list[Diagnostic]:
+def _check_split(options, rules, path: str, t, axes: tuple[str, ...]) -> list[Diagnostic]:
     """The mesh axes splitting K (`axes`, of held type `t`) split its K/32 scale groups too (none straddles
     devices)."""
     k = t.dims[-2]
@@ -167,7 +162,7 @@ def _check_split(exp, rules, path: str, t, axes: tuple[str, ...]) -> list[Diagno
     return [Diagnostic(
         f"{shown} splits `{k.name}` = {k.size} of {t.dtype} parameter `{path}` into blocks of "
         f"{k.size // n}, which is not a whole number of {MX_BLOCK}-element scale groups "
-        f"({k.size // MX_BLOCK} groups over {n} devices)", span=exp.span(f"mesh.{axis}"), key=f"mesh.{axis}",
+        f"({k.size // MX_BLOCK} groups over {n} devices)", span=options.span(f"mesh.{axis}"), key=f"mesh.{axis}",
         hint=f"use a mesh whose {'×'.join(axes)} divides {k.size // MX_BLOCK}: {', '.join(ok) or '1'}; "
              f"or split the experts instead (ep)")]
 
@@ -196,16 +191,16 @@ def _moe_d_ff(graph) -> dict[str, str]:
     return out
 
 
-def padding(exp, graph) -> dict[str, dict[str, int]]:
+def padding(options: CompileOptions, graph) -> dict[str, dict[str, int]]:
     """{param path: {dim name: held size}} for the params held larger than the IR says (empty on one device).
 
     A moe op's d_ff dim is padded when one of its packed params contracts over it (K) and the mesh axes
     splitting it would cut a 32-element scale group: then every param of that op with the dim is padded."""
-    if exp.mesh.size <= 1:
+    if options.mesh_size <= 1:
         return {}
-    from tessera.lower.shard.rules import AxisRules, annotated_axes
+    from tessera.lower.shard.rules import annotated_axes
 
-    rules, owned = AxisRules.from_experiment(exp), _moe_d_ff(graph)
+    rules, owned = options.rules, _moe_d_ff(graph)
     held: dict[str, int] = {}  # d_ff dim name -> held size (moe ops naming the same dim share it)
     for path, name in owned.items():
         dims = graph.params[path].type.dims
@@ -219,9 +214,9 @@ def padding(exp, graph) -> dict[str, dict[str, int]]:
             if name in held and name in graph.params[path].type.names}
 
 
-def held_types(exp, graph) -> dict:
+def held_types(options: CompileOptions, graph) -> dict:
     """Each parameter's TensorType as the program holds it: the IR's, with padded dims at their held size."""
-    pads = padding(exp, graph)
+    pads = padding(options, graph)
     out = {}
     for path, p in graph.params.items():
         grow = pads.get(path, {})
@@ -230,9 +225,9 @@ def held_types(exp, graph) -> dict:
     return out
 
 
-def held_params(exp, graph) -> dict:
+def held_params(options: CompileOptions, graph) -> dict:
     """graph.params with each Param's type as held (what a mesh splits: the divisibility checks read this)."""
-    types = held_types(exp, graph)
+    types = held_types(options, graph)
     return {path: dataclasses.replace(p, type=types[path]) for path, p in graph.params.items()}
 
 

@@ -185,19 +185,20 @@ def _check_params(params: dict, expected: dict[str, tuple[int, ...]]) -> None:
         raise TesseraError(problems)
 
 
-def save_weights(params: dict[str, jax.Array], directory: str | Path, *, exp) -> Path:
-    """Save in HF format for an experiment: the family is the model file's stem, sizes its bound arguments.
+def save_weights(params: dict[str, jax.Array], directory: str | Path, *, options, graph=None) -> Path:
+    """Save in HF format for compile options (CompileOptions): the family is the model file's stem, sizes its
+    bound arguments.
 
-    Params held padded on the experiment's mesh (storage.padding: a moe's d_ff) are sliced back to the IR's
-    shapes first, so the export has exactly HF's shapes and bytes."""
+    Params held padded on the options' mesh (storage.padding: a moe's d_ff) are sliced back to the IR's shapes
+    of `graph` (the program's graph, `program_graph(exp)`; needed only on a mesh) first, so the export has exactly
+    HF's shapes and bytes."""
     from tessera.lower import storage
-    from tessera.lower.program import program_graph
 
-    mesh = getattr(exp, "mesh", None)
-    if mesh is not None and mesh.size > 1:  # padding exists only on a mesh (storage.padding)
-        graph = program_graph(exp)
-        pads = storage.padding(exp, graph)
+    if options.mesh_size > 1:  # padding exists only on a mesh (storage.padding)
+        if graph is None:
+            raise ValueError("save_weights on a mesh needs the program's graph (params may be held padded)")
+        pads = storage.padding(options, graph)
         params = {path: storage.resize(v, tuple(d.size for d in graph.params[path].type.dims))
                   if path in pads else v for path, v in params.items()}
-    return save_hf_weights(params, directory, family=Path(exp.model.file).stem, args=dict(exp.model.args),
-                           model=exp.model.file)
+    return save_hf_weights(params, directory, family=options.model_file.stem, args=dict(options.model_args),
+                           model=options.model_file)

@@ -24,12 +24,12 @@ from tessera.run.manifest import MANIFEST, load_manifest
 
 def _experiment(manifest: dict):
     """The run's experiment, from the manifest's resolved spec with its files located by content."""
-    from tessera.run.replay import _relocated_spec
+    from tessera.run.replay import relocated_spec
     from tessera.spec import load_experiment
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "spec.yaml"
-        path.write_text(yaml.safe_dump(_relocated_spec(manifest), sort_keys=False))
+        path.write_text(yaml.safe_dump(relocated_spec(manifest), sort_keys=False))
         return load_experiment(str(path), overrides=[])
 
 

@@ -233,7 +233,7 @@ def exclusive(run_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _recorded(manifest: Manifest) -> Iterator[None]:
+def recorded(manifest: Manifest) -> Iterator[None]:
     """Record how the block ends in the manifest; a runtime out-of-memory becomes a plain RunError."""
     try:
         yield
@@ -281,7 +281,7 @@ def _run_in(run_dir: Path, resuming: bool, exp, weights, overrides, spec_file, c
     manifest.update(allocator=allocator, mesh_choice=mesh_choice)
     metrics = MetricsLog(run_dir, tensorboard=tensorboard)
     try:
-        with _recorded(manifest):
+        with recorded(manifest):
             prog = (compile_fn or default_compile)(exp)
             report = getattr(prog, "parallel_report", None)  # test doubles may not distribute
             numerics = getattr(prog, "numerics_report", None)

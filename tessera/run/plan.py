@@ -140,9 +140,10 @@ def delayed_history_bytes(graph) -> int:
 
 def _held(exp, graph) -> dict:
     """{path: TensorType} of the params as the program holds them: a moe's d_ff padded for packed experts."""
+    from tessera.lower.options import CompileOptions
     from tessera.lower.storage import held_types
 
-    return held_types(exp, graph)
+    return held_types(CompileOptions.of(exp), graph)
 
 
 def _held_bytes(exp, graph) -> tuple[float, dict[str, float]]:

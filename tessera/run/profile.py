@@ -186,7 +186,7 @@ def _profile_in(run_dir: Path, exp, steps: int, top: int, overrides, spec_file, 
     """`profile_experiment` once it holds its run directory."""
     import jax
 
-    from tessera.run.main import _recorded, default_compile
+    from tessera.run.main import default_compile, recorded
     from tessera.run.manifest import Manifest, device_memory
     from tessera.run.plan import pick_device
 
@@ -194,7 +194,7 @@ def _profile_in(run_dir: Path, exp, steps: int, top: int, overrides, spec_file, 
                               spec_file=Path(spec_file).resolve() if spec_file else None,
                               extra={"run_dir": str(run_dir), "weights": None, "allocator": allocator,
                                      "mesh_choice": mesh_choice, "command": "profile"})
-    with _recorded(manifest):
+    with recorded(manifest):
         prog = default_compile(exp)
         manifest.update(ir_hash=prog.ir_hash)
         job = _job(prog, exp)

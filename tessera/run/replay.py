@@ -64,7 +64,7 @@ def _replay_dir(manifest: dict) -> Path:
     return RUNS_DIR / f"{manifest.get('name', 'run')}-{stamp}-{str(manifest.get('spec_hash'))[:8]}-replay"
 
 
-def _relocated_spec(manifest: dict) -> dict:
+def relocated_spec(manifest: dict) -> dict:
     """The manifest's spec with each named file pointed at a path holding the recorded content (the recorded
     path, else the recorded path relative to the working directory: another checkout of the same project)."""
     found = {}
@@ -88,7 +88,7 @@ def replay(manifest_path: str | Path, out: str | Path | None = None, *,
         raise RunError(f"{target} already holds a run; replay needs a fresh directory")
     target.mkdir(parents=True, exist_ok=True)
     spec_path = target / SPEC_FILE
-    spec_path.write_text(yaml.safe_dump(_relocated_spec(original), sort_keys=False))
+    spec_path.write_text(yaml.safe_dump(relocated_spec(original), sort_keys=False))
     exp = (load_spec or _load_spec_file)(spec_path)
     result = run_experiment(exp, out=target, weights=original.get("weights"), compile_fn=compile_fn,
                             overrides=original.get("overrides"), stream=stream)

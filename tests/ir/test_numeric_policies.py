@@ -15,6 +15,7 @@ from tessera.cli import main
 from tessera.diagnostics import TesseraError
 from tessera.ir.check import check_experiment
 from tessera.grammar.numerics import BASE_TYPES
+from tessera.lower.options import CompileOptions
 from tessera.lower.program import compile_experiment
 from tessera.lower.sampling import SamplingRule
 from tessera.lower.storage import check_packed
@@ -49,7 +50,7 @@ def _check(spec: str, over: dict) -> list:
     """`tessera check`'s checks (its cmd_check): the diagnostics of the refusal, or [] when it passes."""
     try:
         exp = load_experiment(spec, overrides=over)
-        check_packed(exp, check_experiment(exp))
+        check_packed(CompileOptions.of(exp), check_experiment(exp))
     except TesseraError as e:
         return e.diagnostics
     return []

@@ -177,7 +177,7 @@ def test_a_tiny_llama_trains_in_per_block_fp8_close_to_bf16(runs):
     np.testing.assert_allclose(block, bf16, rtol=1e-2)
     assert not np.array_equal(block, bf16)  # and the products did run in fp8
     prog, state, batch, _ = runs["block"]
-    text = str(jax.make_jaxpr(prog._train_step)(state, batch))
+    text = str(jax.make_jaxpr(prog.train_step_fn())(state, batch))
     assert text.count("new_dtype=float8_e4m3fn") >= 2 * 7 and text.count("new_dtype=float8_e5m2") >= 7
 
 

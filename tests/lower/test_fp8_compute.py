@@ -127,11 +127,11 @@ def test_a_tiny_llama_trains_in_fp8_close_to_bf16(runs):
 
 def test_the_train_step_quantises_products_to_e4m3_and_gradients_to_e5m2(runs):
     prog, state, batch, _ = runs["fp8"]
-    text = str(jax.make_jaxpr(prog._train_step)(state, batch))
+    text = str(jax.make_jaxpr(prog.train_step_fn())(state, batch))
     # per layer: q, k, v, o, gate, up, down; the forward quantises x and w of each, the backward its gradient
     assert text.count("new_dtype=float8_e4m3fn") >= 2 * 7
     assert text.count("new_dtype=float8_e5m2") >= 7
-    bf16_text = str(jax.make_jaxpr(runs["bf16"][0]._train_step)(runs["bf16"][1], batch))
+    bf16_text = str(jax.make_jaxpr(runs["bf16"][0].train_step_fn())(runs["bf16"][1], batch))
     assert "float8" not in bf16_text
 
 

@@ -16,6 +16,7 @@ from tessera.lower import fp8_delayed
 from tessera.lower.program import compile_experiment
 from tessera.lower.reference import fp8
 from tessera.lower.reference.losses import cross_entropy
+from tessera.lower.train_step import placed
 from tessera.run.optim import build_optimizer, current_lr
 from tessera.spec import load_experiment
 from tests.lower.shard.make_snapshots import ROOT
@@ -217,7 +218,7 @@ def _step(prog, state, history=None):
     """One train step of `prog` from host state `state` (its histories replaced by `history`, when given)."""
     if history is not None:
         state = state._replace(opt_state=state.opt_state._replace(history=history))
-    state, m = prog.train_step(jax.tree.map(prog._on_mesh, state), _batch())
+    state, m = prog.train_step(placed(prog, state), _batch())
     return jax.device_get(state), float(m["loss"])
 
 

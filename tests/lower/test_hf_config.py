@@ -51,7 +51,7 @@ def hf_params():
 def test_export_writes_the_model_files_default(tmp_path, hf_params):
     _model_copy(tmp_path, STOCK, EDITED)
     prog = _program(tmp_path, GPT_ARGS)
-    out = save_weights(hf_params, tmp_path / "export", exp=prog.exp)
+    out = save_weights(hf_params, tmp_path / "export", options=prog.options, graph=prog.graph)
     config = json.loads((out / "config.json").read_text())
     assert config["rope_parameters"]["rope_theta"] == 250000.0  # the edited file's value, not 150000.0
     assert config["sliding_window"] == 4 and config["rms_norm_eps"] == 1e-5  # set by the spec / the file

@@ -37,8 +37,8 @@ def test_auto_uses_kernels_and_matches_reference():
     # gradients over the tokens whose routing held: a flipped top-k hands a token's gradient to other experts, a
     # discrete change (19 of these 2048 tokens on an H200 moved experts/gate's gradient by 6 %, at 632b0e9 too)
     batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": (~far).astype(np.float32)}
-    ga = jax.grad(auto._loss)(params, batch)
-    gr = jax.grad(ref._loss)(params, batch)
+    ga = jax.grad(auto.loss_fn())(params, batch)
+    gr = jax.grad(ref.loss_fn())(params, batch)
     for path in ("layers/attention/q", "layers/attention/sinks", "layers/moe/experts/gate"):
         x, y = np.asarray(ga[path], np.float32), np.asarray(gr[path], np.float32)
         print(path, "relative gradient difference", np.linalg.norm(x - y) / np.linalg.norm(y))

@@ -16,6 +16,7 @@ import pytest
 import tessera
 from tessera.diagnostics import TesseraError
 from tessera.lower import storage
+from tessera.lower.options import CompileOptions
 from tessera.lower.program import program_graph
 from tessera.lower.reference import mxfp4
 from tessera.lower.reference.mxfp4 import MXFP4
@@ -64,16 +65,16 @@ def tiny_spec(tmp_path: Path, mesh: str) -> Path:
 def test_the_120b_moe_is_padded_only_where_its_mesh_needs_it(overrides, held):
     exp = tessera.load(SPEC_120B, overrides=overrides)
     graph = program_graph(exp)
-    pads = storage.padding(exp, graph)
+    pads = storage.padding(CompileOptions.of(exp), graph)
     if held is None:
         assert pads == {}
     else:  # every param of the moe op with the d_ff dim, packed or not; down_bias [.., embed] has none
         assert pads == {EXPERTS + p: {"mlp": held} for p in ("gate", "gate_bias", "up", "up_bias", "down")}
-    types = storage.held_types(exp, graph)
+    types = storage.held_types(CompileOptions.of(exp), graph)
     assert types[EXPERTS + "down"].dims[-2].size == (held or 2880)
     assert types[EXPERTS + "down_bias"] == graph.params[EXPERTS + "down_bias"].type
     assert graph.params[EXPERTS + "down"].type.dim("mlp").size == 2880  # the IR keeps the model's d_ff
-    storage.check_packed(exp, graph)  # compiles: no scale group straddles devices any more
+    storage.check_packed(CompileOptions.of(exp), graph)  # compiles: no scale group straddles devices any more
 
 
 def test_padding_does_not_fix_a_split_contraction_over_embed(tmp_path):
@@ -143,7 +144,7 @@ for name, spec in cfg["tiny"].items():
 for name, over in cfg["big"].items():
     exp = tessera.load(cfg["spec_120b"], overrides=over)
     prog = tessera.compile(exp)
-    held = jax.eval_shape(prog._init, jnp.asarray(0, jnp.uint32))  # abstract: nothing allocated
+    held = jax.eval_shape(prog.init_fn(), jnp.asarray(0, jnp.uint32))  # abstract: nothing allocated
     sh = prog.plan.param_shardings()
     ours = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held))
     plan = build_plan(exp, device="h200")
@@ -162,7 +163,7 @@ for name, mesh in {"hf_one": {}, "hf_dp2_ep2_tp2": {"mesh.dp": 2, "mesh.ep": 2, 
     prog = tessera.compile(exp.model_copy(update={"task": ForwardTask(kind="forward", tokens=[[1, 2]])}))
     p = prog.load_weights(cfg["hf"])
     d = Path(tempfile.mkdtemp())
-    save_weights(p, d, exp=prog.exp)
+    save_weights(p, d, options=prog.options, graph=prog.graph)
     saved, orig = load_file(str(d / "model.safetensors")), load_file(str(Path(cfg["hf"]) / "model.safetensors"))
     again = prog.load_weights(d)
     out[name] = {"down": list(p[E + "down"].shape), "up_bias": list(p[E + "up_bias"].shape),

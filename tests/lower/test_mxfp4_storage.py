@@ -137,7 +137,7 @@ def test_plan_bytes_equal_the_program_bytes_tiny(programs):
     from tessera.run.plan import build_plan
 
     packed, _ = programs
-    held = jax.eval_shape(packed._init, jnp.asarray(0, jnp.uint32))
+    held = jax.eval_shape(packed.init_fn(), jnp.asarray(0, jnp.uint32))
     ours = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held))
     plan = build_plan(packed.exp, device="cpu")
     assert plan["params"]["bytes"] == ours
@@ -149,7 +149,7 @@ def test_plan_bytes_equal_the_program_bytes_20b():
 
     exp = tessera.load(ROOT / "specs" / "gpt_oss_20b.yaml")
     prog = tessera.compile(exp)
-    held = jax.eval_shape(prog._init, jnp.asarray(0, jnp.uint32))  # abstract: nothing is allocated
+    held = jax.eval_shape(prog.init_fn(), jnp.asarray(0, jnp.uint32))  # abstract: nothing is allocated
     ours = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held))
     plan = build_plan(exp, device="h200")
     assert plan["params"]["bytes"] == ours
@@ -178,7 +178,7 @@ def test_load_keeps_the_checkpoint_bytes_and_save_writes_them_back(tmp_path):
     down = params["layers/moe/experts/down"]
     np.testing.assert_array_equal(np.asarray(down.codes[1]), codes)  # the stored bytes, not a re-encoding
     np.testing.assert_array_equal(np.asarray(down.scales[1]), scales)
-    save_weights(params, tmp_path, exp=prog.exp)
+    save_weights(params, tmp_path, options=prog.options, graph=prog.graph)
     saved = load_file(str(tmp_path / "model.safetensors"))
     packed_names = [n for n in hf if n.endswith(("_blocks", "_scales"))]
     assert len(packed_names) == 8

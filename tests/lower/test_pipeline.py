@@ -13,6 +13,7 @@ import pytest
 
 from tessera.ir.parser import parse_graph
 from tessera.ir.printer import print_graph
+from tessera.lower.options import CompileOptions
 from tessera.lower.program import compile_experiment, program_graph
 from tessera.lower.shard.step import make_plan
 from tessera.spec import load_experiment
@@ -43,9 +44,9 @@ def _edited(exp, path: str, old: str, new: str):
 def test_an_edited_shard_annotation_moves_the_parameter():
     exp = load_experiment(LLAMA, overrides={"mesh.fsdp": 2, "mesh.tp": 2, "parallel.deterministic": False})
     devices = jax.devices()[:1] * 4  # placement only: nothing runs on this mesh
-    plan = make_plan(exp, program_graph(exp), devices=devices)
+    plan = make_plan(CompileOptions.of(exp), program_graph(exp), devices=devices)
     assert tuple(plan.param_specs["embed/table"]) == ("tp", "fsdp")
-    edited = make_plan(exp, _edited(exp, "embed/table", "[tp, fsdp]", "[tp, -]"), devices=devices)
+    edited = make_plan(CompileOptions.of(exp), _edited(exp, "embed/table", "[tp, fsdp]", "[tp, -]"), devices=devices)
     assert tuple(edited.param_specs["embed/table"]) == ("tp", None)  # the ZeRO split undone: held whole
     assert dict(edited.env.param_axes)["embed/table"] == (("tp",), ())  # and gathered by what it is
     assert {k: v for k, v in edited.param_specs.items() if k != "embed/table"} == \
@@ -59,7 +60,7 @@ def test_an_annotation_activations_disagree_with_is_refused():
     graph = _edited(exp, "layers/attention/q", "[-, fsdp, tp, -]", "[-, fsdp, -, -]")
     with pytest.raises(ValueError, match=r"@layers/attention/q: `heads` is annotated `-`, but activations split "
                                          r"`heads` by `tp`"):
-        make_plan(exp, graph, devices=jax.devices()[:1] * 4)
+        make_plan(CompileOptions.of(exp), graph, devices=jax.devices()[:1] * 4)
 
 
 def test_program_functions_lower_before_any_call_and_an_unknown_one_is_named():

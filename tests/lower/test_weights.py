@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import types
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -14,8 +13,10 @@ from safetensors.numpy import load_file, save_file
 
 from tessera.diagnostics import TesseraError
 from tessera.lower.hf.mxfp4 import decode_mxfp4, encode_mxfp4
+from tessera.lower.options import CompileOptions
 from tessera.lower.weights import (expected_params, hf_config_from_args, load_hf_weights, model_args, save_hf_weights,
                                    save_weights)
+from tessera.spec import load_experiment
 
 from .conftest import HF_DATA, hf_fixture
 
@@ -217,8 +218,9 @@ def test_save_rejects_wrong_params_and_wrapper_uses_model_file_stem(tmp_path):
         save_hf_weights(bad, tmp_path, family="llama", args=args)
     assert _messages(exc) == ["parameter `final_norm/scale` is missing (shape [32])",
                               "parameter `layers/mlp/gates` has no place in a Hugging Face checkpoint"]
-    exp = types.SimpleNamespace(model=types.SimpleNamespace(file=MODELS / "llama.tsl", args=args))
-    out = save_weights(params, tmp_path / "w", exp=exp)
+    exp = load_experiment(MODELS.parent / "specs" / "llama_tiny.yaml",
+                          overrides={f"model.args.{k}": v for k, v in args.items()})
+    out = save_weights(params, tmp_path / "w", options=CompileOptions.of(exp))
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
 
 

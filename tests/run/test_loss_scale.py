@@ -54,7 +54,7 @@ def _steps(spec, n=2, eager=True, **over):
     for _ in range(n):
         if eager:
             with jax.disable_jit():
-                state, m = prog._train_step(state, batch)
+                state, m = prog.train_step_fn()(state, batch)
         else:
             state, m = prog.train_step(state, batch)
         out.append(jax.device_get(m))

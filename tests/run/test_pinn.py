@@ -245,7 +245,8 @@ def test_an_lbfgs_step_reuses_the_line_search_value_and_gradient(monkeypatch):
     import jax
     import optax
 
-    from tessera.lower.program import Program, _linesearch_state
+    from tessera.lower.program import Program
+    from tessera.lower.train_step import linesearch_state
 
     calls = []
     objective = Program.objective
@@ -270,7 +271,7 @@ def test_an_lbfgs_step_reuses_the_line_search_value_and_gradient(monkeypatch):
         state, m = prog.train_step(state, batch)
         jax.block_until_ready(m)
         jax.effects_barrier()
-        trials = int(_linesearch_state(state.opt_state).info.num_linesearch_steps)
+        trials = int(linesearch_state(state.opt_state).info.num_linesearch_steps)
         # Adam, L-BFGS's first step and the first on new points (step 5): the step's own evaluation (+ the line
         # search's trials); otherwise the trials only
         assert len(calls) == (1 if step < 2 else trials + (step in (2, 5))), step

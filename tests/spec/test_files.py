@@ -10,7 +10,7 @@ import pytest
 
 from tessera.diagnostics import RunError
 from tessera.run.checkpoint import check_compatible
-from tessera.run.replay import _relocated_spec
+from tessera.run.replay import relocated_spec
 from tessera.spec import load_experiment
 from tessera.spec.files import by_content, file_fingerprint, file_records, locate, portable
 
@@ -61,13 +61,13 @@ def test_replay_relocates_files_or_names_what_it_tried(tmp_path, monkeypatch):
     checkout(tmp_path / "b")
     shutil.rmtree(tmp_path / "a")
     monkeypatch.chdir(tmp_path / "b")
-    spec = _relocated_spec(manifest)
+    spec = relocated_spec(manifest)
     assert spec["model"]["file"] == str((tmp_path / "b" / "models" / "gpt_oss.tsl").resolve())
     assert {k: v for k, v in spec.items() if k != "model"} == {k: v for k, v in manifest["spec"].items() if k != "model"}
-    assert _relocated_spec({"spec": {"name": "old"}}) == {"name": "old"}  # manifests from before `files`
+    assert relocated_spec({"spec": {"name": "old"}}) == {"name": "old"}  # manifests from before `files`
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RunError, match=r"model\.file: no file holds the content the run used .*\(missing\)"):
-        _relocated_spec(manifest)
+        relocated_spec(manifest)
 
 
 def test_resume_check_compares_files_by_content(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from jax.sharding import PartitionSpec as P
 
 from tessera.diagnostics import error
+from tessera.lower.options import CompileOptions
 from tessera.lower.shard.rules import AxisRules
 
 # logical axes whose mesh axes a context axis must not share (their lowerings assume seq is whole there)
@@ -35,20 +36,21 @@ def token_spec(rules: AxisRules, ndim: int = 2) -> P:
     return P(entry(rules.axes("batch")), entry(context_axes(rules)), *([None] * (ndim - 2)))
 
 
-def check_context(exp, rules: AxisRules) -> None:
+def check_context(options: CompileOptions) -> None:
     """Fast mode: context axes split nothing else, and the activation seq split divides task.seq_len."""
+    rules = options.rules
     ctx = context_axes(rules)
     for axis in ctx:
         shared = [name for name in COMPUTE_AXES if axis in rules.axes(name)]
         if shared:
             raise error(f"context parallelism over `{axis}` is not supported when `{axis}` also splits "
-                        f"`{shared[0]}`", span=exp.span("parallel.rules.seq"), key="parallel.rules.seq",
+                        f"`{shared[0]}`", span=options.span("parallel.rules.seq"), key="parallel.rules.seq",
                         hint="map seq to the sp axis alone (the default), and give sp no other rule")
-    seq_len = getattr(exp.task, "seq_len", None)
+    seq_len = options.seq_len
     split = rules.dims(("batch", "seq", "embed"), activation=True)[1]
     n = rules.size(split)
     if isinstance(seq_len, int) and n > 1 and seq_len % n:
         shown = "×".join(f"{a}={dict(rules.sizes)[a]}" for a in split)
         raise error(f"activations split seq over {shown} = {n} ways, which does not divide seq_len={seq_len}",
-                    span=exp.span("task.seq_len"), key="task.seq_len",
+                    span=options.span("task.seq_len"), key="task.seq_len",
                     hint=f"use a seq_len that is a multiple of {n}")

@@ -30,10 +30,10 @@ from tessera.lower import fp8_delayed, loss_scale
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard.collectives import block_index
 
-def check_canonical(exp, batch: int, devices: int) -> None:
+def check_canonical(options, batch: int, devices: int) -> None:
     """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise; `tessera
     check` runs the same rule, tessera.ir.check.check_canonical_batch)."""
-    problems = canonical_problems(exp, batch, devices)
+    problems = canonical_problems(batch, devices, options.span)
     if problems:
         raise TesseraError(problems)
 
@@ -135,7 +135,7 @@ class Deterministic:
     def _shards(self, batch: dict) -> tuple[int, dict]:
         b = next(iter(batch.values())).shape[0]  # tokens, or a scientific model's samples (u0, u1)
         c = canonical_shards(b)
-        check_canonical(self.prog.exp, b, self.devices)
+        check_canonical(self.prog.options, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
     def _shard_sums(self, params, shard: dict):

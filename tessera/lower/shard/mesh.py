@@ -13,24 +13,20 @@ from jax.sharding import Mesh
 
 from tessera.diagnostics import Diagnostic, TesseraError
 from tessera.ir.check import check_params_divide
-from tessera.lower.shard.rules import AxisRules
+from tessera.lower.options import CompileOptions
 
 
-def _mesh_key(exp, axis: str) -> tuple[str, object]:
-    key = f"mesh.{axis}"
-    return key, exp.span(key)
-
-
-def check_devices(exp, n_devices: int, processes: int = 1) -> list[Diagnostic]:
+def check_devices(options: CompileOptions, n_devices: int, processes: int = 1) -> list[Diagnostic]:
     """The mesh fits the devices: its product at most the device count (the first that many are used), and
     equal to it when several processes share the run (each must hold its part of the mesh)."""
-    sizes = exp.mesh.axes
+    sizes = options.mesh_axes
     product = int(np.prod(list(sizes.values())))
     if product == n_devices or (product < n_devices and processes == 1):
         return []
     used = {a: n for a, n in sizes.items() if n > 1} or {"dp": 1}
     axis = max(used, key=lambda a: used[a])
-    key, span = _mesh_key(exp, axis)
+    key = f"mesh.{axis}"
+    span = options.span(key)
     shown = " × ".join(f"{a}={n}" for a, n in used.items())
     where = f"{n_devices} are available" if product > n_devices else \
         f"{n_devices} are available over {processes} processes, which must all take part"
@@ -39,16 +35,16 @@ def check_devices(exp, n_devices: int, processes: int = 1) -> list[Diagnostic]:
                             f"e.g. dp={n_devices}")]
 
 
-def build_mesh(exp, params, devices=None) -> Mesh:
-    """A Mesh over the first exp.mesh.size of `devices` (default: all) with exp.mesh's axes in order pp, dp,
+def build_mesh(options: CompileOptions, params, devices=None) -> Mesh:
+    """A Mesh over the first options.mesh_size of `devices` (default: all) with the mesh's axes in order pp, dp,
     fsdp, ep, sp, tp. A mesh smaller than the devices present leaves the rest idle (`tessera run` says so)."""
     devices = list(jax.devices() if devices is None else devices)
     processes = jax.process_count()
-    rules = AxisRules.from_experiment(exp)
-    problems = check_devices(exp, len(devices), processes) + check_params_divide(exp, params, rules)
+    problems = (check_devices(options, len(devices), processes)
+                + check_params_divide(params, options.rules, options.span))
     if problems:
         raise TesseraError(problems)
-    devices = devices[:exp.mesh.size]
-    sizes = exp.mesh.axes
+    devices = devices[:options.mesh_size]
+    sizes = options.mesh_axes
     grid = np.asarray(devices, dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes))

@@ -33,15 +33,15 @@ def split_body(body: Region):
     return body.ops[:i], body.ops[i], body.ops[i + 1:]
 
 
-def check_stages(exp, graph) -> None:
+def check_stages(options, graph) -> None:
     """Each stage must start on the same step of the per-layer attribute pattern (e.g. GPT-OSS's window on even
     layers), so that its layers can be compiled once for every stage."""
     _, rep, _ = split_body(graph.body)
-    n, stages = rep.attrs["n"], exp.mesh.pp
+    n, stages = rep.attrs["n"], options.pp
     p = period(rep.region, n)
     if (n // stages) % p:
         raise error(f"pp={stages} gives stages of {n // stages} layer(s), but the layers' attributes repeat every "
-                    f"{p} layers", span=exp.span("mesh.pp"), key="mesh.pp",
+                    f"{p} layers", span=options.span("mesh.pp"), key="mesh.pp",
                     hint=f"use a pp that divides {n // p} (stages of a multiple of {p} layers)")
 
 
@@ -62,7 +62,7 @@ def pipeline_logits(prog, env, params, tokens, microbatches: int, ctx):
     def tick(carry, t):
         held, outs = carry
         x = jnp.where(stage == 0, h0[jnp.minimum(t, microbatches - 1)], held)
-        (y,), _ = eval_repeat(rep_local, [x], params, ctx, None, prog.exp.parallel.remat)
+        (y,), _ = eval_repeat(rep_local, [x], params, ctx, None, prog.options.remat)
         k = t - (stages - 1)
         keep = (stage == stages - 1) & (k >= 0)
         outs = outs.at[jnp.clip(k, 0, microbatches - 1)].set(

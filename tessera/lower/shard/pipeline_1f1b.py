@@ -45,7 +45,7 @@ def _stage_fns(prog, plan, count):
     rep_local = dataclasses.replace(rep, attrs={**rep.attrs, "n": rep.attrs["n"] // jax.lax.axis_size(PP)})
     pre_region = Region(list(body.args), list(pre), list(rep.values))
     post_region = Region(list(rep.results), list(post), list(body.outputs))
-    remat = prog.exp.parallel.remat
+    remat = prog.options.remat
 
     def embed(p, tokens):  # [mb, s] -> [mb, s, e]
         return eval_region(pre_region, [tokens], p, ctx)[0][0]
@@ -62,7 +62,7 @@ def _stage_fns(prog, plan, count):
 
 def _local_value_and_grad(prog, plan, data: tuple[str, ...]):
     """(params, batch) -> (loss, grads) on one device inside shard_map: the 1F1B ticks."""
-    m_total = prog.exp.parallel.pipeline.microbatches
+    m_total = prog.options.pipeline_microbatches
 
     def local(params, batch):
         stages, s = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
@@ -116,10 +116,10 @@ def _local_value_and_grad(prog, plan, data: tuple[str, ...]):
 
 def pipeline_value_and_grad(prog, plan):
     """(params, batch) -> (mean loss, grads by path): the 1F1B schedule under shard_map."""
-    from tessera.lower.shard.step import _batch_specs
+    from tessera.lower.shard.step import batch_specs
 
     def value_and_grad(params, batch):
-        specs = _batch_specs(plan, batch)
+        specs = batch_specs(plan, batch)
         data = tuple(a for e in specs["tokens"] if e for a in ((e,) if isinstance(e, str) else e))  # split tokens
         fn = jax.shard_map(_local_value_and_grad(prog, plan, data), mesh=plan.mesh,
                            in_specs=(plan.param_specs, specs), out_specs=(P(), plan.param_specs))

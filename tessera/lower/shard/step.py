@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tessera.lower import storage
+from tessera.lower.options import CompileOptions
 from tessera.lower.shard.collectives import ShardEnv, vocab_cross_entropy_sums
 from tessera.lower.shard.expert import step_count
 from tessera.lower.shard.context import check_context, context_axes, token_spec
@@ -69,24 +70,24 @@ class ShardPlan:
         return out
 
 
-def make_plan(exp, graph, devices=None) -> ShardPlan:
-    """The plan of exp's mesh over the devices; mesh errors are TesseraErrors raised here, before compiling."""
-    mesh = build_mesh(exp, storage.held_params(exp, graph), devices)  # what is split: params as held
-    rules = AxisRules.from_experiment(exp)
-    if not exp.parallel.deterministic:
-        check_context(exp, rules)
-    batch = getattr(exp.task, "batch", None)
-    if exp.parallel.deterministic and isinstance(batch, int):
+def make_plan(options: CompileOptions, graph, devices=None) -> ShardPlan:
+    """The plan of the options' mesh over the devices; mesh errors are TesseraErrors raised here, before
+    compiling."""
+    mesh = build_mesh(options, storage.held_params(options, graph), devices)  # what is split: params as held
+    rules = options.rules
+    if not options.deterministic:
+        check_context(options)
+    if options.deterministic and options.batch is not None:
         from tessera.lower.shard.deterministic import check_canonical
-        check_canonical(exp, batch, mesh.size)
-    if exp.mesh.pp > 1 and not exp.parallel.deterministic:
+        check_canonical(options, options.batch, mesh.size)
+    if options.pp > 1 and not options.deterministic:
         from tessera.lower.shard.pipeline import check_stages
-        check_stages(exp, graph)
+        check_stages(options, graph)
     dims = tuple((path, p.type.names) for path, p in graph.params.items())
     axes = {path: annotated_axes(p.type) for path, p in graph.params.items()}  # as `--after shard` prints
     _check_annotations(graph, rules, axes)
     specs = {path: spec_of(a) for path, a in axes.items()}
-    return ShardPlan(mesh, ShardEnv(rules, dims, exp.parallel.expert_capacity, tuple(axes.items())), specs)
+    return ShardPlan(mesh, ShardEnv(rules, dims, options.expert_capacity, tuple(axes.items())), specs)
 
 
 def _check_annotations(graph, rules: AxisRules, axes: dict) -> None:
@@ -106,7 +107,7 @@ def _check_annotations(graph, rules: AxisRules, axes: dict) -> None:
                                  "activations keep whole (embed, head_dim) may be placed otherwise")
 
 
-def _batch_specs(plan: ShardPlan, batch: dict) -> dict:
+def batch_specs(plan: ShardPlan, batch: dict) -> dict:
     """tokens, targets, mask [batch, seq]: batch over the batch axes, seq over sp (context parallel)."""
     return {k: token_spec(plan.rules, jnp.ndim(v)) for k, v in batch.items()}
 
@@ -117,7 +118,7 @@ def _logits(prog, plan: ShardPlan, params, tokens, mode: str, aux: dict | None =
         return prog.logits(params, tokens, mode, shard=plan.env, aux=aux), None
     from tessera.lower.shard.pipeline import pipeline_logits
     ctx = prog.lower_ctx(mode=mode, shard=plan.env)
-    return pipeline_logits(prog, plan.env, params, tokens, prog.exp.parallel.pipeline.microbatches, ctx)
+    return pipeline_logits(prog, plan.env, params, tokens, prog.options.pipeline_microbatches, ctx)
 
 
 def sharded_loss(prog, plan: ShardPlan, counted: bool = False):
@@ -144,11 +145,11 @@ def sharded_loss(prog, plan: ShardPlan, counted: bool = False):
         return loss if aux is None else (loss, {k: step_count(plan.env, v) for k, v in aux.items()})
 
     def loss(params, batch):
-        fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, _batch_specs(plan, batch)),
+        fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, batch_specs(plan, batch)),
                            out_specs=P())
         return fn(params, batch)
 
-    if dict(plan.rules.sizes).get("pp", 1) > 1 and prog.exp.parallel.pipeline.schedule == "1f1b":
+    if dict(plan.rules.sizes).get("pp", 1) > 1 and prog.options.pipeline_schedule == "1f1b":
         from tessera.lower.shard.pipeline_1f1b import with_1f1b_grads
         return with_1f1b_grads(prog, plan, loss)  # gradients from the 1F1B schedule; the value alone: GPipe
     return loss

@@ -244,7 +244,7 @@ def test_remat_dots_keeps_the_forward_residuals():
     """In the layer scan under remat `dots` (as `repeat` lowers it), the backward reads the forward's
     output and statistics (named residuals) instead of running the forward kernel a second time: three
     kernels, not four."""
-    from tessera.lower.interpret import _REMAT_POLICIES
+    from tessera.lower.interpret import REMAT_POLICIES
 
     cfg = FlashConfig(block_kv=128, stages=2, block_q_bwd=128, num_ctas=132)
 
@@ -253,7 +253,7 @@ def test_remat_dots_keeps_the_forward_residuals():
         kv = q[:, :, :1]
         return flash_attention(q, kv, kv, causal=True, config=cfg) @ w + h, None
 
-    body = jax.checkpoint(layer, policy=_REMAT_POLICIES["dots"], prevent_cse=False)
+    body = jax.checkpoint(layer, policy=REMAT_POLICIES["dots"], prevent_cse=False)
     loss = lambda h, ws: jax.lax.scan(body, h, ws)[0].astype(jnp.float32).sum()
     h, ws = jax.ShapeDtypeStruct((1, 512, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16)
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(h, ws).lower(lowering_platforms=("cuda",)).as_text()

@@ -110,8 +110,8 @@ def test_sharded_loss_runs_the_verified_kernels():
     from tests.lower.conftest import GPT_OSS_TINY, GPU_BF16
 
     one = tessera.compile(tessera.load(GPT_OSS_TINY, overrides=GPU_BF16))
-    plan = make_plan(one.exp, one.graph, jax.devices()[:1])  # dp, fsdp, tp, ... all named, all of size 1
-    sharded = Program(one.exp, one.graph, ir_hash=one.ir_hash, plan=plan)
+    plan = make_plan(one.options, one.graph, jax.devices()[:1])  # dp, fsdp, tp, ... all named, all of size 1
+    sharded = Program(one.options, one.graph, ir_hash=one.ir_hash, plan=plan)
     report = sharded.kernel_report()
     chosen = set(report.values())
     verified = {k.short for ks in table._table()[1].values() for k in ks if k.in_shard_map}
@@ -121,7 +121,7 @@ def test_sharded_loss_runs_the_verified_kernels():
     params = one.init(0)
     tokens = np.random.default_rng(0).integers(0, 256, (4, 512)).astype(np.int32)
     batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones(tokens.shape, np.float32)}
-    (ls, gs), (lo, go) = (jax.jit(jax.value_and_grad(p._loss))(params, batch) for p in (sharded, one))
+    (ls, gs), (lo, go) = (jax.jit(jax.value_and_grad(p.loss_fn()))(params, batch) for p in (sharded, one))
     assert abs(float(ls) - float(lo)) < 1e-3 * abs(float(lo))
     for path in ("layers/attention/q", "layers/attention/sinks", "layers/moe/experts/gate"):
         x, y = np.asarray(gs[path], np.float32), np.asarray(go[path], np.float32)

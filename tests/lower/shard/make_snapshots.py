@@ -20,12 +20,13 @@ SKIP = {("llama_tiny", "tp4_dp2"), ("gpt_oss_tiny", "tp4_dp2")}  # the tiny spec
 
 def snapshot(spec: str, mesh: dict) -> dict:
     """The sharding snapshot of a shipped spec on a mesh."""
+    from tessera.lower.options import CompileOptions
     from tessera.lower.program import program_graph
     from tessera.lower.shard.snapshot import sharding_snapshot
     from tessera.spec import load_experiment
 
     exp = load_experiment(ROOT / "specs" / f"{spec}.yaml", overrides=mesh)
-    return sharding_snapshot(exp, program_graph(exp))
+    return sharding_snapshot(CompileOptions.of(exp), program_graph(exp))
 
 
 def cases():

@@ -119,6 +119,7 @@ def test_shard_pass_splits_activation_seq_over_sp_and_the_plan_checks_the_length
 
     from tessera.diagnostics import TesseraError
     from tessera.ir.passes import PassContext, run_pass
+    from tessera.lower.options import CompileOptions
     from tessera.lower.program import program_graph
     from tessera.lower.shard.step import make_plan
     from tessera.spec import load_experiment
@@ -133,7 +134,7 @@ def test_shard_pass_splits_activation_seq_over_sp_and_the_plan_checks_the_length
     assert unembed.endswith(": f32[batch, seq, vocab=256] | [dp, sp, tp]")  # logits: seq over sp, vocab over tp
     bad = load_experiment(ROOT / GPT_OSS, overrides={**over, "task.seq_len": 6})
     with pytest.raises(TesseraError, match=r"split seq over sp=2×tp=2 = 4 ways, which does not divide seq_len=6"):
-        make_plan(bad, program_graph(bad), devices=jax.devices()[:1] * 8)
+        make_plan(CompileOptions.of(bad), program_graph(bad), devices=jax.devices()[:1] * 8)
 
 
 # ---------------------------------------------------------------- the attention cases (in the subprocess)
@@ -164,6 +165,7 @@ def attention_cases() -> dict:
 
     from tessera.lower.context import LowerCtx
     from tessera.lower.interpret import resolve_attrs
+    from tessera.lower.options import CompileOptions
     from tessera.lower.shard.step import make_plan
     from tessera.lower.table import get_lowering
     from tessera.spec import load_experiment
@@ -171,7 +173,7 @@ def attention_cases() -> dict:
 
     exp = load_experiment(ROOT / GPT_OSS, overrides=overrides(GPT_OSS, {**SEQ, "task.seq_len": 32, "mesh.sp": 4}))
     op, graph, params = _attention_op(exp)
-    plan = make_plan(exp, graph, devices=jax.devices()[:4])
+    plan = make_plan(CompileOptions.of(exp), graph, devices=jax.devices()[:4])
     lower = get_lowering("attention").fn
     x = jax.random.normal(jax.random.key(99), (2, 32, params["q"].shape[0]))
     w = jax.random.normal(jax.random.key(98), x.shape)

@@ -64,7 +64,7 @@ def train(spec: str, extra: dict) -> dict:
     state = prog.init_train_state(prog.init(0))
     data = list(batches(2, exp.task.batch, exp.task.seq_len))
     with jax.default_matmul_precision(prog.matmul_precision):
-        step = jax.jit(prog._train_step).lower(state, data[0]).compile()
+        step = jax.jit(prog.train_step_fn()).lower(state, data[0]).compile()
     losses = []
     for batch in data:
         state, m = step(state, batch)
@@ -81,7 +81,7 @@ def grads(spec: str, extra: dict) -> dict:
     exp, prog = _program(spec, extra)
     batch = next(batches(1, exp.task.batch, exp.task.seq_len))
     with jax.default_matmul_precision(prog.matmul_precision):
-        loss, g = jax.jit(jax.value_and_grad(prog._loss))(prog.init(0), batch)
+        loss, g = jax.jit(jax.value_and_grad(prog.loss_fn()))(prog.init(0), batch)
     return {"loss": float(loss), "grads": {k: np.asarray(v, np.float64).ravel().tolist() for k, v in g.items()}}
 
 

@@ -7,6 +7,7 @@ import pytest
 from tessera.diagnostics import TesseraError
 from tessera.ir.parser import parse_graph
 from tessera.ir.passes import PassContext, run_pass
+from tessera.lower.options import CompileOptions
 from tessera.lower.program import program_graph
 from tessera.lower.shard.mesh import build_mesh
 from tessera.lower.shard.rules import AxisRules, partition_spec
@@ -71,7 +72,7 @@ def test_a_mesh_bigger_than_the_devices_is_refused_at_its_key():
     exp = _exp(mesh__tp=2, mesh__dp=4)
     graph = program_graph(exp)
     with pytest.raises(TesseraError) as e:
-        build_mesh(exp, graph.params, devices=[object()] * 4)
+        build_mesh(CompileOptions.of(exp), graph.params, devices=[object()] * 4)
     d = e.value.diagnostics[0]
     assert "the mesh has 8 devices (dp=4 × tp=2) but 4 are available" in d.message
     assert d.key == "mesh.dp" and d.span is not None and d.span.line >= 1
@@ -82,7 +83,7 @@ def test_a_smaller_mesh_takes_the_first_devices():
     exp = _exp(mesh__tp=2, mesh__dp=2)
     graph = program_graph(exp)
     devices = [object() for _ in range(8)]
-    mesh = build_mesh(exp, graph.params, devices=devices)
+    mesh = build_mesh(CompileOptions.of(exp), graph.params, devices=devices)
     assert {a: n for a, n in mesh.shape.items() if n > 1} == {"dp": 2, "tp": 2}
     assert list(mesh.devices.flat) == devices[:4]
 
@@ -90,10 +91,10 @@ def test_a_smaller_mesh_takes_the_first_devices():
 def test_several_processes_must_use_every_device():
     from tessera.lower.shard.mesh import check_devices
 
-    exp = _exp(mesh__tp=2, mesh__dp=2)
-    d, = check_devices(exp, 8, processes=2)
+    options = CompileOptions.of(_exp(mesh__tp=2, mesh__dp=2))
+    d, = check_devices(options, 8, processes=2)
     assert "8 are available over 2 processes, which must all take part" in d.message and "dp=8" in d.hint
-    assert check_devices(exp, 8) == [] and check_devices(exp, 4, processes=2) == []
+    assert check_devices(options, 8) == [] and check_devices(options, 4, processes=2) == []
 
 
 def test_axis_that_does_not_divide_a_parameter_dim_names_it():
@@ -103,7 +104,7 @@ def test_axis_that_does_not_divide_a_parameter_dim_names_it():
 
     exp = _exp(mesh__ep=4, model__args__head_dim=30, parallel__rules__head_dim="ep")
     for fails in (lambda: program_graph(exp),
-                  lambda: build_mesh(exp, experiment_graph(exp).params, devices=[object()] * 4)):
+                  lambda: build_mesh(CompileOptions.of(exp), experiment_graph(exp).params, devices=[object()] * 4)):
         with pytest.raises(TesseraError) as e:
             fails()
         msgs = [d.message for d in e.value.diagnostics]
@@ -117,12 +118,12 @@ def test_pipeline_stages_must_start_on_the_layer_pattern():
 
     exp = _exp(mesh__pp=2, mesh__dp=1, parallel__deterministic=False)  # 2 layers, window on even ones only
     with pytest.raises(TesseraError) as e:
-        check_stages(exp, program_graph(exp))
+        check_stages(CompileOptions.of(exp), program_graph(exp))
     d = e.value.diagnostics[0]
     assert "pp=2 gives stages of 1 layer(s), but the layers' attributes repeat every 2 layers" in d.message
     assert d.key == "mesh.pp" and d.span is not None
     ok = _exp(mesh__pp=2, model__args__layers=4, parallel__deterministic=False)
-    check_stages(ok, program_graph(ok))
+    check_stages(CompileOptions.of(ok), program_graph(ok))
 
 
 def test_fast_mode_refuses_context_parallelism_over_an_axis_that_splits_heads():
@@ -131,7 +132,7 @@ def test_fast_mode_refuses_context_parallelism_over_an_axis_that_splits_heads():
     exp = _exp(mesh__tp=2, parallel__rules__seq="tp", parallel__deterministic=False)
     import jax
     with pytest.raises(TesseraError, match="context parallelism over `tp` is not supported") as e:
-        make_plan(exp, program_graph(exp), devices=jax.devices()[:1] * 2)
+        make_plan(CompileOptions.of(exp), program_graph(exp), devices=jax.devices()[:1] * 2)
     assert e.value.diagnostics[0].key == "parallel.rules.seq" and e.value.diagnostics[0].span is not None
 
 
@@ -140,9 +141,9 @@ def test_deterministic_batch_must_split_into_canonical_shards_over_the_mesh():
     import numpy as np
 
     assert [canonical_shards(b) for b in (16, 8, 12, 6, 7)] == [8, 8, 6, 6, 7]
-    check_canonical(_exp(), 16, 8)
+    check_canonical(CompileOptions.of(_exp()), 16, 8)
     with pytest.raises(TesseraError) as e:
-        check_canonical(_exp(), 12, 4)  # 6 canonical shards over 4 devices
+        check_canonical(CompileOptions.of(_exp()), 12, 4)  # 6 canonical shards over 4 devices
     d = e.value.diagnostics[0]
     assert "cuts the batch of 12 into 6 canonical shards, which do not split over 4 devices" in d.message
     assert d.key == "task.batch" and d.span is not None
