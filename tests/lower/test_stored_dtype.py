@@ -56,7 +56,8 @@ def test_bf16_model_projections_write_bf16():
     precision-sensitive) and the attention scores stay fp32."""
     exp = tessera.load(TINY, overrides={"numerics.default": "bf16 @accum(fp32)", "numerics.params": "bf16"})
     prog = tessera.compile(exp)
-    found = _weight_dots(prog, prog.init(seed=0), jnp.zeros((2, 8), jnp.int32))
+    # 2 x 40 tokens: more than ROUTER_ROWS_MAX, so the router is one dot (fewer sum fp32 blocks, no dot)
+    found = _weight_dots(prog, prog.init(seed=0), jnp.zeros((2, 40), jnp.int32))
     assert found[(128, 4, 32)] == ["bfloat16"] * 2  # q, per layer
     assert found[(128, 2, 32)] == ["bfloat16"] * 4  # k and v
     assert found[(4, 32, 128)] == ["bfloat16"] * 2  # o
