@@ -9,6 +9,7 @@ schema) or a fact derived from one, named for what the lowering does with it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -123,10 +124,7 @@ class CompileOptions:
     @property
     def mesh_size(self) -> int:
         """How many devices the mesh spans (the product of its axes)."""
-        n = 1
-        for size in self.mesh_axes.values():
-            n *= size
-        return n
+        return math.prod(self.mesh_axes.values())
 
     @property
     def pp(self) -> int:

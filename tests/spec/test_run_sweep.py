@@ -65,7 +65,7 @@ def _run(spec: Path, kind: str, extra: dict, out: Path, fresh: bool = False) -> 
     devices = math.prod(v for k, v in extra.items()
                         if k.startswith("mesh.") and isinstance(v, int) and not isinstance(v, bool))  # not auto
     if devices > 1 or fresh:
-        done = subprocess.run([sys.executable, "-m", "tessera.cli", *argv], env=cpu_env(max(devices, 1)), cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "tessera.cli", *argv], env=cpu_env(devices), cwd=ROOT,
                               capture_output=True, text=True, timeout=900)
         return None if done.returncode == 0 else f"{' '.join(sets)}: exit {done.returncode}: {done.stderr[-400:]}"
     err = io.StringIO()
