@@ -53,6 +53,8 @@ ROWS = {
                            "torchtitan Float8: 1.28x bf16 tokens/s (Llama-3-8B)"),
     "20b-layers train": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml", {},
                          "NeMo AutoModel 20B: 28 %; torchtitan 20B: 16.5-19.5 %"),
+    "20b-layers train deterministic": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml",
+                                       {"parallel.deterministic": True}, "-"),
 }
 
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.diagnostics import TesseraError
 from tessera.ir.check import MAX_CANONICAL, canonical_problems, canonical_shards  # noqa: F401 (re-exported)
-from tessera.lower import fp8_delayed, loss_scale
+from tessera.lower import fp8_delayed, loss_scale, precast
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard.collectives import block_index
 
@@ -132,6 +132,14 @@ class Deterministic:
         self.axes = tuple(a for a, n in mesh.shape.items() if n > 1)
         self.devices = mesh.size
 
+    def _precast(self, fn, params: dict, batch: dict, c: int) -> dict:
+        """params with those whose only use in one shard's fn(params, shard) is a single narrowing cast already cast
+        (tessera/lower/precast.py): once here, not once per canonical shard in the loop. Values and gradients are
+        bitwise those of the uncast parameters (the gradients come narrow; widened, they are the same bits)."""
+        n = c // self.devices  # this device's shards of its block of the batch
+        shard = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // n,) + a.shape[1:], a.dtype), batch)
+        return precast.cast(params, precast.hoistable(fn, params, shard))
+
     def _shards(self, batch: dict) -> tuple[int, dict]:
         b = next(iter(batch.values())).shape[0]  # tokens, or a scientific model's samples (u0, u1)
         c = canonical_shards(b)
@@ -185,13 +193,14 @@ class Deterministic:
                 return (s if ls is None else s * ls.scale), (n, terms)
 
             grad_fn = jax.value_and_grad(scaled, has_aux=True)
-            inputs = fp8_delayed.merged(full, history)
+            inputs = self._precast(lambda p, sh: scaled(p, sh)[0], fp8_delayed.merged(full, history), batch, c)
             (sums, (counts, terms)), grads = self._per_shard(lambda sh: grad_fn(inputs, sh), batch, c)
             grads, amaxes = fp8_delayed.split(grads, history)
 
             def update(grads, sums, counts, terms, amaxes, opt, full):
                 count = jnp.maximum(tree_sum(counts), 1.0)
-                grads = {k: tree_sum(g) / count for k, g in grads.items()}
+                # a precast parameter's shard gradients come narrow: widening them is exact (the cast's transpose)
+                grads = {k: tree_sum(g.astype(full[k].dtype)) / count for k, g in grads.items()}
                 amaxes = None if amaxes is None else {k: jnp.max(a, axis=0) for k, a in amaxes.items()}  # exact
                 if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
                     sums = sums / ls.scale
@@ -253,6 +262,7 @@ class Deterministic:
 
     def _mean_loss(self, full: dict, batch: dict, c: int):
         """The loss at whole params `full`: this device's canonical shards, all C gathered and tree-summed."""
+        full = self._precast(lambda p, sh: self._shard_sums(p, sh)[0], full, batch, c)
         sums, counts, _ = self._per_shard(lambda sh: self._shard_sums(full, sh), batch, c)
         return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
 
