@@ -23,6 +23,7 @@ from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_
     packed as packed_ref, rope as rope_ref
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
+from tessera.lower.reference.rows import take_rows
 from tessera.lower.shard import ops as shard_ops
 from tessera.lower import table
 from tessera.lower.table import get_kind_lowering, lowers, lowers_kind
@@ -58,7 +59,7 @@ def _embed(ctx, op, attrs, ins, params):
         table = packed_ref.dequantize(table, _dtype(op))
     if ctx.shard is not None:
         return [shard_ops.embed(ctx.shard, table, ins[0]).astype(_dtype(op))]
-    return [table[ins[0]].astype(_dtype(op))]
+    return [take_rows(table, ins[0]).astype(_dtype(op))]  # its gradient: no scatter-add (reference/rows.py)
 
 
 @lowers("unembed")

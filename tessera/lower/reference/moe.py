@@ -27,6 +27,7 @@ from tessera.lower.reference._dtypes import wide
 from tessera.lower.reference import accum as accum_ref, mxfp4, packed
 
 from tessera.lower.reference.activations import clamped_swiglu
+from tessera.lower.reference.rows import take_groups
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]
 GPT_OSS_ACT: Activation = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
@@ -175,10 +176,10 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     ct = wide(x.dtype)
     base = functools.partial(ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
     rd = lambda name: base if fp8_history is None else functools.partial(base, history=fp8_history[name])  # noqa: E731
-    g = rd("gate")(xs, _operand(gate, x.dtype)) + gate_bias.astype(ct)[sorted_expert]  # [T*k, F]
-    u = rd("up")(xs, _operand(up, x.dtype)) + up_bias.astype(ct)[sorted_expert]
+    g = rd("gate")(xs, _operand(gate, x.dtype)) + take_groups(gate_bias.astype(ct), sorted_expert)  # [T*k, F]
+    u = rd("up")(xs, _operand(up, x.dtype)) + take_groups(up_bias.astype(ct), sorted_expert)
     h = act(g.astype(x.dtype), u.astype(x.dtype))
-    y = rd("down")(h, _operand(down, x.dtype)) + down_bias.astype(ct)[sorted_expert]  # [T*k, D]
+    y = rd("down")(h, _operand(down, x.dtype)) + take_groups(down_bias.astype(ct), sorted_expert)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                    unique_indices=True)
     y = y.at[inverse].get(unique_indices=True).reshape(t, top_k, d)  # back in routing order
