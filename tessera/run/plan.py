@@ -94,14 +94,19 @@ def _canonical_per_device(exp) -> int:
     return max(1, canonical_shards(cost.task_dims(exp)["batch"]) // exp.mesh.size)
 
 
-def gradient_bytes(exp, dtype: str) -> float:
+def gradient_bytes(exp, dtype: str, precast=None) -> float:
     """Bytes of gradient buffers the train step holds per parameter element of storage type `dtype`.
 
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
     is fp32 already. Several microbatches: one microbatch's gradient plus the fp32 accumulator.
-    Deterministic mode: an fp32 gradient per canonical shard of the device, plus their tree sum."""
+    Deterministic mode: an fp32 gradient per canonical shard of the device, plus their tree sum; for a
+    parameter the shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the
+    narrow copy and a narrow gradient per shard, plus the fp32 tree sum."""
     held = array_bits(dtype) / 8
     if exp.parallel.deterministic:
+        if precast is not None:
+            narrow = jnp_itemsize(precast)
+            return narrow * (_canonical_per_device(exp) + 1) + 4.0
         return 4.0 * (_canonical_per_device(exp) + 1)
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
         return 4.0 if held == 4 else 4.0 + held
@@ -112,15 +117,33 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
     """Per-device bytes of parameters (storage types), gradients and optimizer state."""
     params = grads = opt = 0.0
     states = optimizer_states(exp)
-    for t in _held(exp, graph).values():
+    narrow = _precast(exp) if train else {}
+    for path, t in _held(exp, graph).items():
         n = layout.per_device(t)
         params += n * cost.bits_per_element(t.dtype) / 8
         if train:
-            grads += n * gradient_bytes(exp, t.dtype)
+            grads += n * gradient_bytes(exp, t.dtype, narrow.get(path))
             opt += states * n * array_bits(t.dtype) / 8
     if train:
         opt += delayed_history_bytes(graph)
     return {"params": params, "gradients": grads, "optimizer": opt}
+
+
+def jnp_itemsize(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+def _precast(exp) -> dict:
+    """Deterministic training of a language model: {path: narrow dtype} of the parameters its shard loop gets cast
+    once (found in one shard's traced loss, as the train step finds them; nothing is compiled)."""
+    if not exp.parallel.deterministic or not _trains(exp):
+        return {}
+    from tessera.lower.program import compile_experiment
+
+    dims = cost.task_dims(exp)
+    return compile_experiment(_one_device(exp)).deterministic_executor().precast_types(dims["batch"], dims["seq"])
 
 
 def delayed_history_bytes(graph) -> int:

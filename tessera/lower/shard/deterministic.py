@@ -140,6 +140,15 @@ class Deterministic:
         shard = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // n,) + a.shape[1:], a.dtype), batch)
         return precast.cast(params, precast.hoistable(fn, params, shard))
 
+    def precast_types(self, batch: int, seq: int) -> dict:
+        """{path: dtype} of the parameters a language model's train step casts once before its shard loop, for a
+        global batch of `batch` x `seq` tokens (`tessera plan` counts their shard gradients narrow)."""
+        if self.prog.graph.losses:
+            return {}
+        rows = batch // canonical_shards(batch)
+        shard = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
+        return precast.hoistable(lambda p, sh: self._shard_sums(p, sh)[0], self.prog.param_shapes(), shard)
+
     def _shards(self, batch: dict) -> tuple[int, dict]:
         b = next(iter(batch.values())).shape[0]  # tokens, or a scientific model's samples (u0, u1)
         c = canonical_shards(b)
