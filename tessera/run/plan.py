@@ -101,12 +101,14 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     is fp32 already. Several microbatches: one microbatch's gradient plus the fp32 accumulator.
     Deterministic mode: an fp32 gradient per canonical shard of the device, plus their tree sum; for a
     parameter the shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the
-    narrow copy and a narrow gradient per shard, plus the fp32 tree sum."""
+    narrow copy and a narrow gradient per shard; their widening tree sum is elementwise and XLA fuses it into
+    the optimizer's update (measured on one H100: Llama-1B 42.7 GiB against this model's 41.6, 20b-layers
+    54.6 against 54.2)."""
     held = array_bits(dtype) / 8
     if exp.parallel.deterministic:
         if precast is not None:
             narrow = jnp_itemsize(precast)
-            return narrow * (_canonical_per_device(exp) + 1) + 4.0
+            return narrow * (_canonical_per_device(exp) + 1)
         return 4.0 * (_canonical_per_device(exp) + 1)
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
         return 4.0 if held == 4 else 4.0 + held
