@@ -48,7 +48,9 @@ def _scanned_from(eqn) -> int:
 
 def _box(eqn):
     """The region a static `slice` reads, as ((start, limit), ...) per dim (strided slices: None)."""
-    if eqn.primitive.name != "slice" or eqn.params.get("strides") not in (None, (1,) * len(eqn.params["start_indices"])):
+    if eqn.primitive.name != "slice":
+        return None
+    if eqn.params.get("strides") not in (None, (1,) * len(eqn.params["start_indices"])):
         return None
     return tuple(zip(eqn.params["start_indices"], eqn.params["limit_indices"]))
 
@@ -67,8 +69,8 @@ def _sites(jaxpr: jcore.Jaxpr, var) -> list | None:
     uses = [(eqn, i) for eqn in jaxpr.eqns for i, v in enumerate(eqn.invars) if v is var]
     if len(uses) > 1:
         boxes = [_box(eqn) for eqn, _ in uses]
-        if any(b is None for b in boxes) or any(_disjoint(a, b) is False
-                                                for j, a in enumerate(boxes) for b in boxes[j + 1:]):
+        if any(b is None for b in boxes) or not all(_disjoint(a, b) for j, a in enumerate(boxes)
+                                                    for b in boxes[j + 1:]):
             return None
     found = []
     for eqn, i in uses:

@@ -428,7 +428,7 @@ def _with_precision(fn, precision: str):
     return call
 
 
-_PROGRAMS: dict[str, Program] = {}
+_PROGRAMS: dict[tuple[str, bool, bool], Program] = {}  # (program hash, has an optimizer, has an lr function)
 
 
 def program_hash(options: CompileOptions, graph: Graph) -> str:
@@ -451,14 +451,16 @@ def program_graph(exp) -> Graph:
 
 
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
-    """Build, check and lower the experiment's graph; cached on the program hash. The spec is read here, once,
-    into the program's CompileOptions; everything below reads those."""
+    """Build, check and lower the experiment's graph; cached on the program hash and on whether an optimizer and
+    a learning-rate function were given (`tessera plan` inspects a program without them, then compiles its train
+    step). The spec is read here, once, into the program's CompileOptions; everything below reads those."""
     graph = program_graph(exp)
     options = CompileOptions.of(exp)
     if graph.attrs.get("compute") == "f64" or any(p.type.dtype == "f64" for p in graph.params.values()):
         jax.config.update("jax_enable_x64", True)  # f64 arrays exist only with x64 on (a process-wide setting)
     h = program_hash(options, graph)
-    if h not in _PROGRAMS:
+    key = (h, optimizer is not None, lr_fn is not None)  # a program built for inspection has no train step
+    if key not in _PROGRAMS:
         storage.check_packed(options, graph)  # packed params: an inference task, groups that fit the shape and mesh
         plan = None
         if options.mesh_size > 1:
@@ -468,6 +470,6 @@ def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
         if optimizer is not None and length is not None:  # delayed fp8 scaling: amax histories in the train state
             from tessera.ir.passes.numerics import fp8_weights
             optimizer = fp8_delayed.carrying(optimizer, fp8_weights(graph), length)
-        _PROGRAMS[h] = Program(options, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
+        _PROGRAMS[key] = Program(options, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
                                optimizer=optimizer, lr_fn=lr_fn, plan=plan, exp=exp)
-    return _PROGRAMS[h]
+    return _PROGRAMS[key]
