@@ -131,6 +131,7 @@ class Deterministic:
         self.prog, self.mesh, self.param_specs = prog, mesh, param_specs
         self.axes = tuple(a for a, n in mesh.shape.items() if n > 1)
         self.devices = mesh.size
+        self._precast_types: dict[tuple[int, int], dict] = {}
 
     def _precast(self, fn, params: dict, batch: dict, c: int) -> dict:
         """params with those whose only use in one shard's fn(params, shard) is a single narrowing cast already cast
@@ -145,9 +146,12 @@ class Deterministic:
         global batch of `batch` x `seq` tokens (`tessera plan` counts their shard gradients narrow)."""
         if self.prog.graph.losses:
             return {}
-        rows = batch // canonical_shards(batch)
-        shard = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
-        return precast.hoistable(lambda p, sh: self._shard_sums(p, sh)[0], self.prog.param_shapes(), shard)
+        if (batch, seq) not in self._precast_types:  # traced once per shape (`mesh: auto` plans several meshes)
+            rows = batch // canonical_shards(batch)
+            shard = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
+            self._precast_types[batch, seq] = precast.hoistable(lambda p, sh: self._shard_sums(p, sh)[0],
+                                                                self.prog.param_shapes(), shard)
+        return self._precast_types[batch, seq]
 
     def _shards(self, batch: dict) -> tuple[int, dict]:
         b = next(iter(batch.values())).shape[0]  # tokens, or a scientific model's samples (u0, u1)
