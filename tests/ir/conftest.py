@@ -18,6 +18,9 @@ SHIPPED = {
     "llama_tied": ("llama.tsl", {**LLAMA, "tie_embeddings": True}),
     "grid_transformer": ("grid_transformer.tsl", {**GRID, "layers": 2}),
     "hrm": ("hrm.tsl", {**GRID, "l_layers": 1, "h_layers": 1, "l_steps": 2, "cycles": 2}),
+    # the training options' branches: pre-norm layers, module and input norms, every step's gradient
+    "hrm_options": ("hrm.tsl", {**GRID, "l_layers": 1, "h_layers": 1, "l_steps": 2, "cycles": 2, "pre_norm": True,
+                                "input_norm": True, "state_scale": 0.5, "one_step": False}),
 }
 POLICY = {"default": "bf16 @accum(fp32)", "params": "fp32",
           "rules": {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "bf16"}}

@@ -1,6 +1,8 @@
 """The shipped models: parameter paths and layouts are the contract (docs/contracts.md), and every
 pass leaves a graph that prints, parses back and prints identically."""
 
+import math
+
 import pytest
 
 from tessera.ir import build_graph, graph_flops, parse_graph, print_graph, verify
@@ -159,3 +161,20 @@ def test_hrm_runs_segments_in_a_loop_that_halts_and_supervises_each():
     text = print_graph(g)
     assert "loss supervision -> [lm, q_halt, q_continue, segments]" in text
     assert print_graph(verify(parse_graph(text))) == text
+
+
+def test_hrm_options_build_pre_norm_layers_module_norms_and_every_steps_gradient():
+    """pre_norm: each layer norms its input (attn_norm before attention), each module's output is normed
+    (net_norm, high_norm) and the readout and the Q-head read it normed; input_norm norms the embedded puzzle; one_step = false
+    leaves the recurrences' gradient at "all". The default build keeps the paper's post-norm layers and paths."""
+    args = {**GRID, "l_layers": 1, "h_layers": 1, "segments": 2}
+    g = build_graph(MODELS / "hrm.tsl", {**args, "pre_norm": True, "input_norm": True, "one_step": False})
+    new = {"input/input_norm/scale", "act/reason/cycles/low/net_norm/scale", "act/reason/cycles/high_norm/scale",
+           "act/out_norm/scale", "act/q_values/q_norm/scale"}
+    assert new <= set(g.params)
+    recurrences = [op for op in g.walk() if op.name == "repeat" and op.attrs["axis"] is None]
+    assert len(recurrences) == 4 and all(op.attrs["grad"] == "all" for op in recurrences)
+    base = build_graph(MODELS / "hrm.tsl", args)
+    assert not new & set(base.params) and set(g.params) - set(base.params) == new  # the same layer params otherwise
+    assert sum(math.prod(d.size for d in p.type.dims) for p in base.params.values()) + 5 * 16 == \
+        sum(math.prod(d.size for d in p.type.dims) for p in g.params.values())

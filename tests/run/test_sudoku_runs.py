@@ -1,6 +1,7 @@
-"""Short versions of the shipped Sudoku specs (the non-causal transformer, and HRM with deep supervision and ACT),
-on tiny shapes and easy puzzles (1-6 blanks): both learn, and `tessera.load_run` gives a program whose forward maps
-puzzles [B, 81] to logits [B, 81, vocab] that score exactly as the run's metrics say.
+"""Short versions of the shipped Sudoku specs (the non-causal transformer, and HRM with deep supervision and ACT:
+2 segments, which the shipped spec's 1 leaves out), on tiny shapes and easy puzzles (1-6 blanks): both learn, and
+`tessera.load_run` gives a program whose forward maps puzzles [B, 81] to logits [B, 81, vocab] that score exactly
+as the run's metrics say.
 
 What "learn" means here, in the few steps CI affords: both copy the clues (the cross-entropy over all 81 cells
 falls from about ln 10 = 2.3 to under a tenth of that; a model that cannot learn stays near 2.3), and the held-out
@@ -30,7 +31,7 @@ TINY = {"model.args.d_model": 32, "model.args.heads": 2, "model.args.head_dim": 
 # name: (spec, overrides, steps, blank-cell accuracy it must pass at the end: a guess gets 1 in 9)
 RUNS = {"transformer": ("transformer_sudoku.yaml", {"model.args.layers": 2}, 100, 0.3),
         "hrm": ("hrm_sudoku.yaml", {"model.args.l_layers": 1, "model.args.h_layers": 1, "model.args.segments": 2,
-                                    "task.batch": 16}, 60, None)}
+                                    "model.args.act": True, "task.batch": 16}, 60, None)}
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
