@@ -106,9 +106,8 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     54.6 against 54.2)."""
     held = array_bits(dtype) / 8
     if exp.parallel.deterministic:
-        if precast is not None:
-            narrow = jnp_itemsize(precast)
-            return narrow * (_canonical_per_device(exp) + 1)
+        if precast is not None:  # a numpy dtype
+            return precast.itemsize * (_canonical_per_device(exp) + 1)
         return 4.0 * (_canonical_per_device(exp) + 1)
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
         return 4.0 if held == 4 else 4.0 + held
@@ -129,12 +128,6 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
     if train:
         opt += delayed_history_bytes(graph)
     return {"params": params, "gradients": grads, "optimizer": opt}
-
-
-def jnp_itemsize(dtype) -> int:
-    import numpy as np
-
-    return np.dtype(dtype).itemsize
 
 
 def _precast(exp) -> dict:

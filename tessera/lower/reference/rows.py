@@ -65,22 +65,25 @@ def segment_rows(values: jax.Array, ids: jax.Array, rows: int) -> jax.Array:
     return jnp.where((sid[last] == wanted)[:, None], v[last], jnp.zeros((), v.dtype))
 
 
-@jax.custom_vjp
-def take_groups(values: jax.Array, ids: jax.Array) -> jax.Array:
-    """values [E, F] read at int ids [N] -> [N, F], for few groups E; the gradient is each group's sum of its rows,
-    as a one-hot product (fp32, full precision)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _take_groups(values, ids, groups: int):
     return values[ids]
 
 
-def _take_groups_fwd(values, ids):
-    return values[ids], (ids, jnp.zeros((values.shape[0], 0), values.dtype))
+def _take_groups_fwd(values, ids, groups):
+    return values[ids], ids
 
 
-def _take_groups_bwd(res, g):
-    ids, like = res
-    onehot = (ids[:, None] == jnp.arange(like.shape[0], dtype=ids.dtype)).astype(jnp.float32)  # [N, E]
+def _take_groups_bwd(groups, ids, g):
+    onehot = (ids[:, None] == jnp.arange(groups, dtype=ids.dtype)).astype(jnp.float32)  # [N, E]
     sums = jnp.einsum("ne,nf->ef", onehot, g.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return sums.astype(like.dtype), _no_grad(ids)
+    return sums.astype(g.dtype), _no_grad(ids)
 
 
-take_groups.defvjp(_take_groups_fwd, _take_groups_bwd)
+_take_groups.defvjp(_take_groups_fwd, _take_groups_bwd)
+
+
+def take_groups(values: jax.Array, ids: jax.Array) -> jax.Array:
+    """values [E, F] read at int ids [N] -> [N, F], for few groups E; the gradient is each group's sum of its rows,
+    as a one-hot product (fp32, full precision)."""
+    return _take_groups(values, ids, values.shape[0])

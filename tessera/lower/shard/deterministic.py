@@ -139,7 +139,14 @@ class Deterministic:
         bitwise those of the uncast parameters (the gradients come narrow; widened, they are the same bits)."""
         n = c // self.devices  # this device's shards of its block of the batch
         shard = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // n,) + a.shape[1:], a.dtype), batch)
-        return precast.cast(params, precast.hoistable(fn, params, shard))
+        return precast.cast(params, self._hoistable(fn, params, shard))
+
+    def _hoistable(self, fn, params: dict, shard: dict) -> dict:
+        """precast.hoistable of one shard's fn; nothing (and no trace) when the program computes in fp32 or wider,
+        where no parameter is cast to a narrower type at its use."""
+        if self.prog.graph.attrs.get("compute", "f32") in ("f32", "f64"):
+            return {}
+        return precast.hoistable(fn, params, shard)
 
     def precast_types(self, batch: int, seq: int) -> dict:
         """{path: dtype} of the parameters a language model's train step casts once before its shard loop, for a
@@ -149,8 +156,8 @@ class Deterministic:
         if (batch, seq) not in self._precast_types:  # traced once per shape (`mesh: auto` plans several meshes)
             rows = batch // canonical_shards(batch)
             shard = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
-            self._precast_types[batch, seq] = precast.hoistable(lambda p, sh: self._shard_sums(p, sh)[0],
-                                                                self.prog.param_shapes(), shard)
+            self._precast_types[batch, seq] = self._hoistable(lambda p, sh: self._shard_sums(p, sh)[0],
+                                                              self.prog.param_shapes(), shard)
         return self._precast_types[batch, seq]
 
     def _shards(self, batch: dict) -> tuple[int, dict]:
