@@ -55,6 +55,22 @@ class Program:
     last_key: Any = dataclasses.field(default=None, repr=False)  # the jitted function called last (lower)
     exp: Any = dataclasses.field(default=None, repr=False)
 
+    def attach(self, optimizer=None, lr_fn=None) -> None:
+        """Give the program the optimizer and learning-rate function a train step needs, where it has none (one
+        built for inspection); those it has stay. Functions traced before are dropped: they read the old ones."""
+        new_optimizer = self.optimizer is None and optimizer is not None
+        new_lr = self.lr_fn is None and lr_fn is not None
+        if new_optimizer:
+            length = fp8_delayed.history_length(self.graph.attrs.get("fp8"))
+            if length is not None:  # delayed fp8 scaling: amax histories in the train state
+                from tessera.ir.passes.numerics import fp8_weights
+                optimizer = fp8_delayed.carrying(optimizer, fp8_weights(self.graph), length)
+            self.optimizer = optimizer
+        if new_lr:
+            self.lr_fn = lr_fn
+        if new_optimizer or new_lr:
+            self._cache.clear()
+
     @property
     def vocab(self) -> int:
         """Token ids run over 0 .. vocab - 1: the size of the last axis of the model's output (its logits)."""
@@ -428,7 +444,7 @@ def _with_precision(fn, precision: str):
     return call
 
 
-_PROGRAMS: dict[tuple[str, bool, bool], Program] = {}  # (program hash, has an optimizer, has an lr function)
+_PROGRAMS: dict[str, Program] = {}
 
 
 def program_hash(options: CompileOptions, graph: Graph) -> str:
@@ -451,25 +467,23 @@ def program_graph(exp) -> Graph:
 
 
 def compile_experiment(exp, optimizer=None, lr_fn=None) -> Program:
-    """Build, check and lower the experiment's graph; cached on the program hash and on whether an optimizer and
-    a learning-rate function were given (`tessera plan` inspects a program without them, then compiles its train
-    step). The spec is read here, once, into the program's CompileOptions; everything below reads those."""
+    """Build, check and lower the experiment's graph; cached on the program hash. A cached program built without an
+    optimizer or a learning-rate function (`tessera plan` inspects one, then compiles its train step) takes the
+    ones a later call gives: a train step cannot have been built without them. The spec is read here, once, into
+    the program's CompileOptions; everything below reads those."""
     graph = program_graph(exp)
     options = CompileOptions.of(exp)
     if graph.attrs.get("compute") == "f64" or any(p.type.dtype == "f64" for p in graph.params.values()):
         jax.config.update("jax_enable_x64", True)  # f64 arrays exist only with x64 on (a process-wide setting)
     h = program_hash(options, graph)
-    key = (h, optimizer is not None, lr_fn is not None)  # a program built for inspection has no train step
-    if key not in _PROGRAMS:
+    if h not in _PROGRAMS:
         storage.check_packed(options, graph)  # packed params: an inference task, groups that fit the shape and mesh
         plan = None
         if options.mesh_size > 1:
             from tessera.lower.shard.step import make_plan
             plan = make_plan(options, graph)  # mesh errors are the user's: raised before anything compiles
-        length = fp8_delayed.history_length(graph.attrs.get("fp8"))
-        if optimizer is not None and length is not None:  # delayed fp8 scaling: amax histories in the train state
-            from tessera.ir.passes.numerics import fp8_weights
-            optimizer = fp8_delayed.carrying(optimizer, fp8_weights(graph), length)
-        _PROGRAMS[key] = Program(options, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
-                               optimizer=optimizer, lr_fn=lr_fn, plan=plan, exp=exp)
-    return _PROGRAMS[key]
+        _PROGRAMS[h] = Program(options, graph, ir_hash=hashlib.sha256(str(graph).encode()).hexdigest(),
+                               plan=plan, exp=exp)
+    prog = _PROGRAMS[h]
+    prog.attach(optimizer, lr_fn)
+    return prog
