@@ -104,14 +104,13 @@ def hoistable(fn: Callable, params: dict, *args: Any) -> dict[str, Any]:
     `params` and `args` may be arrays or ShapeDtypeStructs; `fn` is traced, not run. Feeding `fn` the parameters
     cast to these dtypes computes the same values, and the gradients with respect to the cast copies, widened,
     are those with respect to the parameters, bit for bit."""
-    leaves, tree = jax.tree.flatten(params)
+    pairs, tree = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [leaf for _, leaf in pairs]
     closed = jax.make_jaxpr(lambda flat, *a: fn(jax.tree.unflatten(tree, flat), *a))(leaves, *args)
-    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
-             for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    top = {k for k in params}
     out = {}
-    for path, var in zip(paths, closed.jaxpr.invars[:len(leaves)]):
-        if path not in top:  # a parameter held as several arrays (packed types): left as it is
+    for (key, _), var in zip(pairs, closed.jaxpr.invars[:len(leaves)]):
+        path = jax.tree_util.keystr(key, simple=True, separator="/")
+        if path not in params:  # a parameter held as several arrays (packed types): left as it is
             continue
         sites = _sites(closed.jaxpr, var)
         if sites and len(set(sites)) == 1:
