@@ -34,6 +34,11 @@ import numpy as np  # noqa: E402
 
 PROMPT = [200006, 17360, 200008, 3575, 553, 261, 10297, 29186, 13, 200007]
 LONG = [int(t) for t in np.random.default_rng(0).integers(0, 200000, 2048)]
+# gpt_oss_20b.yaml's rules with the attention projections held in fp8: q and o in 64 x 64 blocks (64 divides 2880
+# and the 64 heads), k and v ([2880, 8 kv heads, 64]) in 8 x 8 blocks over their last two dims
+FP8_ATTENTION = {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "bf16",
+                 "*/attention/[qo]": "fp8_e4m3 @scale(per_block(64))",
+                 "*/attention/[kv]": "fp8_e4m3 @scale(per_block(8))"}
 # name: (kind, spec, overrides, published peer)
 ROWS = {
     "120b decode b1": ("decode", "specs/gpt_oss_120b.yaml", {},
@@ -42,6 +47,7 @@ ROWS = {
     "20b decode b1": ("decode", "specs/gpt_oss_20b.yaml", {}, "SGLang 1 GPU b1: 305 tok/s"),
     "20b decode b8": ("decode", "specs/gpt_oss_20b.yaml", {"task.prompts": [PROMPT] * 8},
                       "SGLang 1 GPU b8: 1,351 tok/s"),
+    "20b decode b1 fp8 attn": ("decode", "specs/gpt_oss_20b.yaml", {"numerics.rules": FP8_ATTENTION}, "-"),
     "20b prefill 2048": ("prefill", "specs/gpt_oss_20b.yaml", {"task.prompts": [LONG], "task.max_new_tokens": 4},
                          "-"),
     "llama-1b train": ("train", "specs/bench/llama_1b_train.yaml", {},
@@ -51,6 +57,9 @@ ROWS = {
     "llama-1b train fp8": ("train", "specs/bench/llama_1b_train.yaml",
                            {"numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
                            "torchtitan Float8: 1.28x bf16 tokens/s (Llama-3-8B)"),
+    "llama-1b train fp8 delayed": ("train", "specs/bench/llama_1b_train.yaml",
+                                   {"numerics.default": "fp8_e4m3 @scale(delayed(16)) @accum(fp32)"},
+                                   "torchtitan Float8: 1.28x bf16 tokens/s (Llama-3-8B)"),
     "20b-layers train": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml", {},
                          "NeMo AutoModel 20B: 28 %; torchtitan 20B: 16.5-19.5 %"),
     "20b-layers train deterministic": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml",

@@ -43,7 +43,15 @@ def quantize(x, dtype):
     return jnp.clip(xf * s, -big, big).astype(dtype), s
 
 
-def _product(spec, a_q, b_q, scale, accum, out_dtype):
+# XLA:GPU runs an fp8 × fp8 dot at DEFAULT precision with cuBLASLt's "fast accumulation" (Hopper's fp8 tensor-core
+# accumulator, which keeps fewer bits than fp32); any other precision keeps the full fp32 accumulator. The usual
+# recipe (Transformer Engine, torchtitan) takes fast accumulation in the forward products only: the gradient
+# products contract over every token of the batch (K = 16,384 in the Llama-1B bench step), where the short
+# accumulator's error grows. The backward products below pass HIGHEST; the CPU, accumulating exactly, ignores it.
+PRECISE = jax.lax.Precision.HIGHEST
+
+
+def _product(spec, a_q, b_q, scale, accum, out_dtype, precision=None):
     if accum_ref.narrow(accum):  # the blocked narrow accumulation, on the fp8 values widened (exactly) to bf16
         y = accum_ref.einsum(spec, a_q.astype(jnp.bfloat16), b_q.astype(jnp.bfloat16), accum=accum,
                              preferred_element_type=jnp.float32)
@@ -53,10 +61,10 @@ def _product(spec, a_q, b_q, scale, accum, out_dtype):
         # division is bitwise rounding after it; and the product a remat policy saves is the bf16 one: an
         # fp32 result held for the backward doubled the saved matmul outputs (the Llama-1B bench step ran
         # out of memory on an H100, a 35.4 GiB temporary).
-        y = jnp.einsum(spec, a_q, b_q, preferred_element_type=jnp.bfloat16)
+        y = jnp.einsum(spec, a_q, b_q, preferred_element_type=jnp.bfloat16, precision=precision)
         return y / scale.astype(jnp.bfloat16)
     else:  # fp32 (or fp16, whose range the unscaled product may pass) results from the fp32 accumulator
-        y = jnp.einsum(spec, a_q, b_q, preferred_element_type=jnp.float32)
+        y = jnp.einsum(spec, a_q, b_q, preferred_element_type=jnp.float32, precision=precision)
     return (y / scale).astype(out_dtype)
 
 
@@ -82,8 +90,8 @@ def _bwd(spec, accum, out_dtype, res, g):
     xq, sx, wq, sw, zx, zw = res
     a, b, o = _split(spec)
     gq, sg = quantize(g, E5M2)
-    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype)
-    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype)
+    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
+    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype, PRECISE)
     return dx, dw
 
 
@@ -166,8 +174,8 @@ def _delayed_bwd(spec, accum, out_dtype, res, g):
     xq, sx, wq, sw, zx, zw, history, seen = res
     a, b, o = _split(spec)
     gq, sg = quantize_delayed(g, history[2], E5M2)
-    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype)
-    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype)
+    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
+    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype, PRECISE)
     return dx, dw, _record(history, jnp.concatenate([seen, _amax(g)[None]]))
 
 

@@ -186,8 +186,9 @@ class Trainer:
             evaluate = done == self.steps or (self.eval_every and done % self.eval_every == 0)
             checkpoint = self.every and done % self.every == 0
             if done % self.log_every == 0 or done == self.steps or evaluate or checkpoint:
-                new = self.flush(self.evaluate() if evaluate else None, self.errors() if evaluate else None)
+                jax.block_until_ready(m)  # the rate counts the training steps only, not the evaluation below
                 rate = (done - last) * self.tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+                new = self.flush(self.evaluate() if evaluate else None, self.errors() if evaluate else None)
                 t0, last = time.perf_counter(), done
                 progress.update(done, {**new[-1], "tok/s": rate})
                 self.ctx.manifest.record["tokens_per_s"] = rate
