@@ -19,8 +19,9 @@ from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
-from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, moe as moe_ref, mxfp4, \
-    packed as packed_ref, rope as rope_ref
+from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, fp8_blocks as fp8_blocks_ref, \
+    moe as moe_ref, mxfp4, packed as packed_ref, rope as rope_ref
+from tessera.lower.reference.fp8_blocks import FP8Blocks
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.reference.rows import take_rows
@@ -41,12 +42,14 @@ def _dtype(op, i: int = 0):
     return jnp_dtype(op.results[i].type.dtype)
 
 
-def _cast(params: dict, dtype, packed: tuple[str, ...] = ()) -> dict:
+def _cast(params: dict, dtype, packed: tuple[str, ...] = (), fp8_blocks_held: bool = False) -> dict:
     """Floating params cast to `dtype`; packed ones dequantised to it, except MXFP4 ones named in `packed` (the
-    experts' grouped products take those as they are)."""
+    experts' grouped products take those as they are) and, with `fp8_blocks_held`, block-scaled fp8 ones (which
+    `_weight_product` then multiplies without a dequantised copy)."""
     def cast(k, v):
         if packed_ref.is_packed(v):
-            return v if k in packed and isinstance(v, mxfp4.MXFP4) else packed_ref.dequantize(v, dtype)
+            keep = (k in packed and isinstance(v, mxfp4.MXFP4)) or (fp8_blocks_held and isinstance(v, FP8Blocks))
+            return v if keep else packed_ref.dequantize(v, dtype)
         return v.astype(dtype) if v is not None and jnp.issubdtype(v.dtype, jnp.floating) else v
 
     return {k: cast(k, v) for k, v in params.items()}
@@ -230,9 +233,18 @@ def _history(ctx, name: str):
     return ctx.fp8_history.get(name) if ctx.fp8_history else None
 
 
+def _one_token(ctx, x) -> bool:
+    """Whether a block's products are decode-sized (one token: batch-1 decode) and accumulate in fp32: then
+    block-scaled fp8 weights multiply without a dequantised copy (fp8_blocks.weight_only_einsum)."""
+    return x.shape[0] * x.shape[1] == 1 and ctx.fp8 is None and not accum_ref.narrow(ctx.accum_dtype)
+
+
 def _weight_product(ctx, spec: str, x, w, store, name: str):
-    """x ⊗ w for the op's weight `name`: in fp8 under an fp8 policy (reference/fp8.py), else accumulating in
+    """x ⊗ w for the op's weight `name`: in fp8 under an fp8 policy (reference/fp8.py), a block-scaled fp8 weight
+    still held as such (one token: `_one_token`) read once in a fused multiply-reduce, else accumulating in
     ctx.accum_dtype."""
+    if isinstance(w, FP8Blocks):
+        return fp8_blocks_ref.weight_only_einsum(spec, x, w, compute_dtype=x.dtype, out_dtype=store)
     if ctx.fp8 is not None:
         return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8,
                               history=_history(ctx, name))
@@ -241,7 +253,8 @@ def _weight_product(ctx, spec: str, x, w, store, name: str):
 
 def _project(ctx, x, w, b, name: str):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
-    y = _weight_product(ctx, "bse,ehd->bshd", x, w.astype(x.dtype), stored_dtype(x.dtype, ctx.accum_dtype), name)
+    w = w if isinstance(w, FP8Blocks) else w.astype(x.dtype)
+    y = _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name)
     if b is not None:
         y = _plus_bias(y, b)
     return y.astype(x.dtype)
@@ -275,7 +288,7 @@ def _attention(ctx, op, attrs, ins, params, cache):
     x = align(ins[0], have, BSE)
     if ctx.shard is not None:  # sequence parallel: the block sees the whole sequence
         x = ctx.shard.seq_gather(x)
-    p = _cast(params, x.dtype)
+    p = _cast(params, x.dtype, fp8_blocks_held=_one_token(ctx, x))
     q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
     k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
     v = _project(ctx, x, p["v"], p.get("v_bias"), "v")
@@ -314,7 +327,7 @@ def _mlp(ctx, op, attrs, ins, params):
     x = align(ins[0], have, BSE)
     if ctx.shard is not None:
         x = ctx.shard.seq_gather(x)
-    p = _cast(params, x.dtype)
+    p = _cast(params, x.dtype, fp8_blocks_held=_one_token(ctx, x))
     cols = stored_dtype(x.dtype, ctx.accum_dtype)
     g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
     u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")

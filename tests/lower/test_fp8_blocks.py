@@ -120,6 +120,39 @@ def test_forward_equals_the_dequantised_forward_and_is_close_to_bf16(programs):
     assert 0 < err.max() <= 0.05 * np.abs(reference).max() and err.mean() <= 0.06 * np.abs(reference).mean()
 
 
+@pytest.mark.parametrize("spec,xs,ws,n", [("bse,ehd->bshd", (1, 1, 64), (64, 4, 32), 4),  # blocks across the heads
+                                          ("bshd,hde->bse", (1, 1, 4, 32), (4, 32, 64), 32),
+                                          ("bsf,fe->bse", (1, 1, 96), (96, 64), 32)])
+def test_the_one_token_product_is_the_dequantised_product(spec, xs, ws, n):
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal(xs), jnp.bfloat16)
+    w = fp8_blocks.quantize(jnp.asarray(rng.standard_normal(ws) * 0.05, jnp.float32), n)
+    got = fp8_blocks.weight_only_einsum(spec, x, w, compute_dtype=jnp.bfloat16, out_dtype=jnp.float32)
+    want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(fp8_blocks.dequantize(w, jnp.bfloat16), np.float64))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    # one fused multiply-reduce over the codes: no dot, so no dequantised copy of W for a dot to read
+    prims = {e.primitive.name for e in jax.make_jaxpr(
+        lambda x, w: fp8_blocks.weight_only_einsum(spec, x, w, compute_dtype=jnp.bfloat16, out_dtype=jnp.float32)
+    )(x, w).jaxpr.eqns}
+    assert "dot_general" not in prims and "reduce_sum" in prims
+
+
+def test_batch_one_decode_multiplies_the_held_codes_and_generates_the_dequantised_tokens(programs, monkeypatch):
+    held, params, plain, _ = programs
+    calls = []
+    real = fp8_blocks.weight_only_einsum
+    monkeypatch.setattr(fp8_blocks, "weight_only_einsum", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    dequantised = {k: fp8_blocks.dequantize(v, jnp.bfloat16) if isinstance(v, FP8Blocks) else v
+                   for k, v in params.items()}
+    prompt = np.asarray([TOKENS[0][:5]], np.int32)
+    got = np.asarray(held.generate(params, prompt, max_new_tokens=6))
+    assert sorted(set(calls)) == ["bse,ef->bsf", "bsf,fe->bse"]  # gate, up and down of the decode step
+    np.testing.assert_array_equal(got, np.asarray(plain.generate(dequantised, prompt, max_new_tokens=6)))
+    calls.clear()  # a batch of two tokens a step (and the forward's whole sequences) dequantise as before
+    held.generate(params, np.asarray([p[:5] for p in TOKENS], np.int32), max_new_tokens=2)
+    assert calls == []
+
+
 def test_plan_counts_a_byte_per_weight_and_four_per_block(programs, capsys):
     held, params, _, spec = programs
     assert main(["plan", str(spec), "--no-compile", "--json"]) == 0

@@ -86,3 +86,28 @@ def dequantize(w: FP8Blocks, dtype=jnp.bfloat16) -> jax.Array:
     """The logical weight [..., K, N] in `dtype`: codes · their block's scale, in fp32, then cast."""
     v = _split(w.codes.astype(jnp.float32), w.block) * w.scales[..., :, None, :, None]
     return v.reshape(w.shape).astype(dtype)
+
+
+def weight_only_einsum(spec: str, x: jax.Array, w: FP8Blocks, *, compute_dtype, out_dtype) -> jax.Array:
+    """einsum(spec, x, W) for one token (decode at batch 1) without a dequantised copy of W: one fused
+    multiply-and-reduce that reads each fp8 code once, W's elements taken as dequantize(w, compute_dtype) gives
+    them and the products summed in fp32 over the contracted dims.
+
+    Dequantising first writes W in the compute type and reads it back (1 + 2 + 2 bytes a weight against bf16's 2):
+    on an H200, 24 of GPT-OSS-20B's q projections [2880, 64, 64] (per_block(64)) at one token took 1.36 ms that way
+    against 1.31 ms in bf16 and 0.68 ms as this reduction (o: 1.17, 0.95 and 0.57 ms). At 8 tokens the reduction
+    is ~2x slower than bf16 (each weight is read once per token), so the lowering takes it for one token only.
+    The broadcast shape is the token dims followed by W's dims in W's own order, so the reduction runs over W's
+    memory layout (a column reduction, coalesced) rather than a strided transpose of it."""
+    a, b, o = spec.replace(" ", "").replace("->", ",").split(",")
+    if not (set(a) & set(b)) - set(o) or not set(o) <= set(a) | set(b):
+        raise ValueError(f"weight_only_einsum: {spec!r} contracts nothing or names an output dim no operand has")
+    tokens = [c for c in a if c not in b]
+    full = tokens + list(b)  # the product's dims: x's own, then W's in W's order
+    contracted = [c for c in b if c in a and c not in o]
+    xt = jnp.einsum(f"{a}->{''.join(c for c in full if c in a)}", x.astype(jnp.float32))
+    xe = xt.reshape([x.shape[a.index(c)] if c in a else 1 for c in full])
+    we = dequantize(w, compute_dtype).astype(jnp.float32)
+    y = jnp.sum(xe * we, axis=tuple(full.index(c) for c in contracted))
+    kept = [c for c in full if c not in contracted]
+    return jnp.einsum(f"{''.join(kept)}->{o}", y).astype(out_dtype)
