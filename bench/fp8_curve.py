@@ -35,13 +35,14 @@ POLICIES = {
 }
 
 
-def build_corpus(path: Path = CORPUS, min_tokens: int = 8 * 2048 * 300 * 2) -> Path:
-    """The standard library's sources as byte tokens (at least `min_tokens`, repeated if the library is short)."""
+def build_corpus(path: Path = CORPUS, min_tokens: int = 8 * 2048 * 300 * 2, root: Path | None = None) -> Path:
+    """The `.py` sources under `root` (default: the standard library) as byte tokens, at least `min_tokens`
+    (repeated if the sources are short)."""
     from tessera.run.data import write_bin
 
     if path.exists():
         return path
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    files = sorted(Path(root or sysconfig.get_paths()["stdlib"]).rglob("*.py"))
     chunks, n = [], 0
     for f in files:
         data = np.frombuffer(f.read_bytes(), np.uint8)
