@@ -237,3 +237,22 @@ def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint
     resumed = run_fake(spec, out=tmp_path / "r", resume=True)
     assert resumed.manifest["resumed"][-1]["from_step"] == 10
     assert resumed.metrics == whole.metrics and resumed.params_checksum == whole.params_checksum
+
+
+def test_tokens_per_s_times_the_training_steps_not_the_evaluation(run_fake, monkeypatch):
+    # a clock that stands still except in the evaluation, which takes 1000 s: a rate that counted the
+    # evaluation's time would be at most 20 steps x 256 tokens / 1000 s
+    from tessera.run.tasks import train as train_task
+
+    now = [0.0]
+    monkeypatch.setattr(train_task.time, "perf_counter", lambda: now[0])
+    real = train_task.Trainer.evaluate
+
+    def slow_evaluate(self):
+        now[0] += 1000.0
+        return real(self)
+
+    monkeypatch.setattr(train_task.Trainer, "evaluate", slow_evaluate)
+    result = run_fake(train_spec(steps=20, eval_every=20, log_every=20))
+    assert "eval_loss" in result.metrics[-1]
+    assert result.manifest["tokens_per_s"] > 1e6  # the steps' own time: the clock did not move for them
