@@ -43,12 +43,7 @@ def build_corpus(path: Path = CORPUS, min_tokens: int = 8 * 2048 * 300 * 2, root
     if path.exists():
         return path
     files = sorted(Path(root or sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    chunks, n = [], 0
-    for f in files:
-        data = np.frombuffer(f.read_bytes(), np.uint8)
-        chunks.append(data)
-        n += data.size
-    tokens = np.concatenate(chunks)
+    tokens = np.concatenate([np.frombuffer(f.read_bytes(), np.uint8) for f in files])
     if tokens.size < min_tokens:
         tokens = np.tile(tokens, -(-min_tokens // tokens.size))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,10 +66,9 @@ def run_policy(name: str, steps: int, corpus: Path, extra=()) -> tuple[list[dict
     print(tail, flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: tessera run exited {proc.returncode}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rate = json.loads((out / "manifest.json").read_text()).get("tokens_per_s")
+    manifest = json.loads((out / "manifest.json").read_text())  # every metrics record, and the last tokens/s
     shutil.rmtree(out, ignore_errors=True)  # the 1B model's checkpoint is ~15 GB
-    return records, rate
+    return manifest["metrics"], manifest.get("tokens_per_s")
 
 
 def train_records(records: list[dict]) -> dict[int, dict]:
