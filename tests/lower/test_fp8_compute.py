@@ -6,6 +6,7 @@ a tiny Llama trains in fp8 within a fraction of a percent of bf16, and not ident
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -64,10 +65,8 @@ def test_the_gradient_products_ask_for_the_full_accumulator(scaling):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
                 yield eqn
-            for v in eqn.params.values():
-                inner = getattr(v, "jaxpr", v)  # a ClosedJaxpr's Jaxpr, or a Jaxpr
-                if hasattr(inner, "eqns"):
-                    yield from dots(inner)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from dots(sub)
 
     fwd = [e for e in dots(jax.make_jaxpr(loss)(x, w).jaxpr)]
     both = [e for e in dots(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr)]
