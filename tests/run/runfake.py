@@ -215,7 +215,7 @@ def main(argv) -> int:
     spec, out = json.loads(Path(argv[0]).read_text()), argv[1]
     step_sleep = float(argv[argv.index("--step-sleep") + 1]) if "--step-sleep" in argv else 0.0
     if "--hang-save" in argv:
-        _hang_in_save(int(argv[argv.index("--hang-save") + 1]))
+        _hang_in_save(int(argv[argv.index("--hang-save") + 1]), Path(out + ".saving"))
     if "--cache" in argv:  # a compilation cache shared by the test's processes
         jax.config.update("jax_compilation_cache_dir", argv[argv.index("--cache") + 1])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -226,15 +226,19 @@ def main(argv) -> int:
     return result.exit_code
 
 
-def _hang_in_save(step: int) -> None:
-    """Stall the rename that completes checkpoint `step`, after its files are written, so a test can kill us there."""
+def _hang_in_save(step: int, marker: Path) -> None:
+    """Stall the rename that completes checkpoint `step`, after its files are written, so a test can kill us there;
+    `marker` (a file beside OUT) appears once we are stalled. A file, not a line on stdout: another thread's log
+    line could share the line and hide it."""
     from orbax.checkpoint._src.path import atomicity
 
     original = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def finalize(self, *a, **k):
         if self.get_final().name == str(step):
-            print(f"SAVING {self.get()}", flush=True)
+            tmp = marker.with_name(marker.name + ".tmp")
+            tmp.write_text(str(self.get()))
+            tmp.replace(marker)
             time.sleep(600)
         return await original(self, *a, **k)
 

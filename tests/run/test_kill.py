@@ -91,9 +91,9 @@ def test_sigkill_mid_training_then_resume(tmp_path, reference):
 def test_sigkill_during_checkpoint_save_keeps_previous(tmp_path, reference):
     out = tmp_path / "run"
     proc = _start(tmp_path, out, "--hang-save", "20")
-    for line in proc.stdout:  # the checkpoint for step 20 is written but not yet renamed into place
-        if line.startswith("SAVING"):
-            break
+    marker = Path(f"{out}.saving")  # the checkpoint for step 20 is written but not yet renamed into place
+    _wait_for(lambda: marker.exists() or proc.poll() is not None, timeout=120)
+    assert proc.poll() is None, proc.communicate()[0]
     proc.kill()
     proc.wait()
     names = sorted(p.name for p in (out / "ckpt").iterdir())
