@@ -19,8 +19,8 @@ from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
-from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, fp8_blocks as fp8_blocks_ref, \
-    moe as moe_ref, mxfp4, packed as packed_ref, rope as rope_ref
+from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, moe as moe_ref, \
+    mxfp4, packed as packed_ref, rope as rope_ref
 from tessera.lower.reference.fp8_blocks import FP8Blocks
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
@@ -244,7 +244,8 @@ def _weight_product(ctx, spec: str, x, w, store, name: str):
     still held as such (one token: `_one_token`) read once in a fused multiply-reduce, else accumulating in
     ctx.accum_dtype."""
     if isinstance(w, FP8Blocks):
-        return fp8_blocks_ref.weight_only_einsum(spec, x, w, compute_dtype=x.dtype, out_dtype=store)
+        return table.dispatch(ctx, "weight_only_einsum", f"{name} (held fp8 blocks, one token)", spec, x, w,
+                              compute_dtype=x.dtype, out_dtype=store)
     if ctx.fp8 is not None:
         return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8,
                               history=_history(ctx, name))

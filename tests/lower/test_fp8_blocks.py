@@ -18,6 +18,8 @@ from safetensors.numpy import load_file
 import tessera
 from tessera.cli import main
 from tessera.diagnostics import TesseraError
+import tessera.lower.kernels  # noqa: F401  (fills the lowering table, whose reference the decode test wraps)
+from tessera.lower import table
 from tessera.lower.program import compile_experiment
 from tessera.lower.reference import fp8_blocks
 from tessera.lower.reference.fp8_blocks import FP8Blocks
@@ -140,8 +142,8 @@ def test_the_one_token_product_is_the_dequantised_product(spec, xs, ws, n):
 def test_batch_one_decode_multiplies_the_held_codes_and_generates_the_dequantised_tokens(programs, monkeypatch):
     held, params, plain, _ = programs
     calls = []
-    real = fp8_blocks.weight_only_einsum
-    monkeypatch.setattr(fp8_blocks, "weight_only_einsum", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    real = fp8_blocks.weight_only_einsum  # the lowering table's reference for it (no kernel on the CPU)
+    monkeypatch.setitem(table.PRIMITIVES, "weight_only_einsum", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     dequantised = {k: fp8_blocks.dequantize(v, jnp.bfloat16) if isinstance(v, FP8Blocks) else v
                    for k, v in params.items()}
     prompt = np.asarray([TOKENS[0][:5]], np.int32)

@@ -7,6 +7,7 @@
 | grouped_matmul | grouped_matmul(lhs, rhs, group_sizes, *, config) | supported(...) |
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
 | mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot at decode | (through pair_dot) |
+| fp8_gemv (Triton backend) | weight_only_einsum(spec, x, w: FP8Blocks, *, out_dtype, config): one token times block-scaled fp8 weights | supported(...) |
 | rms_norm (Triton backend) | rms_norm(x, scale, *, eps, config), add_rms_norm(x, residual, scale, *, eps, config) | supported(...) -> (ok, why) |
 
 Each `supported()` is False without its GPU (unless a config asks for the CPU interpreter): Hopper
@@ -25,6 +26,7 @@ latest numbers).
 # the test of its operands. Kernel modules are imported only when a kernel may run (auto, on its backend).
 
 from tessera.lower import table as _table  # noqa: E402
+from tessera.lower.reference import fp8_blocks as _fp8_blocks  # noqa: E402
 from tessera.lower.reference import mxfp4 as _mxfp4  # noqa: E402
 from tessera.lower.reference.attention import attention as _attention_reference  # noqa: E402
 
@@ -39,6 +41,7 @@ _table.primitive("attention", _attention_reference)  # queries at q_offset + 0..
 _table.primitive("decode_attention", _decode_reference)
 _table.primitive("ragged_dot", _mxfp4.any_ragged_dot)  # the experts' grouped products (rhs plain or MXFP4)
 _table.primitive("pair_dot", _mxfp4.pair_dot)  # row r times expert experts[r] (decode's few copies)
+_table.primitive("weight_only_einsum", _fp8_blocks.weight_only_einsum)  # one token times held fp8 blocks
 
 
 def _flash_takes(q, k, v, *, sinks, causal, window, scale, q_offset=0):
@@ -123,3 +126,16 @@ def _pairs(lhs, rhs, experts, preferred_element_type=None):
     from tessera.lower.kernels import mxfp4_matmul as mk
 
     return mk.pair_dot(lhs, rhs, experts, preferred_element_type=preferred_element_type)
+
+
+def _fp8_gemv_takes(spec, x, w, **kw):
+    from tessera.lower.kernels import fp8_gemv
+
+    return fp8_gemv.supported(spec, x, w, **kw)
+
+
+@_table.kernel("weight_only_einsum", name="fp8_block_gemv (Pallas, Triton)", when=_fp8_gemv_takes)
+def _fp8_gemv(spec, x, w, *, compute_dtype, out_dtype):
+    from tessera.lower.kernels import fp8_gemv
+
+    return fp8_gemv.weight_only_einsum(spec, x, w, compute_dtype=compute_dtype, out_dtype=out_dtype)
