@@ -107,3 +107,28 @@ def test_e4m3_ptx_is_bitwise_ml_dtypes_on_an_emulator():
         via_jnp = np.asarray(e4m3_f32(jnp.asarray(rolled.astype(np.uint8)), ptx=False))
         np.testing.assert_array_equal(np.isnan(via_jnp), nan)
         np.testing.assert_array_equal(via_jnp[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_kernel_is_the_exact_product_and_its_conversion_bitwise(case):
+    """Compiled (inline PTX, default config): every layout within fp32 summation of the exact product; every
+    e4m3 byte converted to ml_dtypes' value."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    spec, x, w = _operands(case, seed=11)
+    assert supported(spec, x, w) is True
+    got = jax.jit(lambda x, w: weight_only_einsum(spec, x, w, out_dtype=jnp.float32))(x, w)
+    exact = np.einsum(spec, np.asarray(x, np.float64), np.asarray(fb.dequantize(w, jnp.float32), np.float64))
+    assert np.max(np.abs(np.asarray(got, np.float64) - exact)) < 2e-6 * np.max(np.abs(exact))
+    codes = jnp.arange(256 * 16, dtype=jnp.int32).astype(jnp.uint8).reshape(64, 64)
+
+    def body(c_ref, o_ref):
+        o_ref[...] = e4m3_f32(c_ref[...], ptx=True)
+    out = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                         compiler_params=pltriton.CompilerParams(num_warps=4))(codes)
+    want = np.asarray(codes).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)), nan)
+    np.testing.assert_array_equal(np.asarray(out)[~nan], want[~nan])
