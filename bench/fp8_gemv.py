@@ -37,6 +37,12 @@ def _variants() -> dict:
     out["a2"] = c(ahead=2)
     out["p1056"] = c(programs=1056)
     out["p264"] = c(programs=264)
+    # fewer, longer programs and fewer fp32 partials
+    out["n128_w1"] = c(block_n=128, num_warps=1)
+    out["n256_w1"] = c(block_n=256, num_warps=1)
+    out["n1024_w4_r16_p264"] = c(rows=16, programs=264)
+    out["n1024_w8"] = c(num_warps=8)
+    out["n4096_w16"] = c(block_n=4096, num_warps=16)
     return out
 
 
@@ -54,6 +60,7 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="")
+    ap.add_argument("--breakdown", action="store_true", help="print each call's kernels (the default variant)")
     args = ap.parse_args()
     variants = _variants()
     if args.variants:
@@ -69,7 +76,7 @@ def main():
         rows = []
 
         def timed(name, fn, weights, nbytes):
-            us, _ = profile_us(fn, (x,), weights)
+            us, _ = profile_us(fn, (x,), weights, breakdown=args.breakdown and name.startswith("fp8_gemv default"))
             rows.append((name, us, nbytes / us / 1e3))
 
         timed("xla bf16 weights", lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
