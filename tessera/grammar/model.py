@@ -25,7 +25,9 @@ _TOKEN_WORDS = {"NAME": "a name", "INT": "an integer", "FLOAT": "a number", "LPA
 
 @functools.lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
-    return lark.Lark(_GRAMMAR.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    # cache=True: Lark's grammar analysis kept in a file under the system temp dir, keyed by the grammar's hash
+    return lark.Lark(_GRAMMAR.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True,
+                     cache=True)
 
 
 @v_args(meta=True, inline=False)

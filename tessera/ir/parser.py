@@ -6,6 +6,7 @@ checked by the verifier (`tessera.ir.verify`), so an invalid graph can be parsed
 
 from __future__ import annotations
 
+import functools
 import json
 
 import lark
@@ -62,7 +63,12 @@ COMMENT: "//" /[^\n]*/
 %ignore COMMENT
 """
 
-_PARSER = lark.Lark(GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+@functools.lru_cache(maxsize=1)
+def _parser() -> lark.Lark:
+    """Built on first use, not at import (most processes never parse IR text); `cache=True` keeps Lark's grammar
+    analysis in a file under the system temp dir (keyed by the grammar's hash and Lark's version): 0.18 s to
+    build, 0.015 s to load."""
+    return lark.Lark(GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True, cache=True)
 
 
 _TOKENS = {"CIRCUMFLEX": "`^`", "COLON": "`:`", "LBRACE": "`{`", "RBRACE": "`}`", "LPAR": "`(`", "RPAR": "`)`",
@@ -224,7 +230,7 @@ class _Builder:
 def parse_graph(text: str, file: str = "<ir>") -> Graph:
     """Parse IR text into a Graph (syntax and scoping only; run `verify` for the rest)."""
     try:
-        tree = _PARSER.parse(text)
+        tree = _parser().parse(text)
     except lark.UnexpectedInput as exc:
         lines = text.splitlines()
         line = lines[exc.line - 1] if 0 < exc.line <= len(lines) else None
