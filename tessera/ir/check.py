@@ -385,35 +385,56 @@ def _narrow_accum_training(exp, graph: Graph, accum: str) -> list[Diagnostic]:
     return []
 
 
-MAX_CANONICAL = 8  # canonical batch shards per step: any mesh of up to 8 devices that divides it reproduces
+MAX_CANONICAL = 8  # canonical batch shards per step unless parallel.canonical_shards says: the default's cap
 
 
-def canonical_shards(batch: int) -> int:
-    """C: the largest divisor of the batch that is at most MAX_CANONICAL (deterministic mode's batch shards)."""
+def canonical_shards(batch: int, fixed: int | None = None) -> int:
+    """C, deterministic mode's batch shards: `fixed` (parallel.canonical_shards) where the spec sets it, else the
+    largest divisor of the batch that is at most MAX_CANONICAL."""
+    if fixed is not None:
+        return fixed
     return max(d for d in range(1, MAX_CANONICAL + 1) if batch % d == 0)
 
 
-def canonical_problems(batch: int, devices: int, span: Callable[[str], Span | None]) -> list[Diagnostic]:
-    """The batch's canonical shards must split evenly over the mesh's devices (at task.batch, which `span(key)`
-    locates: `Experiment.span`)."""
-    c = canonical_shards(batch)
+def canonical_problems(batch: int, devices: int, span: Callable[[str], Span | None],
+                       fixed: int | None = None) -> list[Diagnostic]:
+    """The batch's canonical shards (`fixed`: parallel.canonical_shards) divide it and split evenly over the mesh's
+    devices (at the key that decides, which `span(key)` locates: `Experiment.span`)."""
+    if fixed is not None and batch % fixed:
+        return [Diagnostic(f"parallel.canonical_shards = {fixed} does not divide the batch of {batch}",
+                           span=span("parallel.canonical_shards"), key="parallel.canonical_shards",
+                           hint=f"use a divisor of {batch} that the mesh's device count divides")]
+    c = canonical_shards(batch, fixed)
     if c % devices == 0:
         return []
+    if fixed is not None:
+        fits = [d for d in range(devices, batch + 1, devices) if batch % d == 0]
+        return [Diagnostic(f"deterministic mode cuts the batch of {batch} into {c} canonical shards "
+                           f"(parallel.canonical_shards), which do not split over {devices} devices",
+                           span=span("parallel.canonical_shards"), key="parallel.canonical_shards",
+                           hint=(f"use {fits[0]} (a multiple of {devices} dividing the batch)" if fits else
+                                 f"use a batch that {devices} divides") + ", or parallel.deterministic: false")]
     return [Diagnostic(f"deterministic mode cuts the batch of {batch} into {c} canonical shards, which do not split "
                        f"over {devices} devices", span=span("task.batch"), key="task.batch",
                        hint=f"use a batch with {devices} dividing its largest divisor ≤ {MAX_CANONICAL} "
                             f"(e.g. {8 * devices // math.gcd(8, devices)}) on at most {MAX_CANONICAL} "
-                            "devices, or parallel.deterministic: false")]
+                            "devices, set parallel.canonical_shards to a multiple of the device count that divides "
+                            "the batch, or parallel.deterministic: false")]
 
 
 def check_canonical_batch(exp, graph: Graph) -> list[Diagnostic]:
-    """Deterministic mode on a mesh: the task's batch splits into canonical shards the devices share evenly (the
-    rule the sharded step applies, checked before anything compiles)."""
+    """Deterministic mode: the task's batch splits into canonical shards that the mesh's devices share evenly (the
+    rule the sharded step applies, checked before anything compiles); a set parallel.canonical_shards divides the
+    batch on any mesh, one device included."""
     batch = getattr(exp.task, "batch", None)
     mesh = getattr(exp, "mesh", None)
-    if mesh is None or mesh.auto or mesh.size <= 1 or not exp.parallel.deterministic or not isinstance(batch, int):
+    fixed = exp.parallel.canonical_shards
+    if not exp.parallel.deterministic or not isinstance(batch, int) or mesh is None:
         return []
-    return canonical_problems(batch, mesh.size, exp.span)
+    devices = 1 if mesh.auto or mesh.size <= 1 else mesh.size
+    if devices == 1 and fixed is None:
+        return []
+    return canonical_problems(batch, devices, exp.span, fixed)
 
 
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:

@@ -43,6 +43,8 @@ class CompileOptions:
     annotated and the sharded steps split activations by."""
     deterministic: bool
     """`parallel.deterministic`: cross-device reductions in a fixed, mesh-independent order (canonical shards)."""
+    canonical_shards: int | None
+    """`parallel.canonical_shards`: deterministic mode's shards of a batch (None: the largest divisor up to 8)."""
     remat: str
     """`parallel.remat`: none | dots | full, the rematerialisation policy of `repeat` bodies."""
     pipeline_schedule: str
@@ -110,7 +112,8 @@ class CompileOptions:
         return cls(
             model_file=Path(exp.model.file), model_args=MappingProxyType(dict(exp.model.args)),
             mesh_axes=MappingProxyType(dict(exp.mesh.axes)), rules=AxisRules.from_experiment(exp),
-            deterministic=bool(parallel.deterministic), remat=parallel.remat,
+            deterministic=bool(parallel.deterministic), canonical_shards=parallel.canonical_shards,
+            remat=parallel.remat,
             pipeline_schedule=parallel.pipeline.schedule, pipeline_microbatches=int(parallel.pipeline.microbatches),
             expert_capacity=parallel.expert_capacity,
             numerics=exp.numerics, kernels=exp.kernels,

@@ -91,7 +91,7 @@ def _canonical_per_device(exp) -> int:
     until the fixed-order tree sums them)."""
     from tessera.lower.shard.deterministic import canonical_shards
 
-    return max(1, canonical_shards(cost.task_dims(exp)["batch"]) // exp.mesh.size)
+    return max(1, canonical_shards(cost.task_dims(exp)["batch"], exp.parallel.canonical_shards) // exp.mesh.size)
 
 
 def gradient_bytes(exp, dtype: str, precast=None) -> float:
@@ -99,15 +99,16 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
 
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
     is fp32 already. Several microbatches: one microbatch's gradient plus the fp32 accumulator.
-    Deterministic mode: an fp32 gradient per canonical shard of the device, plus their tree sum; for a
+    Deterministic mode: an fp32 gradient per canonical shard of the device, plus their fp32 tree sum; for a
     parameter the shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the
-    narrow copy and a narrow gradient per shard; their widening tree sum is elementwise and XLA fuses it into
-    the optimizer's update (measured on one H100: Llama-1B 42.7 GiB against this model's 41.6, 20b-layers
-    54.6 against 54.2)."""
+    narrow copy and a narrow gradient per shard, widened into the fp32 sum. (Measured on one H100 when the sum
+    was fused into the update and not held: Llama-1B 42.7 GiB against this model's 41.6, 20b-layers 54.6
+    against 54.2; the sum has been computed apart from the update since, to keep the update's arithmetic the
+    same on every mesh, and not measured on a GPU.)"""
     held = array_bits(dtype) / 8
     if exp.parallel.deterministic:
         if precast is not None:  # a numpy dtype
-            return precast.itemsize * (_canonical_per_device(exp) + 1)
+            return precast.itemsize * _canonical_per_device(exp) + 4.0
         return 4.0 * (_canonical_per_device(exp) + 1)
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
         return 4.0 if held == 4 else 4.0 + held
@@ -190,7 +191,7 @@ def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool
         if exp.parallel.deterministic:  # canonical shards, one at a time on each device
             from tessera.lower.shard.deterministic import canonical_shards
 
-            cut, in_flight = canonical_shards(sizes["batch"]), 1
+            cut, in_flight = canonical_shards(sizes["batch"], exp.parallel.canonical_shards), 1
         mb = {**sizes, "batch": max(1, sizes["batch"] // cut)}
         acts = cost.activation_bytes(graph, mb, exp.parallel.remat, layout.activations)
         stage_layers = -(-acts["layers"] // exp.mesh.pp)

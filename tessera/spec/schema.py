@@ -128,6 +128,11 @@ class Parallel(Section):
     remat: Literal["none", "dots", "full"] = Field(
         "none", description="rematerialisation: none | dots (save matmul outputs only) | full")
     deterministic: bool = Field(True, description="fixed-order reductions: bitwise-reproducible on any mesh")
+    canonical_shards: int | None = Field(
+        None, ge=1, description="deterministic mode: the batch is cut into this many canonical shards (a divisor of "
+        "task.batch) whose gradients are summed in one fixed tree; any mesh whose device count divides it "
+        "reproduces the one-device run bit for bit. null: the largest divisor of the batch up to 8. Ignored in "
+        "fast mode")
     expert_capacity: float | None = Field(
         None, gt=0, description="expert parallel capacity factor (fast mode): each destination shard receives at "
         "most ceil(factor · T·k / ep) copies from each source device routing T tokens; copies beyond it are "

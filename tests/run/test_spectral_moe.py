@@ -84,10 +84,13 @@ def test_expert_parallelism_reproduces_one_device_bit_for_bit(cache):
     """Two steps on one device and on ep=2 x dp=4 (the experts' weights split in two, gathered for each step's
     canonical shards): the same losses, gradient norms, parameters and held-out predictions."""
     jobs = [{"kind": "train_pde", "spec": str(SPEC), "steps": 2, "overrides": {**SMALL, **mesh}}
-            for mesh in ({}, {"mesh.ep": 2, "mesh.dp": 4})] + [{"kind": "gather", "spec": "", "overrides": {}}]
-    one, ep, gathered = run_jobs(jobs)
+            for mesh in ({}, {"mesh.ep": 2, "mesh.dp": 4})]
+    jobs += [{"kind": "gather", "spec": "", "overrides": {}}, {"kind": "ordered_sum", "spec": "", "overrides": {}}]
+    one, ep, gathered, summed = run_jobs(jobs)
     # the gather behind it (deterministic mode's gather_full) returns every bit, -0.0 and NaN payloads included
     assert gathered and all(gathered.values()), gathered
+    # and its gradient reduction (each device's subtree, then the devices in order) is the one-device tree's
+    assert len(summed) == 6 and all(same and order_matters for same, order_matters in summed.values()), summed
     assert ep["collectives"] and not one["collectives"]
     assert ep["losses"] == one["losses"] and ep["norms"] == one["norms"] and one["losses"][0] != one["losses"][1]
     assert ep["checksum"] == one["checksum"] and ep["forward"] == one["forward"] and ep["state"] == one["state"]

@@ -3,10 +3,11 @@
 The batch is cut into C canonical shards (C fixed by the spec, not the mesh). Each shard's loss sum and
 gradients are computed by the same function on the same shapes wherever it runs, with the whole model
 (parameters all-gathered: exact, no arithmetic). The devices share the C shards between them (every
-mesh axis acts as a data axis here), all-gather the per-shard results and reduce them in one fixed
-balanced binary tree over the C leaves; then each device applies the optimizer to the full tensors
-(the same arithmetic everywhere: the sum and the update compile on their own, `fenced`) and keeps its own
-block. On one device the same program runs on a one-device mesh, so the single-device run is the reference
+mesh axis acts as a data axis here), and the per-shard results are reduced in one fixed balanced binary tree
+over the C leaves: each device sums its own shards' gradients, an aligned subtree when C is a power of two, and
+the devices' subtree sums meet in `ordered_sum` (otherwise, and for the per-shard scalars, all C are gathered).
+Then each device applies the optimizer to the full tensors (the same arithmetic everywhere: the update compiles
+on its own, `fenced`) and keeps its own block. On one device the same program runs on a one-device mesh, so the single-device run is the reference
 every mesh reproduces.
 
 A model with loss entries trained on batches of samples (burgers pairs: `Program.canonical_objective`) runs
@@ -33,7 +34,7 @@ from tessera.lower.shard.collectives import block_index
 def check_canonical(options, batch: int, devices: int) -> None:
     """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise; `tessera
     check` runs the same rule, tessera.ir.check.check_canonical_batch)."""
-    problems = canonical_problems(batch, devices, options.span)
+    problems = canonical_problems(batch, devices, options.span, options.canonical_shards)
     if problems:
         raise TesseraError(problems)
 
@@ -46,6 +47,25 @@ def tree_sum(x):
         summed = pairs[:, 0] + pairs[:, 1]
         x = jnp.concatenate([summed, x[n - 1:]], axis=0) if n % 2 else summed
     return x[0]
+
+
+def ordered_sum(x, axes: tuple, n: int):
+    """The sum over the devices of `axes` (n of them) of each one's x, added in one fixed balanced binary tree in
+    device order (tree_sum over [x of device 0, ..., x of device n-1]), on every device. Each device sends the
+    others its chunks (an all-to-all), sums the n pieces of its own chunk in that tree and the summed chunks
+    are gathered: the bytes of a reduce-scatter and an all-gather, where gathering every device's x would hold
+    n of them."""
+    flat = x.reshape(-1)
+    size = -(-flat.shape[0] // n)
+    flat = jnp.pad(flat, (0, size * n - flat.shape[0]))
+    pieces = jax.lax.all_to_all(flat.reshape(n, size), axes, 0, 0)  # row j: device j's piece of this chunk
+    mine = tree_sum(pieces)
+    whole = jax.lax.all_gather(mine, axes, axis=0, tiled=True)
+    return whole[: math.prod(x.shape)].reshape(x.shape)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _entries(spec: P):
@@ -154,7 +174,7 @@ class Deterministic:
         if self.prog.graph.losses:
             return {}
         if (batch, seq) not in self._precast_types:  # traced once per shape (`mesh: auto` plans several meshes)
-            rows = batch // canonical_shards(batch)
+            rows = batch // canonical_shards(batch, self.prog.options.canonical_shards)
             shard = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
             self._precast_types[batch, seq] = self._hoistable(lambda p, sh: self._shard_sums(p, sh)[0],
                                                               self.prog.param_shapes(), shard)
@@ -162,7 +182,7 @@ class Deterministic:
 
     def _shards(self, batch: dict) -> tuple[int, dict]:
         b = next(iter(batch.values())).shape[0]  # tokens, or a scientific model's samples (u0, u1)
-        c = canonical_shards(b)
+        c = canonical_shards(b, self.prog.options.canonical_shards)
         check_canonical(self.prog.options, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
@@ -178,13 +198,33 @@ class Deterministic:
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
         return jnp.sum(per_token * w), jnp.sum(w), {}
 
+    def _local_shards(self, fn, batch: dict, c: int):
+        """fn over this device's canonical shards (C / devices of them, in canonical order), stacked."""
+        local = jax.tree.map(lambda a: a.reshape((c // self.devices, -1) + a.shape[1:]), batch)
+        return _opaque_map(fn, local, c // self.devices)
+
+    def _gathered(self, out):
+        """Per-shard results of this device, those of all C shards in canonical order."""
+        if not self.axes:
+            return out
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, self.axes, axis=0, tiled=True), out)
+
     def _per_shard(self, fn, batch: dict, c: int):
         """fn over this device's canonical shards, results of all C shards gathered in canonical order."""
-        local = jax.tree.map(lambda a: a.reshape((c // self.devices, -1) + a.shape[1:]), batch)
-        out = _opaque_map(fn, local, c // self.devices)
-        if self.axes:
-            out = jax.tree.map(lambda a: jax.lax.all_gather(a, self.axes, axis=0, tiled=True), out)
-        return out
+        return self._gathered(self._local_shards(fn, batch, c))
+
+    def _summed_grads(self, grads: dict, widths: dict, c: int) -> dict:
+        """This device's per-shard gradients [C / devices, ...] -> the gradients of all C shards tree-summed in
+        canonical order (tree_sum over them), on every device. One device: its C shards. On n devices when C is a
+        power of two, each device's C / n shards are one aligned subtree of that tree, so each device sums its own
+        and the n subtree sums meet in `ordered_sum` (device order is canonical order): each device holds one
+        gradient where gathering would hold C. Otherwise (a subtree spans devices) all C are gathered. Narrow
+        (precast) gradients are widened before any sum (exact: the cast's transpose). The sum is computed apart
+        from the update on every mesh, one device included: fused into the update, it made XLA:CPU reduce the
+        gradient norm in another order on one device than on a mesh (the last bit of gpt_oss_tiny's norm)."""
+        if self.axes and _power_of_two(c):
+            return {k: ordered_sum(tree_sum(g.astype(widths[k])), self.axes, self.devices) for k, g in grads.items()}
+        return {k: tree_sum(g.astype(widths[k])) for k, g in self._gathered(grads).items()}
 
     def loss(self, params, batch: dict):
         """Mean loss over the batch, reduced in the canonical tree."""
@@ -214,13 +254,14 @@ class Deterministic:
 
             grad_fn = jax.value_and_grad(scaled, has_aux=True)
             inputs = self._precast(lambda p, sh: scaled(p, sh)[0], fp8_delayed.merged(full, history), batch, c)
-            (sums, (counts, terms)), grads = self._per_shard(lambda sh: grad_fn(inputs, sh), batch, c)
+            (sums, (counts, terms)), grads = self._local_shards(lambda sh: grad_fn(inputs, sh), batch, c)
             grads, amaxes = fp8_delayed.split(grads, history)
+            sums, counts, terms, amaxes = self._gathered((sums, counts, terms, amaxes))
+            grads = self._summed_grads(grads, {k: v.dtype for k, v in full.items()}, c)
 
             def update(grads, sums, counts, terms, amaxes, opt, full):
                 count = jnp.maximum(tree_sum(counts), 1.0)
-                # a precast parameter's shard gradients come narrow: widening them is exact (the cast's transpose)
-                grads = {k: tree_sum(g.astype(full[k].dtype)) / count for k, g in grads.items()}
+                grads = {k: g / count for k, g in grads.items()}
                 amaxes = None if amaxes is None else {k: jnp.max(a, axis=0) for k, a in amaxes.items()}  # exact
                 if ls is not None:  # unscaled in fp32; a non-finite one makes the optimizer skip the step
                     sums = sums / ls.scale
@@ -254,13 +295,15 @@ class Deterministic:
 
     def _mean_loss_fn(self, batch: dict, c: int):
         """The mean loss at whole params, differentiable: L-BFGS's line search takes values and gradients of it
-        at trial params. `_per_shard`'s loop is one JAX cannot reverse-differentiate, so the gradient is the train
+        at trial params. `_local_shards`' loop is one JAX cannot reverse-differentiate, so the gradient is the train
         step's own: each canonical shard's, tree-summed, as its VJP (first order)."""
         def value_and_grad(p, batch):
             grad_fn = jax.value_and_grad(lambda q, sh: self._shard_sums(q, sh)[:2], has_aux=True)
-            (sums, counts), grads = self._per_shard(lambda sh: grad_fn(p, sh), batch, c)
+            (sums, counts), grads = self._local_shards(lambda sh: grad_fn(p, sh), batch, c)
+            sums, counts = self._gathered((sums, counts))
+            grads = self._summed_grads(grads, {k: v.dtype for k, v in p.items()}, c)
             count = jnp.maximum(tree_sum(counts), 1.0)
-            return tree_sum(sums) / count, {k: tree_sum(g) / count for k, g in grads.items()}
+            return tree_sum(sums) / count, {k: g / count for k, g in grads.items()}
 
         @jax.custom_vjp
         def mean_loss(p, batch):

@@ -151,6 +151,33 @@ def test_deterministic_batch_must_split_into_canonical_shards_over_the_mesh():
     assert float(tree_sum(x)) == float(((x[0] + x[1]) + (x[2] + x[3])) + x[4])
 
 
+def test_canonical_shards_set_in_the_spec_lift_the_cap_of_eight():
+    """parallel.canonical_shards fixes C past the default's 8 (a mesh of 16 devices), is refused where it does not
+    divide the batch (on one device too) or the mesh's device count does not divide it, at its own key."""
+    from tessera.ir.check import check_experiment
+    from tessera.lower.shard.deterministic import canonical_shards
+
+    assert canonical_shards(32, 16) == 16 and canonical_shards(32) == 8
+    spec = ROOT / "specs" / "gpt_oss_tiny.yaml"
+    check_experiment(load_experiment(spec, overrides={"task.batch": 32, "parallel.canonical_shards": 16,
+                                                      "mesh.dp": 16}))
+    for over, message, hint in [
+        ({"task.batch": 32, "parallel.canonical_shards": 12}, "parallel.canonical_shards = 12 does not divide the "
+         "batch of 32", "use a divisor of 32"),
+        ({"task.batch": 32, "parallel.canonical_shards": 8, "mesh.dp": 16}, "into 8 canonical shards "
+         "(parallel.canonical_shards), which do not split over 16 devices", "use 16 (a multiple of 16 dividing"),
+        ({"task.batch": 32, "mesh.dp": 16}, "into 8 canonical shards, which do not split over 16 devices",
+         "set parallel.canonical_shards to a multiple of the device count")]:
+        with pytest.raises(TesseraError) as e:
+            check_experiment(load_experiment(spec, overrides=over))
+        (d,) = e.value.diagnostics
+        assert message in d.message and hint in d.hint, (d.message, d.hint)
+        assert d.key == ("task.batch" if "parallel.canonical_shards" not in over else "parallel.canonical_shards")
+    # fast mode ignores it, as it ignores the canonical shards
+    check_experiment(load_experiment(spec, overrides={"task.batch": 32, "parallel.canonical_shards": 12,
+                                                      "parallel.deterministic": False}))
+
+
 def test_check_refuses_a_batch_whose_canonical_shards_do_not_split_over_the_mesh():
     """`tessera check` applies the sharded step's rule before anything compiles (the run sweep found a spec that
     `check` accepted and `run` refused); fast mode and one device are not concerned."""

@@ -80,9 +80,11 @@ def train(spec: str, extra: dict, steps: int) -> dict:
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     params = {k: host(v).astype(np.float64) for k, v in state.params.items()}
+    temp = prog.lower("train_step", state, batch).compile().memory_analysis().temp_size_in_bytes  # JAX's cached one
     return {"losses": losses, "norms": norms, "checksum": checksum(state.params), "state": state_checksum(state),
             "params": {k: v.ravel()[:64].tolist() for k, v in params.items()},
-            "collectives": prog.collectives, "deterministic": prog.deterministic}
+            "param_bytes": int(sum(host(v).nbytes for v in state.params.values())),
+            "collectives": prog.collectives, "deterministic": prog.deterministic, "temp": int(temp)}
 
 
 def train_pde(spec: str, extra: dict, steps: int) -> dict:
@@ -175,7 +177,41 @@ def gather(spec: str, extra: dict, steps: int) -> dict:
     return out
 
 
-KINDS = {"train": train, "train_pde": train_pde, "generate": generate, "error": error, "gather": gather}
+def ordered_sum(spec: str, extra: dict, steps: int) -> dict:
+    """Deterministic mode's gradient reduction on 8 devices (as one axis, 2 x 4 and 2 x 2 x 2) for C = 8 and 16
+    canonical shards: each device's tree_sum of its own shards, then ordered_sum over the devices, against
+    tree_sum over all C shards' values in canonical order on one device. {case: (bitwise equal, the naive
+    left-to-right sum differs)}: values of mixed magnitudes whose sum depends on the order of the adds, sizes that
+    do not split evenly over 8 devices."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from tessera.lower.shard.deterministic import ordered_sum, tree_sum
+
+    rng = np.random.default_rng(1)
+    out = {}
+    for shape in ((8,), (2, 4), (2, 2, 2)):
+        names = ("a", "b", "c")[: len(shape)]
+        mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(shape), names)
+        for c in (8, 16):
+            x = (rng.standard_normal((c, 5, 7)) * 10.0 ** rng.integers(-4, 8, (c, 5, 7))).astype(np.float32)
+
+            def body(local, names=names):
+                return ordered_sum(tree_sum(local), names, 8)
+
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=P(), check_vma=False))
+            got = np.asarray(fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(names)))))
+            want = np.asarray(tree_sum(jnp.asarray(x)))
+            naive = np.add.reduce(x, axis=0, dtype=np.float32)
+            out[f"{shape} C={c}"] = [bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
+                                         bool(not np.array_equal(naive, want))]
+    return out
+
+
+KINDS = {"train": train, "train_pde": train_pde, "generate": generate, "error": error, "gather": gather,
+         "ordered_sum": ordered_sum}
 
 
 def main() -> None:
