@@ -113,6 +113,7 @@ def _opaque_map(fn, xs, n: int):
     """fn over the leading axis of xs in a loop XLA cannot unroll, inline or hoist from, so the body
     compiles to the same arithmetic for every n (a loop of one would otherwise be fused with its surroundings)."""
     first = jax.tree.map(lambda a: a[0], xs)
+    fn = jax.jit(fn)  # traced once: the loop's body below reuses the trace that gives the shapes (XLA inlines it)
     shapes = jax.eval_shape(fn, first)
     # one spare row: slicing row i is then never the whole array, which XLA would hoist out of the loop
     xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0), xs)
