@@ -134,6 +134,7 @@ def fenced(fn, *args):
     returns zeros (never run; the taken branch adds no copies to the one-device program). A conditional rather
     than `_opaque_map`'s loop: a loop of one over inputs it does not change would invite XLA's loop-invariant code
     motion to move the work back out."""
+    fn = jax.jit(fn)  # traced once: the branch reuses the trace that gives the shapes (XLA inlines it)
     shapes = jax.eval_shape(fn, *args)
     zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     return jax.lax.cond(jax.lax.optimization_barrier(jnp.bool_(True)), fn, zeros, *args)
