@@ -7,8 +7,8 @@ mesh axis acts as a data axis here), and the per-shard results are reduced in on
 over the C leaves: each device sums its own shards' gradients, an aligned subtree when C is a power of two, and
 the devices' subtree sums meet in `ordered_sum` (otherwise, and for the per-shard scalars, all C are gathered).
 Then each device applies the optimizer to the full tensors (the same arithmetic everywhere: the update compiles
-on its own, `fenced`) and keeps its own block. On one device the same program runs on a one-device mesh, so the single-device run is the reference
-every mesh reproduces.
+on its own, `fenced`) and keeps its own block. On one device the same program runs on a one-device mesh, so the
+single-device run is the reference every mesh reproduces.
 
 A model with loss entries trained on batches of samples (burgers pairs: `Program.canonical_objective`) runs
 the same way: each canonical shard's weighted objective and named terms (means over its samples, which
