@@ -86,12 +86,11 @@ def _trains(exp) -> bool:
     return trains(exp.task)
 
 
-def _canonical_per_device(exp) -> int:
-    """Deterministic mode: the canonical batch shards each device runs one at a time (their gradients kept
-    until the fixed-order tree sums them)."""
+def _canonical(exp) -> int:
+    """Deterministic mode's canonical shards of the task's batch."""
     from tessera.lower.shard.deterministic import canonical_shards
 
-    return max(1, canonical_shards(cost.task_dims(exp)["batch"], exp.parallel.canonical_shards) // exp.mesh.size)
+    return canonical_shards(cost.task_dims(exp)["batch"], exp.parallel.canonical_shards)
 
 
 def _whole_on_mesh(exp) -> bool:
@@ -100,53 +99,44 @@ def _whole_on_mesh(exp) -> bool:
     return bool(exp.parallel.deterministic) and exp.mesh.size > 1
 
 
-def _mesh_reduction_copies(exp) -> float:
-    """Deterministic mode on a mesh: whole gradients the reduction holds beside the device's shard gradients. C a
-    power of two: the all-to-all's send and receive buffers and the gathered sum (`ordered_sum`; llama_tiny at
-    d_model 256 on dp=8: 29.4 MB of temporaries, four whole gradients with the shard's own). Otherwise every
-    shard's gradient gathered, and their sum."""
-    from tessera.lower.shard.deterministic import canonical_shards
-
-    c = canonical_shards(cost.task_dims(exp)["batch"], exp.parallel.canonical_shards)
-    return 3.0 if c & (c - 1) == 0 else c + 1.0
-
-
 def gradient_bytes(exp, dtype: str, precast=None) -> float:
     """Bytes of gradient buffers the train step holds per parameter element of storage type `dtype`.
 
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
     is fp32 already. Several microbatches: one microbatch's gradient plus the fp32 accumulator.
-    Deterministic mode: an fp32 gradient per canonical shard of the device, plus their fp32 tree sum; for a
-    parameter the shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the
-    narrow copy and a narrow gradient per shard, widened into the fp32 sum. (Measured on one H100 when the sum
-    was fused into the update and not held: Llama-1B 42.7 GiB against this model's 41.6, 20b-layers 54.6
-    against 54.2; the sum has been computed apart from the update since, to keep the update's arithmetic the
-    same on every mesh, and not measured on a GPU.)"""
+    Deterministic mode (`deterministic.gradient_buffers`; on a mesh per element of the whole parameter): an fp32
+    gradient per canonical shard of the device, plus the reduction's fp32 ones (their tree sum on one device; on
+    dp=8, llama_tiny at d_model 256 compiled to 29.4 MB of temporaries, four whole gradients); for a parameter the
+    shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the narrow copy and a narrow
+    gradient per shard. (Measured on one H100 when the sum was fused into the update and not held: Llama-1B 42.7
+    GiB against this model's 41.6, 20b-layers 54.6 against 54.2; the sum has been computed apart from the update
+    since, to keep the update's arithmetic the same on every mesh, and not measured on a GPU.)"""
     held = array_bits(dtype) / 8
     if exp.parallel.deterministic:
-        shards = (precast.itemsize if precast is not None else 4.0) * _canonical_per_device(exp)  # numpy dtype
-        if _whole_on_mesh(exp):  # per element of the whole parameter (`_param_memory`)
-            return shards + 4.0 * _mesh_reduction_copies(exp)
-        return shards + 4.0
+        from tessera.lower.shard.deterministic import gradient_buffers
+
+        shards, reduction = gradient_buffers(_canonical(exp), exp.mesh.size)
+        return (precast.itemsize if precast is not None else 4.0) * shards + 4.0 * reduction  # a numpy dtype
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
         return 4.0 if held == 4 else 4.0 + held
     return 4.0 + held
 
 
-def _param_memory(graph, layout: cost.Layout, exp, train: bool) -> dict:
-    """Per-device bytes of parameters (storage types), gradients and optimizer state."""
+def _param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_per_element) -> dict:
+    """Per-device bytes of parameters (`bits` a storage type's: the IR's count, or `array_bits` as the program's
+    arrays hold them), gradients and optimizer state."""
     params = grads = opt = 0.0
     states = optimizer_states(exp)
     narrow = _precast(exp) if train else {}
     whole = train and _whole_on_mesh(exp)
     for path, t in _held(exp, graph).items():
         n = layout.per_device(t)
-        params += n * cost.bits_per_element(t.dtype) / 8
+        params += n * bits(t.dtype) / 8
         if train:
             grads += (t.numel() if whole else n) * gradient_bytes(exp, t.dtype, narrow.get(path))
             opt += states * n * array_bits(t.dtype) / 8
             if whole and n < t.numel():  # a split parameter and its states, gathered whole for the step
-                params += t.numel() * cost.bits_per_element(t.dtype) / 8
+                params += t.numel() * bits(t.dtype) / 8
                 opt += states * t.numel() * array_bits(t.dtype) / 8
     if train:
         opt += delayed_history_bytes(graph)
@@ -211,9 +201,7 @@ def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool
     if train:
         cut, in_flight = _microbatching(exp)
         if exp.parallel.deterministic:  # canonical shards, one at a time on each device
-            from tessera.lower.shard.deterministic import canonical_shards
-
-            cut, in_flight = canonical_shards(sizes["batch"], exp.parallel.canonical_shards), 1
+            cut, in_flight = _canonical(exp), 1
         mb = {**sizes, "batch": max(1, sizes["batch"] // cut)}
         acts = cost.activation_bytes(graph, mb, exp.parallel.remat, layout.activations)
         stage_layers = -(-acts["layers"] // exp.mesh.pp)
@@ -399,11 +387,8 @@ def _ours_as_compiled(exp, train: bool) -> float:
 
     graph, sizes = program_graph(exp), cost.task_dims(exp)
     layout = cost.Layout.of(exp)
-    memory = _activation_memory(graph, exp, sizes, layout, train)
-    for path, t in _held(exp, graph).items():
-        n = layout.per_device(t)
-        memory[path] = n * array_bits(t.dtype) / 8 * (1 + (optimizer_states(exp) if train else 0))
-        memory[path] += n * gradient_bytes(exp, t.dtype) if train else 0
+    memory = {**_activation_memory(graph, exp, sizes, layout, train),
+              **_param_memory(graph, layout, exp, train, bits=array_bits)}
     return sum(memory.values())
 
 

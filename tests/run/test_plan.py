@@ -191,6 +191,7 @@ def test_deterministic_training_on_a_mesh_is_planned_as_compiled():
     whole = plan["params"]["bytes"]
     assert mem["params"] > whole and mem["optimizer"] > 2 * whole  # the held blocks and the gathered copies
     assert abs(mem["total"] / c["compiler_bytes"]["total"] - 1) < 0.10, (mem, c["compiler_bytes"])
+    assert c["ours_bytes"] == mem["total"]  # the compile's "ours" counts as the plan does
 
 
 def test_plan_reports_each_parameters_storage_and_compute_type(capsys):

@@ -49,12 +49,12 @@ def tree_sum(x):
     return x[0]
 
 
-def ordered_sum(x, axes: tuple, n: int):
-    """The sum over the devices of `axes` (n of them) of each one's x, added in one fixed balanced binary tree in
-    device order (tree_sum over [x of device 0, ..., x of device n-1]), on every device. Each device sends the
-    others its chunks (an all-to-all), sums the n pieces of its own chunk in that tree and the summed chunks
-    are gathered: the bytes of a reduce-scatter and an all-gather, where gathering every device's x would hold
-    n of them."""
+def ordered_sum(x, axes: tuple):
+    """The sum over the n devices of `axes` of each one's x, added in one fixed balanced binary tree in device
+    order (tree_sum over [x of device 0, ..., x of device n-1]), on every device. Each device sends the others its
+    chunks (an all-to-all), sums the n pieces of its own chunk in that tree and the summed chunks are gathered: the
+    bytes of a reduce-scatter and an all-gather, where gathering every device's x would hold n of them."""
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
     flat = x.reshape(-1)
     size = -(-flat.shape[0] // n)
     flat = jnp.pad(flat, (0, size * n - flat.shape[0]))
@@ -66,6 +66,17 @@ def ordered_sum(x, axes: tuple, n: int):
 
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def gradient_buffers(c: int, devices: int) -> tuple[int, float]:
+    """The gradients a device holds in the train step, in whole gradients: (its canonical shards' own, typed as the
+    shard loop's parameters; fp32 ones of the reduction: the tree sum on one device; on a mesh, when C is a power
+    of two, `ordered_sum`'s all-to-all buffers and its gathered sum, otherwise every shard's gathered and their
+    sum). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
+    shards = max(1, c // devices)
+    if devices == 1:
+        return shards, 1.0
+    return shards, 3.0 if _power_of_two(c) else c + 1.0
 
 
 def _entries(spec: P):
@@ -225,7 +236,7 @@ class Deterministic:
         from the update on every mesh, one device included: fused into the update, it made XLA:CPU reduce the
         gradient norm in another order on one device than on a mesh (the last bit of gpt_oss_tiny's norm)."""
         if self.axes and _power_of_two(c):
-            return {k: ordered_sum(tree_sum(g.astype(widths[k])), self.axes, self.devices) for k, g in grads.items()}
+            return {k: ordered_sum(tree_sum(g.astype(widths[k])), self.axes) for k, g in grads.items()}
         return {k: tree_sum(g.astype(widths[k])) for k, g in self._gathered(grads).items()}
 
     def loss(self, params, batch: dict):

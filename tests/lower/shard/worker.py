@@ -199,7 +199,7 @@ def ordered_sum(spec: str, extra: dict, steps: int) -> dict:
             x = (rng.standard_normal((c, 5, 7)) * 10.0 ** rng.integers(-4, 8, (c, 5, 7))).astype(np.float32)
 
             def body(local, names=names):
-                return ordered_sum(tree_sum(local), names, 8)
+                return ordered_sum(tree_sum(local), names)
 
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=P(), check_vma=False))
             got = np.asarray(fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(names)))))
