@@ -43,16 +43,14 @@ def _variants() -> dict:
     # config for every R <= 16 at K = 2880) and pair_config (None)
     out = {"grouped": mk.default_config(4, 2880, 2880, 4), "default": None}
     out["n1024_w4_pair"] = g(block_n=1024, num_warps=4, dequant="pair")  # the default below sm_89
-    for a in (2, 3):
-        out[f"n1024_w4_a{a}"] = g(block_n=1024, num_warps=4, ahead=a)
-    out["n1024_w4_g2"] = g(block_n=1024, num_warps=4, groups=2)
-    out["n512_w2_a2"] = g(block_n=512, num_warps=2, ahead=2)
+    # the default with a multiply and an add for each product (as before `mxfp4_gemv.fma`)
+    out["n1024_w4_unfused"] = g(block_n=1024, num_warps=4, fma=False)
+    for programs in (264, 528, 660):  # the default is 396: 3 an SM of an H100 / H200
+        out[f"n1024_w4_p{programs}"] = g(block_n=1024, num_warps=4, programs=programs)
+    out["n1024_w4_a2"] = g(block_n=1024, num_warps=4, ahead=2)
+    out["n1024_w8"] = g(block_n=1024, num_warps=8)
     out["n512_w4"] = g(block_n=512, num_warps=4)
-    out["n512_w4_a2"] = g(block_n=512, num_warps=4, ahead=2)
-    out["n1024_w4_p1056"] = g(block_n=1024, num_warps=4, programs=1056)
-    out["n1024_w4_p1056_a2"] = g(block_n=1024, num_warps=4, programs=1056, ahead=2)
-    out["n1024_w4_p264_a2"] = g(block_n=1024, num_warps=4, programs=264, ahead=2)
-    out["n2048_w8_a2"] = g(block_n=2048, num_warps=8, ahead=2)
+    out["n2048_w8"] = g(block_n=2048, num_warps=8)
     return out
 
 

@@ -20,11 +20,16 @@ scales; G = 32 and 128 within 1.5% of each other, G = 32 shown):
 | 4 | 19.7 us (896 GB/s, 21 %) | 13.1 us (1342 GB/s, 32 %) | 33.8 us (1041 GB/s, 25 %) | 23.1 us (1529 GB/s, 36 %) |
 | 8 | 33.0 us (1068 GB/s, 25 %) | 23.2 us (1519 GB/s, 36 %) | 61.1 us (1154 GB/s, 27 %) | 38.0 us (1857 GB/s, 44 %) |
 
-At R = 4 the kernel itself takes 11.6 / 21.5 us (1.52 / 1.64 TB/s, 36 / 39 % of copy) and the split-K sum
-1.6 us; the 60 % of copy aimed at is not reached. About 8 instructions a code byte (conversion ~5, two
-FMAs) at the few warps an SM these grids give is the likely limit (not profiled). The variants measured
-and not kept (loads further ahead, other tile widths, splits and conversions, [groups, 16, block_n]
-tiles): docs/kernels-log.md, "MXFP4 expert matmul".
+At R = 4 the kernel itself took 11.6 / 21.5 us (1.52 / 1.64 TB/s, 36 / 39 % of copy) and the split-K sum
+1.6 us. Nsight Compute (`python -m bench.experiments.ncu_gemv`) then found it issue-bound (3.0 instructions
+a cycle, warps mostly "not selected"), at ~13 instructions a code byte: a third of them FMUL and FADD that
+reached the GPU unfused, 16 % HADD2.F32 (fp16 -> fp32), 8 % the E4M3 conversions. With the products as
+fused multiply-adds (`fma`) and ~3 programs an SM instead of ~4 (same run, H200, R = 4, G = 32, whole call):
+2880 -> 5760 22.58 -> 18.94 us, 2880 -> 2880 12.81 -> 11.87 us (10.6 M instructions a call against 12.7 M).
+Splitting K into q or q + 1 steps to hit the program count exactly (the SMs were active 72 % of the
+call) measured within noise and was not kept. The variants measured and not kept (loads further ahead,
+other tile widths, splits and conversions, [groups, 16, block_n] tiles): docs/kernels-log.md, "MXFP4
+expert matmul".
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ class GemvConfig:
     num_stages: int = 1
     ahead: int = 1
     dequant: str = "e4m3"
-    programs: int = 528  # splits=0: K splits until about this many programs (4 an SM of an H100 / H200)
+    programs: int = 396  # splits=0: K splits until about this many programs (3 an SM of an H100 / H200)
+    fma: bool = True  # products summed by fused multiply-adds (`fma`); False: a multiply and an add each
     interpret: bool = False
 
     def __post_init__(self):
@@ -75,7 +81,7 @@ class GemvConfig:
 
 def pair_config(r: int, k: int, n: int, *, interpret: bool = False) -> GemvConfig:
     """`pair_dot`'s default: 1024 columns a program over 4 warps (8 code bytes a thread a row), loads one K
-    step ahead, K split for ~4 programs an SM; the fp16-pair conversion below compute capability 8.9. It
+    step ahead, K split for ~3 programs an SM; the fp16-pair conversion below compute capability 8.9. It
     beat the grouped kernel at every R, G and shape measured (module docstring); the grouped kernel stays
     reachable with config=mxfp4_matmul.default_config(r, k, n, r)."""
     del r, k, n  # the K splits follow R and N in gemv_splits
@@ -168,6 +174,31 @@ def _nibbles_f32(codes, cfg: GemvConfig):
     return f(w & 0xFFFF), f(w >> 16)
 
 
+# a * b + c rounded once. Triton's multiply and add reach the GPU unfused here (jax 0.11.2: ncu counted
+# 4.6 M FMUL and FADD and no FFMA in one call of this kernel), and they were a third of its instructions.
+_FMA_PTX = """{
+.reg .f32 a, b, c, d;
+mov.b32 a, $1;
+mov.b32 b, $2;
+mov.b32 c, $3;
+fma.rn.f32 d, a, b, c;
+mov.b32 $0, d;
+}"""
+
+
+def fma(a, b, c, *, ptx: bool):
+    """a * b + c in fp32, one rounding on the GPU (`_FMA_PTX`); off the GPU a multiply and an add (the
+    reference's arithmetic). Scalars broadcast to the others' shape."""
+    if not ptx:
+        return a * b + c
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
+    bits = lambda v: lax.bitcast_convert_type(jnp.broadcast_to(jnp.asarray(v, jnp.float32), shape), jnp.int32)
+    out = pltriton.elementwise_inline_asm(_FMA_PTX, args=[bits(a), bits(b), bits(c)], pack=1,
+                                          constraints="=r,r,r,r",
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32)])[0]
+    return lax.bitcast_convert_type(out, jnp.float32)
+
+
 def _nibble_shift(cfg: GemvConfig) -> float:
     return E4M3_SHIFT if cfg.dequant == "e4m3" else FP16_SHIFT
 
@@ -208,15 +239,18 @@ def _gemv_kernel(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, *, cfg: GemvCon
             scs.append(pltriton.load(scales_ref.at[(scale_base + g) * n + c], mask=col_ok & ok, other=0))
         return tuple(codes), tuple(xs), tuple(scs)
 
+    fused = functools.partial(fma, ptx=cfg.fma and not cfg.interpret)
+
     def step(tiles, acc):
         codes, xs, scs = tiles
         for q in range(gq):
-            part = jnp.zeros((bn,), jnp.float32)
+            part = None  # the group's 32 products per column, summed in K order
             for i in range(16 * q, 16 * (q + 1)):
                 w_lo, w_hi = _nibbles_f32(codes[i], cfg)
                 x_e, x_o = _x_pair(xs[i])
-                part = part + x_e * w_lo + x_o * w_hi
-            acc = acc + _scale_f32(scs[q]) * part
+                part = x_e * w_lo if part is None else fused(x_e, w_lo, part)
+                part = fused(x_o, w_hi, part)
+            acc = fused(_scale_f32(scs[q]), part, acc)
         return acc
 
     acc = _steps(load, step, lo, hi, jnp.zeros((bn,), jnp.float32), ahead=cfg.ahead)

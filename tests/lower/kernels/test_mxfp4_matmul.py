@@ -155,13 +155,13 @@ def test_interpret_pair_dot(experts, k, n, cfg, dtype, grad):
 
 
 def test_gemv_config_and_splits(monkeypatch):
-    """Bad configs are refused; splits=0 splits K until ~4 programs an SM, never into empty splits; the
+    """Bad configs are refused; splits=0 splits K until ~3 programs an SM, never into empty splits; the
     default converts through E4M3 from compute capability 8.9 on, through fp16 pairs below."""
     for bad in (dict(block_n=96), dict(block_n=16), dict(groups=3), dict(dequant="f16"), dict(dequant="fp8"),
                 dict(splits=-1)):
         with pytest.raises(ValueError):
             GemvConfig(**bad)
-    assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=256)) == 10  # 11 wanted (4 x 12 x 11 >= 528): 9 steps a split
+    assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=256)) == 9  # 9 wanted (4 x 12 x 9 >= 396): 10 steps a split
     assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=256, splits=7)) == 7
     assert gemv_splits(1, 64, 32, GemvConfig(block_n=32)) == 2  # one per K step at most
     assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=64, splits=89)) == 45  # 90 steps: 2 a split
@@ -295,8 +295,8 @@ def test_interpreter_dequantize_tile_is_bitwise_the_reference():
 
 
 def _run_ptx(asm: str, regs: dict) -> dict:
-    """Runs the instructions `_DEQUANT_PTX`, `_PAIR_PTX` and `_E4M3_PTX` use (mov, prmt, shl, shr, and,
-    or on .b32; fma.rn.bf16x2; bfe.u32, mul.lo.u32; cvt.rn.f16x2.e4m3x2, cvt.f32.f16; mov.b32 {a, b}
+    """Runs the instructions `_DEQUANT_PTX`, `_PAIR_PTX`, `_E4M3_PTX` and `_FMA_PTX` use (mov, prmt, shl,
+    shr, and, or on .b32; fma.rn.bf16x2, fma.rn.f32; bfe.u32, mul.lo.u32; cvt.rn.f16x2.e4m3x2, cvt.f32.f16; mov.b32 {a, b}
     unpacking) on uint32 numpy arrays, one lane per instance; `regs` maps "$i" to inputs; returns every
     register."""
     regs = dict(regs)
@@ -344,6 +344,9 @@ def _run_ptx(asm: str, regs: dict) -> dict:
             out = np.asarray((x[0].astype(np.uint64) * np.uint64(x[1])) & np.uint64(0xFFFFFFFF), np.uint32)
         elif op in ("and.b32", "or.b32"):
             out = x[0] & x[1] if op == "and.b32" else x[0] | x[1]
+        elif op == "fma.rn.f32":  # exact in float64 where the test keeps a * b + c exact; one rounding
+            f = lambda v: np.asarray(v, np.uint32).view(np.float32).astype(np.float64)
+            out = (f(x[0]) * f(x[1]) + f(x[2])).astype(np.float32).view(np.uint32)
         elif op == "fma.rn.bf16x2":  # every product here is exact in float64; one rounding to bf16
             with np.errstate(over="ignore"):  # overflow to inf, as the hardware rounds it
                 lo, hi = (np.asarray(a * b + c).astype(jnp.bfloat16).view(np.uint16).astype(np.uint32)
@@ -402,6 +405,21 @@ def test_e4m3_ptx_is_bitwise_the_reference_on_an_emulator():
             got = np.stack([out[f"${i}"] for i in range(4)])
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(np.asarray(via_jnp).view(np.uint32), want)
+
+
+def test_fma_ptx_rounds_once_on_an_emulator():
+    """`_FMA_PTX` is a * b + c rounded once: with c = -fl(a * b), it returns the product's rounding error
+    (exact in fp32), where a multiply and an add (the interpreter's route) return zero."""
+    from tessera.lower.kernels.mxfp4_gemv import _FMA_PTX, fma
+
+    rng = np.random.default_rng(5)
+    a, b = (rng.standard_normal(256).astype(np.float32) for _ in range(2))
+    c = -(a * b)  # fl(a * b) in fp32
+    error = (a.astype(np.float64) * b + c).astype(np.float32)  # exact: the product's rounding error
+    assert np.count_nonzero(error) > 200
+    out = _run_ptx(_FMA_PTX, {"$1": a.view(np.uint32), "$2": b.view(np.uint32), "$3": c.view(np.uint32)})
+    np.testing.assert_array_equal(out["$0"].view(np.float32), error)
+    np.testing.assert_array_equal(np.asarray(fma(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), ptx=False)), 0)
 
 
 @pytest.mark.gpu
