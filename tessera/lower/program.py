@@ -186,8 +186,7 @@ class Program:
         layer i is made. Values are bitwise those of the stacked form."""
         if split_layers:
             return param_init.init_split(self, jnp.asarray(seed, jnp.uint32), on_layer)
-        return self._jit("init", lambda: jax.jit(self.init_fn(), out_shardings=self.shardings()))(
-            jnp.asarray(seed, jnp.uint32))
+        return param_init.init_each(self, seed, self.shardings())
 
     def init_fn(self) -> Callable:
         """seed (uint32) -> params: what `init` jits, traced and not jitted (tessera/lower/param_init.py)."""
