@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tessera.lower import storage
 from tessera.lower.reference import fp8_blocks, mxfp4
@@ -38,6 +39,11 @@ def init_param(prog, key, path: str, layer=None):
     if layer is not None:
         key, true, held = jax.random.fold_in(key, layer), true[1:], _one_layer(held)
     return _held_value(p.init, key, true, held)
+
+
+def _path_hash(path: str):
+    """The path's key data, a host scalar (uint32): no device array is left behind per parameter."""
+    return np.uint32(zlib.crc32(path.encode()))
 
 
 def _held_key(held) -> tuple:
@@ -75,45 +81,52 @@ def init_each(prog, seed, shardings: dict | None = None) -> dict:
         p = prog.graph.params[path]
         sharding = None if shardings is None else shardings[path]
         draw = _drawer(p.init, tuple(d.size for d in p.type.dims), _held_key(held), stacked.get(path), sharding)
-        out[path] = draw(seed, jnp.uint32(zlib.crc32(path.encode())))
+        out[path] = draw(seed, _path_hash(path))
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def _drawer(init, true: tuple, held: tuple, layers: int | None, sharding):
     """(seed, path hash) -> one parameter's initial value, jitted: `init_param`'s draw for a parameter of IR
-    shape `true` held as `held` (`_held_key`), stacked over `layers` or not."""
-    def draw(seed, path_hash):
+    shape `true` held as `held` (`_held_key`), stacked over `layers`, or not (None); layers=0: (seed, path
+    hash, i) -> layer i of a stacked one."""
+    def one(key, i):
+        return _held_value(init, jax.random.fold_in(key, i), true[1:], _one_layer(held))
+
+    def draw(seed, path_hash, *layer):
         key = jax.random.fold_in(jax.random.key(seed), path_hash)
         if layers is None:
             return _held_value(init, key, true, held)
-        one = lambda i: _held_value(init, jax.random.fold_in(key, i), true[1:], _one_layer(held))  # noqa: E731
-        return jax.lax.map(one, jnp.arange(layers, dtype=jnp.uint32))
+        if layers == 0:
+            return one(key, *layer)
+        return jax.lax.map(lambda i: one(key, i), jnp.arange(layers, dtype=jnp.uint32))
     return jax.jit(draw, out_shardings=sharding)
 
 
 def init_split(prog, seed, on_layer: Callable[[int], None] | None) -> dict:
     """The parameters with each stacked one as the list of its layers, made one layer at a time (one small
-    program called per layer), placed on the program's mesh; `on_layer(i)` after layer i is made."""
-    stacked, shapes = prog.stacked(), prog.param_shapes()
+    program called per parameter and layer, shared as `init_each`'s are), placed on the program's mesh;
+    `on_layer(i)` after layer i is made."""
+    stacked, shapes, seed = prog.stacked(), prog.param_shapes(), jnp.asarray(seed, jnp.uint32)
     specs = prog.shardings(prog.param_shapes(split_layers=True))
-    pick = lambda paths: None if specs is None else {p: specs[p] for p in paths}  # noqa: E731
-    shared = [p for p in shapes if p not in stacked]
-    make = jax.jit(lambda s: {p: init_param(prog, jax.random.key(s), p) for p in shared},
-                   out_shardings=pick(shared))
-    params = dict(make(seed))
+
+    def drawer(path, layers):
+        p, sharding = prog.graph.params[path], None if specs is None else specs[path]
+        if layers is not None and sharding is not None:
+            sharding = sharding[0]  # every layer is placed alike
+        return _drawer(p.init, tuple(d.size for d in p.type.dims), _held_key(shapes[path]), layers, sharding)
+
+    hashes = {path: _path_hash(path) for path in shapes}
+    params = {path: drawer(path, None)(seed, hashes[path]) for path in shapes if path not in stacked}
     for n in sorted(set(stacked.values())):
         paths = [p for p, m in stacked.items() if m == n]
-        layer_specs = None if specs is None else {p: specs[p][0] for p in paths}
-        one = jax.jit(lambda s, i, paths=paths: {p: init_param(prog, jax.random.key(s), p, i) for p in paths},
-                      out_shardings=layer_specs)
+        draws = {p: drawer(p, 0) for p in paths}
         for p in paths:
             params[p] = []
         for i in range(n):
-            made = one(seed, jnp.asarray(i, jnp.uint32))
+            layer = np.uint32(i)  # a host scalar: no device array outlives the call
             for p in paths:
-                params[p].append(made[p])
-            del made
+                params[p].append(draws[p](seed, hashes[p], layer))
             if on_layer is not None:
                 on_layer(i)
     return {p: params[p] for p in shapes}

@@ -189,7 +189,8 @@ class Program:
         return param_init.init_each(self, seed, self.shardings())
 
     def init_fn(self) -> Callable:
-        """seed (uint32) -> params: what `init` jits, traced and not jitted (tessera/lower/param_init.py)."""
+        """seed (uint32) -> params: `init`'s values as one traced function, not jitted (for jax.eval_shape and
+        whole-program jits; `init` itself draws each parameter by a shared small program: param_init.py)."""
         return functools.partial(param_init.init_params, self)
 
     def load_weights(self, directory, *, split_layers: bool = False) -> Params:
