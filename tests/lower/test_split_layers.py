@@ -106,3 +106,23 @@ def test_prefill_projects_only_the_last_position_onto_the_vocabulary(prog):
         out = np.asarray(prog.generate(params, prompts, max_new_tokens=1, capacity=capacity))
         assert out.shape == (2, 41)
         np.testing.assert_array_equal(out[:, -1], want)
+
+
+def test_init_draws_each_parameter_by_shared_programs_bitwise_the_whole_draw(prog):
+    """`init` (a small program per kind of parameter) gives the bits of `init_fn` jitted as one program, MXFP4
+    experts included; parameters of one kind share a program, and another seed compiles nothing new."""
+    from tessera.lower import param_init
+
+    as_bits = lambda x: np.asarray(x).view(np.uint8)  # noqa: E731
+    each, whole = prog.init(5), jax.jit(prog.init_fn())(jnp.uint32(5))
+    assert jax.tree.structure(each) == jax.tree.structure(whole)
+    for a, b in zip(jax.tree.leaves(each), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(as_bits(a), as_bits(b))
+    before = param_init._drawer.cache_info()
+    again = prog.init(6)
+    after = param_init._drawer.cache_info()
+    assert after.misses == before.misses and after.hits - before.hits == len(prog.param_shapes())
+    kinds = {(str(prog.graph.params[p].init), param_init._held_key(h), prog.stacked().get(p))
+             for p, h in prog.param_shapes().items()}
+    assert len(kinds) < len(prog.param_shapes())  # q/k/v/o-like shapes share
+    assert params_checksum(again) != params_checksum(each)  # the seed is an argument, not baked in
