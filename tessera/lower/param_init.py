@@ -76,13 +76,15 @@ def init_each(prog, seed, shardings: dict | None = None) -> dict:
     models and, through JAX's persistent cache, across processes: one jitted draw of a whole small model compiles
     in ~0.6 s of XLA:CPU, most of it one random draw after another."""
     stacked, shapes, seed = prog.stacked(), prog.param_shapes(), jnp.asarray(seed, jnp.uint32)
-    out = {}
-    for path, held in shapes.items():
-        p = prog.graph.params[path]
-        sharding = None if shardings is None else shardings[path]
-        draw = _drawer(p.init, tuple(d.size for d in p.type.dims), _held_key(held), stacked.get(path), sharding)
-        out[path] = draw(seed, _path_hash(path))
-    return out
+    shardings = shardings or {}
+    return {path: _param_drawer(prog, shapes, path, stacked.get(path), shardings.get(path))(seed, _path_hash(path))
+            for path in shapes}
+
+
+def _param_drawer(prog, shapes: dict, path: str, layers: int | None, sharding):
+    """`_drawer` for parameter `path` of `prog` (`shapes`: its param_shapes())."""
+    p = prog.graph.params[path]
+    return _drawer(p.init, tuple(d.size for d in p.type.dims), _held_key(shapes[path]), layers, sharding)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,19 +110,13 @@ def init_split(prog, seed, on_layer: Callable[[int], None] | None) -> dict:
     program called per parameter and layer, shared as `init_each`'s are), placed on the program's mesh;
     `on_layer(i)` after layer i is made."""
     stacked, shapes, seed = prog.stacked(), prog.param_shapes(), jnp.asarray(seed, jnp.uint32)
-    specs = prog.shardings(prog.param_shapes(split_layers=True))
-
-    def drawer(path, layers):
-        p, sharding = prog.graph.params[path], None if specs is None else specs[path]
-        if layers is not None and sharding is not None:
-            sharding = sharding[0]  # every layer is placed alike
-        return _drawer(p.init, tuple(d.size for d in p.type.dims), _held_key(shapes[path]), layers, sharding)
-
+    specs = prog.shardings(prog.param_shapes(split_layers=True)) or {}  # a stacked one's: a list, layers alike
     hashes = {path: _path_hash(path) for path in shapes}
-    params = {path: drawer(path, None)(seed, hashes[path]) for path in shapes if path not in stacked}
+    params = {path: _param_drawer(prog, shapes, path, None, specs.get(path))(seed, hashes[path])
+              for path in shapes if path not in stacked}
     for n in sorted(set(stacked.values())):
         paths = [p for p, m in stacked.items() if m == n]
-        draws = {p: drawer(p, 0) for p in paths}
+        draws = {p: _param_drawer(prog, shapes, p, 0, specs[p][0] if specs else None) for p in paths}
         for p in paths:
             params[p] = []
         for i in range(n):
