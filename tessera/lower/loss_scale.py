@@ -48,19 +48,22 @@ def policy(numerics) -> tuple[str, float] | None:
 
 
 def loss_scaled(inner: optax.GradientTransformation, *, kind: str, init: float,
-                interval: int = DYNAMIC_INTERVAL) -> optax.GradientTransformation:
-    """`inner` that skips steps whose (already unscaled) gradients are not finite, and keeps the loss scale."""
+                interval: int = DYNAMIC_INTERVAL) -> optax.GradientTransformationExtraArgs:
+    """`inner` that skips steps whose (already unscaled) gradients are not finite, and keeps the loss scale.
+    `update(..., all_finite=f)` hands in whether the whole gradient is finite (deterministic mode updates each
+    device's block of it); other extra arguments pass on to `inner`."""
     dynamic = kind == "dynamic"
+    inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
         return (LossScaleState(jnp.asarray(init, jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)),
                 inner.init(params))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, *, all_finite=None, **extra):
         ls, inner_state = state
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]))
+        finite = all_finite if all_finite is not None else all_finite_of(updates)
         safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), updates)
-        new_updates, new_inner = inner.update(safe, inner_state, params)
+        new_updates, new_inner = inner.update(safe, inner_state, params, **extra)
         new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
         new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, inner_state)
         scale, good = ls.scale, ls.good
@@ -72,7 +75,12 @@ def loss_scaled(inner: optax.GradientTransformation, *, kind: str, init: float,
         skipped = ls.skipped + (~finite).astype(jnp.int32)
         return new_updates, (LossScaleState(scale, good.astype(jnp.int32), skipped), new_inner)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def all_finite_of(grads) -> jax.Array:
+    """Whether every element of every gradient is finite (a bool scalar)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
 
 
 def state_of(opt_state) -> LossScaleState | None:

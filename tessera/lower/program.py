@@ -94,7 +94,8 @@ class Program:
         if self.plan is None:
             return []
         if self.deterministic:
-            return ["all_gather(params, optimizer state)", "all_gather(per-shard loss and grads) + fixed-tree sum"]
+            return ["all_gather(params)", "all_to_all(grads) + fixed-tree sum + all_gather (ordered_sum)",
+                    "each device updates its blocks (L-BFGS: all_gather(optimizer state), whole tensors)"]
         return self.plan.collectives(self.options.pipeline_schedule)
 
     def parallel_report(self) -> dict:

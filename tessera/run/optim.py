@@ -118,6 +118,22 @@ def then_lbfgs(first: optax.GradientTransformation, after: int, memory: int) -> 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm`, whose norm can be handed in (`update(..., global_norm=n)`): deterministic mode
+    updates each device's block of the parameters, where the norm must be that of the whole gradient, summed in
+    one canonical order on every mesh (tessera/lower/shard/deterministic.py). Without it, optax's own."""
+    clip = optax.clip_by_global_norm(max_norm)
+
+    def update_fn(updates, state, params=None, *, global_norm=None, **extra):
+        if global_norm is None:
+            return clip.update(updates, state, params)
+        keep = global_norm < max_norm  # optax's rule, on the given norm
+        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / global_norm.astype(t.dtype)) * max_norm),
+                            updates), state
+
+    return optax.GradientTransformationExtraArgs(clip.init, update_fn)
+
+
 def build_optimizer(exp) -> optax.GradientTransformation:
     """AdamW (or as exp.task.optimizer.name says) with the schedule, global-norm clipping and weight decay;
     L-BFGS alone (`name: lbfgs`) or after `lbfgs_after` steps of the named optimizer."""
@@ -141,7 +157,7 @@ def _build_first(exp, opt) -> optax.GradientTransformation:
         momentum=float(getattr(opt, "momentum", 0.0) or 0.0))
     clip = getattr(opt, "clip_norm", None)
     if clip:
-        out = optax.chain(optax.clip_by_global_norm(float(clip)), inner)
+        out = optax.chain(clip_by_global_norm(float(clip)), inner)
     else:
         out = optax.chain(optax.identity(), inner)  # same state structure with or without clipping
     scaling = loss_scale.policy(exp.numerics) if getattr(exp, "numerics", None) is not None else None

@@ -94,9 +94,16 @@ def _canonical(exp) -> int:
 
 
 def _whole_on_mesh(exp) -> bool:
-    """Deterministic mode on a mesh: every device gathers the whole model and optimizer state for the step and
-    computes whole gradients (tessera/lower/shard/deterministic.py), whatever the mesh splits for storage."""
+    """Deterministic mode on a mesh: every device gathers the whole model for the step and computes whole
+    gradients (tessera/lower/shard/deterministic.py), whatever the mesh splits for storage."""
     return bool(exp.parallel.deterministic) and exp.mesh.size > 1
+
+
+def _gathers_optimizer_state(exp) -> bool:
+    """Whether deterministic mode gathers the optimizer state whole for the update: only for L-BFGS (alone or after
+    `lbfgs_after` steps), whose update is not elementwise; every other optimizer updates each device's blocks."""
+    opt = getattr(exp.task, "optimizer", None)
+    return getattr(opt, "name", None) == "lbfgs" or getattr(opt, "lbfgs_after", None) is not None
 
 
 def gradient_bytes(exp, dtype: str, precast=None) -> float:
@@ -135,9 +142,10 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_p
         if train:
             grads += (t.numel() if whole else n) * gradient_bytes(exp, t.dtype, narrow.get(path))
             opt += states * n * array_bits(t.dtype) / 8
-            if whole and n < t.numel():  # a split parameter and its states, gathered whole for the step
+            if whole and n < t.numel():  # a split parameter gathered whole for the step (L-BFGS: its states too)
                 params += t.numel() * bits(t.dtype) / 8
-                opt += states * t.numel() * array_bits(t.dtype) / 8
+                if _gathers_optimizer_state(exp):
+                    opt += states * t.numel() * array_bits(t.dtype) / 8
     if train:
         opt += delayed_history_bytes(graph)
     return {"params": params, "gradients": grads, "optimizer": opt}

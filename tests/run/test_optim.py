@@ -55,3 +55,35 @@ def test_state_structure_same_with_or_without_clipping_and_sgd():
     assert np.allclose(upd["w"], -1e-2)
     with pytest.raises(ValueError, match="unknown optimizer"):
         build_optimizer(_exp(name="lion"))
+
+
+@pytest.mark.parametrize("name,clip,scaled", [("adamw", 0.5, False), ("sgd", 0.5, False), ("adamw", None, False),
+                                              ("adamw", 0.5, True)])
+def test_blocks_updated_with_the_whole_gradients_norm_are_the_whole_update(name, clip, scaled):
+    """Deterministic mode updates each device's block of a parameter, handing the optimizer the whole gradient's
+    norm (clipping) and finiteness (loss scaling): the blocks are the whole tensor's update, bit for bit. Without
+    the norm, a block would clip by its own (smaller) norm."""
+    from tessera.lower import loss_scale
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), "b": jnp.asarray(rng.normal(size=(8,)),
+                                                                                         jnp.float32)}
+    grads = {k: jnp.asarray(rng.normal(size=v.shape) * 3, jnp.float32) for k, v in params.items()}
+    opt = build_optimizer(_exp(name=name, clip=clip, warmup=0, kind="constant"))
+    if scaled:
+        grads["b"] = grads["b"].at[5].set(jnp.inf)  # in the second block only: the whole step is skipped
+        opt = loss_scale.loss_scaled(opt, kind="dynamic", init=8.0)
+    norm, finite = optax.tree.norm(grads), loss_scale.all_finite_of(grads)
+    assert float(norm) > 0.5 or scaled  # the whole gradient is clipped
+    whole, whole_state = opt.update(grads, opt.init(params), params)
+    for half in (slice(0, 4), slice(4, 8)):
+        block = lambda t: jax.tree.map(lambda a: a[half], t)  # noqa: E731
+        got, state = opt.update(block(grads), opt.init(block(params)), block(params), global_norm=norm,
+                                all_finite=finite)
+        for k in params:
+            np.testing.assert_array_equal(got[k], whole[k][half])
+        if scaled:
+            assert int(loss_scale.state_of(state).skipped) == 1 and float(loss_scale.state_of(state).scale) == 4.0
+    if name == "sgd":  # a block clipped by its own norm moves otherwise
+        own, _ = opt.update(block(grads), opt.init(block(params)), block(params))
+        assert not np.array_equal(own["w"], whole["w"][half])

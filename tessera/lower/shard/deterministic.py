@@ -6,9 +6,12 @@ gradients are computed by the same function on the same shapes wherever it runs,
 mesh axis acts as a data axis here), and the per-shard results are reduced in one fixed balanced binary tree
 over the C leaves: each device sums its own shards' gradients, an aligned subtree when C is a power of two, and
 the devices' subtree sums meet in `ordered_sum` (otherwise, and for the per-shard scalars, all C are gathered).
-Then each device applies the optimizer to the full tensors (the same arithmetic everywhere: the update compiles
-on its own, `fenced`) and keeps its own block. On one device the same program runs on a one-device mesh, so the
-single-device run is the reference every mesh reproduces.
+What needs the whole gradient (the loss, the gradient's norm, whether it is finite) is computed from it alike on
+every device; then each device updates only its own blocks of the parameters and optimizer state, handing the
+optimizer that norm (clipping) and finiteness (loss scaling), so the optimizer state is never gathered (`fenced`
+keeps the update's elementwise arithmetic the same on a block as on the whole tensor). L-BFGS, whose update is not
+elementwise, gathers its state and updates the whole tensors on every device. On one device the same program runs
+on a one-device mesh, so the single-device run is the reference every mesh reproduces.
 
 A model with loss entries trained on batches of samples (burgers pairs: `Program.canonical_objective`) runs
 the same way: each canonical shard's weighted objective and named terms (means over its samples, which
@@ -151,6 +154,14 @@ def fenced(fn, *args):
     return jax.lax.cond(jax.lax.optimization_barrier(jnp.bool_(True)), fn, zeros, *args)
 
 
+def _blockwise(opt_state) -> bool:
+    """Whether the optimizer updates each element from its own gradient and state, once handed the whole
+    gradient's norm and finiteness (`Deterministic._block_update`): everything tessera.run.optim builds but L-BFGS,
+    whose update takes dot products over whole parameters and re-evaluates the loss."""
+    lbfgs = lambda t: isinstance(t, optax.ScaleByLBFGSState)  # noqa: E731
+    return not any(lbfgs(t) for t in jax.tree.leaves(opt_state, is_leaf=lbfgs))
+
+
 def _per_spec(fn, specs, tree):
     """fn(leaf, spec) over a tree whose subtrees `specs` (a prefix tree of PartitionSpecs) describes."""
     return jax.tree.map(lambda s, sub: jax.tree.map(lambda leaf: fn(leaf, s), sub), specs, tree,
@@ -250,14 +261,16 @@ class Deterministic:
                              check_vma=False)(params, batch)
 
     def train_step(self, state, batch: dict):
-        """One optimizer step: canonical per-shard gradients, tree-reduced, the update on whole tensors."""
+        """One optimizer step: canonical per-shard gradients, tree-reduced, each device's block updated (L-BFGS:
+        the whole tensors, on every device)."""
         c, bspecs = self._shards(batch)
         prog, specs = self.prog, self.param_specs
         ospecs = state_specs(state.opt_state, specs)
+        blockwise = _blockwise(state.opt_state)
 
         def body(params, opt_state, batch):
             full = {k: gather_full(v, specs[k]) for k, v in params.items()}
-            opt = _per_spec(gather_full, ospecs, opt_state)
+            opt = opt_state if blockwise else _per_spec(gather_full, ospecs, opt_state)
             ls = loss_scale.state_of(opt)  # None unless the loss is scaled (lower/loss_scale.py)
             history = fp8_delayed.history_of(opt)  # delayed fp8 scaling's amax histories (lower/fp8_delayed.py)
 
@@ -271,6 +284,8 @@ class Deterministic:
             grads, amaxes = fp8_delayed.split(grads, history)
             sums, counts, terms, amaxes = self._gathered((sums, counts, terms, amaxes))
             grads = self._summed_grads(grads, {k: v.dtype for k, v in full.items()}, c)
+            if blockwise:
+                return self._block_update(params, opt, grads, sums, counts, terms, amaxes, ls)
 
             def update(grads, sums, counts, terms, amaxes, opt, full):
                 count = jnp.maximum(tree_sum(counts), 1.0)
@@ -305,6 +320,46 @@ class Deterministic:
                            check_vma=False)
         params, opt_state, metrics = fn(state.params, state.opt_state, batch)
         return type(state)(state.step + 1, params, opt_state), metrics
+
+    def _block_update(self, params, opt, grads, sums, counts, terms, amaxes, ls):
+        """(new parameter blocks, new optimizer state blocks, metrics) from the whole summed gradients: what needs
+        the whole gradient (the loss, the gradient's norm, whether it is finite) is computed from it alike on every
+        mesh, then the optimizer updates this device's blocks, handed that norm (clipping) and finiteness (loss
+        scaling). The optimizer state is never gathered and only blocks of the new parameters are computed. Both
+        parts compile on their own (`fenced`): the update's elementwise arithmetic is then the same on a block as
+        on the whole tensor (on the CPU too, where XLA contracts a*b+c*d into an fma as the fusion orders it)."""
+        prog, specs = self.prog, self.param_specs
+
+        def normalised(grads, count):
+            grads = {k: g / count for k, g in grads.items()}
+            return grads if ls is None else {k: g / ls.scale for k, g in grads.items()}
+
+        def whole(grads, sums, counts, terms, amaxes):
+            count = jnp.maximum(tree_sum(counts), 1.0)
+            grads = normalised(grads, count)
+            loss = tree_sum(sums if ls is None else sums / ls.scale) / count
+            amaxes = None if amaxes is None else {k: jnp.max(a, axis=0) for k, a in amaxes.items()}  # exact
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                       **{k: tree_sum(v) / count for k, v in terms.items()}}
+            return count, metrics, loss_scale.all_finite_of(grads), amaxes
+
+        count, metrics, finite, amaxes = fenced(whole, grads, sums, counts, terms, amaxes)
+        blocks = {k: local_block(g, specs[k]) for k, g in grads.items()}
+
+        def update(blocks, count, norm, finite, amaxes, opt, params):
+            with jax.named_scope("optimizer"):
+                updates, opt = prog.optimizer.update(normalised(blocks, count), opt, params, global_norm=norm,
+                                                     all_finite=finite)
+                new = optax.apply_updates(params, updates)
+                new = {k: new[k].astype(params[k].dtype) for k in params}
+            opt = fp8_delayed.pushed(opt, amaxes)
+            extra = dict(loss_scale.metrics(opt))
+            if prog.lr_fn is not None:
+                extra["lr"] = prog.lr_fn(opt)
+            return new, opt, extra
+
+        new, opt, extra = fenced(update, blocks, count, metrics["grad_norm"], finite, amaxes, opt, params)
+        return new, opt, {**metrics, **extra}
 
     def _mean_loss_fn(self, batch: dict, c: int):
         """The mean loss at whole params, differentiable: L-BFGS's line search takes values and gradients of it
