@@ -58,6 +58,9 @@ class LowerCtx:
     # {path: TensorType} of the graph's params: an op that declares no params but reads one written `param(...)`
     # in the model (a primitive `dot` or `add` on it) gets it as an operand of that type (interpret.py)
     param_types: Any = None
+    # {path: fn} applied to a parameter where an op reads it (inside a repeat: its layer's slice): deterministic
+    # mode's gather of a device's block whole at its use (tessera/lower/shard/deterministic.py); None elsewhere
+    param_use: Any = None
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

@@ -120,7 +120,7 @@ def _explicit_params(op: Op, env: dict, params: dict, ctx: LowerCtx) -> tuple[Op
             operands.append(o)
             ins.append(env[o])
             continue
-        w, t = params[o.path], ctx.param_types[o.path]
+        w, t = _used(ctx, o.path, params[o.path]), ctx.param_types[o.path]
         if ctx.shard is not None:
             w = ctx.shard.gather_param(op.name, o.path.rsplit("/", 1)[-1], o.path, w)
         operands.append(Value(t.with_dims(t.dims[len(t.dims) - w.ndim:]), o.path.rsplit("/", 1)[-1]))
@@ -128,10 +128,16 @@ def _explicit_params(op: Op, env: dict, params: dict, ctx: LowerCtx) -> tuple[Op
     return dataclasses.replace(op, operands=operands), ins
 
 
+def _used(ctx: LowerCtx, path: str, w):
+    """Parameter `path` as an op reads it: through `ctx.param_use`'s function for it where there is one."""
+    use = ctx.param_use.get(path) if ctx.param_use else None
+    return w if use is None else use(w)
+
+
 def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):
     lowering = get_lowering(op.name)
     attrs = resolve_attrs(op.attrs, layer)
-    local = {name: params[path] for name, path in param_bindings(op)}
+    local = {name: _used(ctx, path, params[path]) for name, path in param_bindings(op)}
     if ctx.fp8 is not None and ctx.fp8.startswith("delayed("):  # the train step's amax histories (fp8_delayed.py)
         history = {name: params[path + HISTORY] for name, path in param_bindings(op) if path + HISTORY in params}
         ctx = ctx.replace(fp8_history=history or None)

@@ -135,6 +135,8 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_p
     params = grads = opt = 0.0
     states = optimizer_states(exp)
     narrow = _precast(exp) if train else {}
+    if train and _whole_on_mesh(exp) and _per_layer(exp, graph):
+        return _per_layer_memory(graph, layout, exp, bits, narrow)
     whole = train and _whole_on_mesh(exp)
     for path, t in _held(exp, graph).items():
         n = layout.per_device(t)
@@ -149,6 +151,42 @@ def _param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_p
     if train:
         opt += delayed_history_bytes(graph)
     return {"params": params, "gradients": grads, "optimizer": opt}
+
+
+def _per_layer(exp, graph) -> bool:
+    """Deterministic training that gathers each parameter where it is used (tessera/lower/shard/layerwise.py): a
+    language model whose canonical shard count is a power of two, with an elementwise optimizer."""
+    c = _canonical(exp)
+    return not graph.losses and c & (c - 1) == 0 and not _gathers_optimizer_state(exp)
+
+
+def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:
+    """`_param_memory` of the per-layer deterministic step on a mesh: each device's blocks, its optimizer state's,
+    and what layerwise.planned_bytes counts (gathered parameters, gradient blocks)."""
+    import types
+
+    from jax.sharding import PartitionSpec as P
+
+    from tessera.lower.interpret import stacked_layers
+    from tessera.lower.shard import layerwise
+
+    held_types = _held(exp, graph)
+    stacked = stacked_layers(graph.body, {p: types.SimpleNamespace(shape=tuple(d.size for d in t.dims))
+                                          for p, t in held_types.items()})
+    specs = {p: P(*[layout.split(t).get(d.name) for d in t.dims]) for p, t in held_types.items()}
+    at_use = layerwise.use_plan(graph, specs, stacked)
+    params = opt = 0.0
+    rows = []
+    for path, t in held_types.items():
+        n = layout.per_device(t)
+        params += n * bits(t.dtype) / 8
+        opt += optimizer_states(exp) * n * array_bits(t.dtype) / 8
+        rows.append({"numel": t.numel(), "block": n, "wide": array_bits(t.dtype) / 8,
+                     "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
+                     "layers": stacked.get(path, 1)})
+    extra = layerwise.planned_bytes(rows, _canonical(exp) // exp.mesh.size, exp.parallel.remat)
+    return {"params": params + extra["params"], "gradients": extra["gradients"],
+            "optimizer": opt + delayed_history_bytes(graph)}
 
 
 def _precast(exp) -> dict:

@@ -172,25 +172,39 @@ def test_sharded_compile_per_device_matches_ours(tmp_path):
     assert ("fsdp", "all-gather", "parameters") in kinds and ("tp", "all-reduce", "attention output") in kinds
 
 
-def test_deterministic_training_on_a_mesh_is_planned_as_compiled():
-    """Deterministic mode gathers the whole model on every device and computes whole gradients, whatever fsdp
-    splits for storage, and updates each device's blocks (the optimizer state is not gathered): the plan counts
-    those (it counted fsdp=8's blocks only, a tenth of what the step compiled to, and said it fit), within 10 % of
-    the compiled step's bytes per device."""
+def _plan_llama_on(*overrides: str) -> dict:
     import subprocess
     import sys
 
     argv = [sys.executable, "-m", "tessera.cli", "plan", str(SPECS / "llama_tiny.yaml"), "--json", "--device", "cpu"]
-    for over in ("task.batch=16", "task.seq_len=16", "model.args.d_model=256", "model.args.d_ff=1024",
-                 "mesh.fsdp=8"):
+    for over in ("task.batch=16", "task.seq_len=16", "model.args.d_model=256", "model.args.d_ff=1024", *overrides):
         argv += ["--set", over]
     proc = subprocess.run(argv, env=cpu_env(8), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_deterministic_training_gathers_per_layer_at_fsdp_memory():
+    """Deterministic mode gathers each parameter where its layer reads it (tessera/lower/shard/layerwise.py), and
+    sums the gradients into each device's blocks: on fsdp=8 with 8 layers and remat, a device's compiled step holds
+    about the whole model's parameters once (28.8 MB against 28.6), where gathering the model whole for the step held
+    params, a whole gradient and Adam's moments several times over (103.6 MB). The plan counts it within 10 %."""
+    plan = _plan_llama_on("mesh.fsdp=8", "model.args.layers=8", "parallel.remat=dots")
+    compiled, whole = plan["compile"]["compiler_bytes"]["total"], plan["params"]["bytes"]
+    assert compiled < 1.25 * whole  # params, gradients and two moments of the whole model would be 4x
+    assert abs(plan["memory_per_device"]["total"] / compiled - 1) < 0.10
+
+
+def test_deterministic_training_on_a_mesh_is_planned_as_compiled():
+    """Deterministic mode on fsdp=8 without remat: each layer's gathered parameters are kept for the backward pass, so
+    a device holds the whole model besides its blocks; gradients and Adam's moments stay in blocks. The plan counts
+    those (it once counted fsdp=8's blocks only, a tenth of what the step compiled to, and said it fit), within 10 %
+    of the compiled step's bytes per device."""
+    plan = _plan_llama_on("mesh.fsdp=8")
     c, mem = plan["compile"], plan["memory_per_device"]
     assert c["status"] == "ok" and c["scope"] == "per device, the sharded program"
     whole = plan["params"]["bytes"]
-    assert mem["params"] > whole  # the held blocks and the gathered copy
+    assert mem["params"] > whole  # the held blocks and the gathered layers
     assert mem["optimizer"] == 2 * whole / 8  # Adam's two moments, this device's blocks
     assert abs(mem["total"] / c["compiler_bytes"]["total"] - 1) < 0.10, (mem, c["compiler_bytes"])
     assert c["ours_bytes"] == mem["total"]  # the compile's "ours" counts as the plan does

@@ -20,6 +20,7 @@ the same way: each canonical shard's weighted objective and named terms (means o
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -31,7 +32,9 @@ from jax.sharding import PartitionSpec as P
 from tessera.diagnostics import TesseraError
 from tessera.ir.check import MAX_CANONICAL, canonical_problems, canonical_shards  # noqa: F401 (re-exported)
 from tessera.lower import fp8_delayed, loss_scale, precast
+from tessera.lower.interpret import stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
+from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
 
 def check_canonical(options, batch: int, devices: int) -> None:
@@ -177,6 +180,11 @@ class Deterministic:
         self.devices = mesh.size
         self._precast_types: dict[tuple[int, int], dict] = {}
 
+    @functools.cached_property
+    def whole_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter's whole shape, by path."""
+        return {k: tuple(v.shape) for k, v in self.prog.param_shapes().items()}
+
     def _precast(self, fn, params: dict, batch: dict, c: int) -> dict:
         """params with those whose only use in one shard's fn(params, shard) is a single narrowing cast already cast
         (tessera/lower/precast.py): once here, not once per canonical shard in the loop. Values and gradients are
@@ -210,14 +218,14 @@ class Deterministic:
         check_canonical(self.prog.options, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
-    def _shard_sums(self, params, shard: dict):
+    def _shard_sums(self, params, shard: dict, param_use=None):
         """(loss sum, count, {term: sum}) of one canonical shard: the same function on the same shapes everywhere.
         A language model's: its tokens' cross-entropy and how many count; a model with loss entries: its
         weighted objective on the shard (a mean over the shard's samples), counted once, and its terms."""
         if self.prog.graph.losses:
             total, terms = self.prog.objective(params, shard)
             return total, jnp.ones((), total.dtype), terms
-        logits = self.prog.logits(params, shard["tokens"], "train")
+        logits = self.prog.logits(params, shard["tokens"], "train", param_use=param_use)
         per_token = token_cross_entropy(logits, shard["targets"])
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
         return jnp.sum(per_token * w), jnp.sum(w), {}
@@ -267,12 +275,19 @@ class Deterministic:
         prog, specs = self.prog, self.param_specs
         ospecs = state_specs(state.opt_state, specs)
         blockwise = _blockwise(state.opt_state)
+        per_layer = blockwise and self._per_layer(c)
+        if per_layer:
+            tokens = batch["tokens"]
+            narrow = self.precast_types(tokens.shape[0], tokens.shape[1])
 
         def body(params, opt_state, batch):
-            full = {k: gather_full(v, specs[k]) for k, v in params.items()}
             opt = opt_state if blockwise else _per_spec(gather_full, ospecs, opt_state)
             ls = loss_scale.state_of(opt)  # None unless the loss is scaled (lower/loss_scale.py)
             history = fp8_delayed.history_of(opt)  # delayed fp8 scaling's amax histories (lower/fp8_delayed.py)
+            if per_layer:
+                grads, sums, counts, terms, amaxes = self._per_layer_grads(params, history, batch, c, ls, narrow)
+                return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
+            full = {k: gather_full(v, specs[k]) for k, v in params.items()}
 
             def scaled(p, sh):  # the histories ride beside the params: their "gradients" are the shard's amaxes
                 s, n, terms = self._shard_sums(p, sh)
@@ -285,7 +300,7 @@ class Deterministic:
             sums, counts, terms, amaxes = self._gathered((sums, counts, terms, amaxes))
             grads = self._summed_grads(grads, {k: v.dtype for k, v in full.items()}, c)
             if blockwise:
-                return self._block_update(params, opt, grads, sums, counts, terms, amaxes, ls)
+                return self._block_update(params, opt, grads, sums, counts, terms, amaxes, ls, c)
 
             def update(grads, sums, counts, terms, amaxes, opt, full):
                 count = jnp.maximum(tree_sum(counts), 1.0)
@@ -321,30 +336,83 @@ class Deterministic:
         params, opt_state, metrics = fn(state.params, state.opt_state, batch)
         return type(state)(state.step + 1, params, opt_state), metrics
 
-    def _block_update(self, params, opt, grads, sums, counts, terms, amaxes, ls):
-        """(new parameter blocks, new optimizer state blocks, metrics) from the whole summed gradients: what needs
-        the whole gradient (the loss, the gradient's norm, whether it is finite) is computed from it alike on every
-        mesh, then the optimizer updates this device's blocks, handed that norm (clipping) and finiteness (loss
-        scaling). The optimizer state is never gathered and only blocks of the new parameters are computed. Both
-        parts compile on their own (`fenced`): the update's elementwise arithmetic is then the same on a block as
-        on the whole tensor (on the CPU too, where XLA contracts a*b+c*d into an fma as the fusion orders it)."""
+    def _per_layer(self, c: int) -> bool:
+        """Whether the train step gathers the parameters per layer (layerwise.py): a language model whose C is a
+        power of two, on every mesh of that C and on one device alike (one program, so the same bits)."""
+        return not self.prog.graph.losses and _power_of_two(c)
+
+    def _per_layer_grads(self, params: dict, history, batch: dict, c: int, ls, narrow: dict):
+        """(gradient blocks summed over all C shards, per-shard loss sums, counts, terms and amaxes in canonical
+        order) with each parameter gathered where it is used (tessera/lower/shard/layerwise.py): device d runs
+        shards d, n + d, ...; each gather's VJP sums the n devices' block gradients of one iteration in device
+        order, and the iterations' sums are tree-summed: the canonical tree's adds, as on one device."""
+        n, m, specs = self.devices, c // self.devices, self.param_specs
+        sizes = dict(self.mesh.shape)
+        at_use = layerwise.use_plan(self.prog.graph, specs, stacked_layers(self.prog.graph.body,
+                                                                             self.prog.param_shapes()))
+        ndims = {k: v.ndim for k, v in params.items()}
+
+        def gather(k, held):
+            return layerwise.gather_at_use(held, specs[k], ndims[k], self.axes, sizes)
+
+        hooks = {k: functools.partial(gather, k) for k in at_use}
+
+        # One device: the gradient is taken at the parameters as the shard loop reads them (the narrow copy where
+        # precast.py finds one, widened at the tree). A mesh: at the held blocks, through each gather's VJP.
+        one = not self.axes
+        cast = {k: v.astype(narrow[k]) for k, v in params.items() if k in narrow}
+        diff = {**params, **cast} if one else params
+
+        def scaled(p, sh):  # blocks in; the ones read by one op gathered there, the rest once per shard here
+            if not one:
+                p = {k: layerwise.Held(v, cast.get(k)) if k in specs else v for k, v in p.items()}
+                p = {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in at_use else v
+                     for k, v in p.items()}
+            s, count, terms = self._shard_sums(p, sh, param_use=None if one else hooks)
+            return (s if ls is None else s * ls.scale), (count, terms)
+
+        inputs = fp8_delayed.merged(diff, history)
+        grad_fn = jax.value_and_grad(scaled, has_aux=True)
+        local = layerwise.interleaved(batch, self.axes, n, m)
+        (sums, (counts, terms)), grads = _opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
+        grads, amaxes = fp8_delayed.split(grads, history)
+        grads = {k: tree_sum(g.astype(params[k].dtype)) for k, g in grads.items()}  # the levels above the devices
+        gathered = self._gathered((sums, counts, terms, amaxes))
+        sums, counts, terms, amaxes = jax.tree.map(lambda a: layerwise.canonical_order(a, n, m), gathered)
+        return grads, sums, counts, terms, amaxes
+
+    def _block_update(self, params, opt, grads, sums, counts, terms, amaxes, ls, c: int, blocks=None):
+        """(new parameter blocks, new optimizer state blocks, metrics). What needs the whole gradient (its global
+        norm, whether it is finite) is computed alike on every mesh: from the whole summed gradients `grads` where
+        the step holds them, else (grads None) from this device's summed `blocks` by canonical chunks
+        (layerwise.canonical_square_sums, C of them a tensor). Then the optimizer updates this device's blocks,
+        handed that norm (clipping) and finiteness (loss scaling): the optimizer state is never gathered and only
+        blocks of the new parameters are computed. The reductions and the update compile on their own (`fenced`):
+        the update's elementwise arithmetic is then the same on a block as on the whole tensor (on the CPU too,
+        where XLA contracts a*b+c*d into an fma as the fusion orders it)."""
         prog, specs = self.prog, self.param_specs
 
         def normalised(grads, count):
             grads = {k: g / count for k, g in grads.items()}
             return grads if ls is None else {k: g / ls.scale for k, g in grads.items()}
 
-        def whole(grads, sums, counts, terms, amaxes):
+        def reduce(grads, sums, counts, terms, amaxes):
             count = jnp.maximum(tree_sum(counts), 1.0)
-            grads = normalised(grads, count)
             loss = tree_sum(sums if ls is None else sums / ls.scale) / count
             amaxes = None if amaxes is None else {k: jnp.max(a, axis=0) for k, a in amaxes.items()}  # exact
-            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                       **{k: tree_sum(v) / count for k, v in terms.items()}}
-            return count, metrics, loss_scale.all_finite_of(grads), amaxes
+            metrics = {"loss": loss, **{k: tree_sum(v) / count for k, v in terms.items()}}
+            if grads is not None:
+                grads = normalised(grads, count)
+                metrics["grad_norm"] = optax.tree.norm(grads)
+                metrics["finite"] = loss_scale.all_finite_of(grads)
+            return count, metrics, amaxes
 
-        count, metrics, finite, amaxes = fenced(whole, grads, sums, counts, terms, amaxes)
-        blocks = {k: local_block(g, specs[k]) for k, g in grads.items()}
+        count, metrics, amaxes = fenced(reduce, grads, sums, counts, terms, amaxes)
+        if grads is not None:
+            blocks = {k: local_block(g, specs[k]) for k, g in grads.items()}
+        else:
+            metrics["grad_norm"], metrics["finite"] = self._canonical_norm(normalised(blocks, count), c)
+        finite = metrics.pop("finite")
 
         def update(blocks, count, norm, finite, amaxes, opt, params):
             with jax.named_scope("optimizer"):
@@ -360,6 +428,25 @@ class Deterministic:
 
         new, opt, extra = fenced(update, blocks, count, metrics["grad_norm"], finite, amaxes, opt, params)
         return new, opt, {**metrics, **extra}
+
+    def _canonical_norm(self, blocks: dict, c: int):
+        """(the global norm, whether every element is finite) of gradients held in blocks, the same bits on every
+        mesh: each tensor's C canonical chunks' sums of squares (layerwise.canonical_square_sums; a tensor no dim of
+        which C divides is gathered whole and summed once), tree-summed per tensor, then over the tensors in path
+        order. Finiteness is a min over the devices (exact)."""
+        sizes, per = dict(self.mesh.shape), []
+        for k in sorted(blocks):
+            g, shape = blocks[k], self.whole_shapes[k]
+            sq = layerwise.canonical_square_sums(g, self.param_specs[k], shape, c, sizes)
+            if sq is None:
+                whole = gather_full(g, self.param_specs[k]).astype(jnp.float32)
+                sq = _opaque_map(lambda w: jnp.sum(w * w), whole[None], 1)
+            per.append(tree_sum(sq))
+        norm = jnp.sqrt(tree_sum(jnp.stack(per)))
+        finite = loss_scale.all_finite_of(blocks).astype(jnp.int32)
+        if self.axes:
+            finite = jax.lax.pmin(finite, self.axes)
+        return norm, finite.astype(bool)
 
     def _mean_loss_fn(self, batch: dict, c: int):
         """The mean loss at whole params, differentiable: L-BFGS's line search takes values and gradients of it

@@ -19,18 +19,21 @@ MESHES = {
     "pp=2,tp=2,dp=2": {"mesh.pp": 2, "mesh.tp": 2, "mesh.dp": 2},
     "sp+tp=2,dp=4": {"mesh.tp": 2, "mesh.dp": 4, "parallel.sequence_parallel": True},
     "fsdp=2,tp=2,ep=2": {"mesh.fsdp": 2, "mesh.tp": 2, "mesh.ep": 2},
+    "fsdp=2,tp=2": {"mesh.fsdp": 2, "mesh.tp": 2},
 }
 # Each compile costs ~10-20 s of CPU, so the matrix is chosen per what a mesh changes. Deterministic mode
 # computes every mesh the same way (all axes share canonical shards; parameters gathered), so it runs the
 # meshes that split parameters differently: embed+heads+experts (fsdp×tp×ep), layers (pp); on 8 devices
-# each holds one canonical shard, the loop-of-one case. (The full issue matrix was measured once: docs/parallel.md.)
+# each holds one canonical shard, the loop-of-one case; fsdp=2,tp=2 (4 of the 8 devices) runs two shards a device,
+# interleaved (device d shards d and 4 + d: tessera/lower/shard/layerwise.py), each iteration's gradients summed over
+# the devices inside the step's per-layer gathers. (The full issue matrix was measured once: docs/parallel.md.)
 # Fast mode runs every mesh whose lowering differs; llama adds its own paths (tied vocab-parallel unembedding).
 # fsdp=2,tp=2,ep=2 holds the three parameter-splitting axes in one program (fsdp gathers, tp's head/mlp/vocab
 # partial sums, ep's all_to_all beside a data axis), sp+tp=2,dp=4 sequence parallelism; tp alone runs as llama's
 # tp=4,dp=2 here in both modes. Fast mode on the meshes the other files train on is not repeated here (each
 # costs ~20 s of CPU): ep=4 by itself (ep=4,dp=2, batch over ep) and with a capacity in test_expert_dispatch.py,
 # pp=2,tp=2,dp=2 (GPipe, the default schedule) against 1F1B and one device in test_pipeline_1f1b.py.
-DET_MESHES = {"gpt_oss": ("fsdp=2,tp=2,ep=2", "pp=2,tp=2,dp=2"), "llama": ("tp=4,dp=2",)}
+DET_MESHES = {"gpt_oss": ("fsdp=2,tp=2,ep=2", "pp=2,tp=2,dp=2", "fsdp=2,tp=2"), "llama": ("tp=4,dp=2",)}
 FAST_MESHES = {"gpt_oss": ("sp+tp=2,dp=4", "fsdp=2,tp=2,ep=2"), "llama": ("tp=4,dp=2",)}
 STEPS = 2
 

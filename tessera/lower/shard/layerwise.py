@@ -1,0 +1,200 @@
+"""Deterministic mode's per-layer gathers: parameters held in blocks are made whole where an op reads them (inside
+the layer scan: one layer at a time), and each gather's VJP sums the devices' gradients of that block in the
+canonical order, so no device holds the whole model or a whole gradient while the canonical shards run.
+
+The order is docs/parallel.md's design. With C canonical shards and n devices (both powers of two, m = C / n),
+device d processes shards d, n + d, 2n + d, ... (`interleaved`): in iteration j the n devices hold shards
+j·n … j·n + n − 1, one aligned subtree of the balanced tree `tree_sum` builds over the C leaves. A gather's VJP
+(`gather_at_use`) sends each device its block of this device's cotangent (an all-to-all) and sums the n pieces
+with `tree_sum` in device order: that subtree's sum, for this device's block. The m iterations' block sums are then
+tree-summed: the tree's upper levels. These are the adds one device makes over its C shards (where every gather is
+the identity and every VJP a single piece), so the gradients are the same bits on every mesh.
+
+A parameter read by more than one op, inside a weight-shared repeat or a region other than a stacked `repeat`, or
+stacked with its layers dim split over the mesh (pp) is gathered once per canonical shard before the model runs
+(`use_plan`): its gradient's uses are then summed within the shard before the tree, as on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from tessera.ir.types import ParamRef
+from tessera.lower.shard.collectives import block_index
+
+
+def _entry_axes(e) -> tuple[str, ...]:
+    return (e,) if isinstance(e, str) else tuple(e)
+
+
+def blocks_of_all(x, spec: P, axes: tuple[str, ...], sizes: dict[str, int]):
+    """[n, *block]: row t is device t's block of the whole tensor x (devices in order, row-major over `axes`; a
+    block replicated over some axes appears once for each device that holds it)."""
+    n = math.prod(sizes[a] for a in axes)
+    entries = [(i, _entry_axes(e)) for i, e in enumerate(spec) if e is not None]
+    rows = []
+    for t in range(n):
+        coord = dict(zip(axes, np.unravel_index(t, [sizes[a] for a in axes]))) if axes else {}
+        blk = x
+        for i, names in entries:
+            idx = 0
+            for a in names:
+                idx = idx * sizes[a] + int(coord[a])
+            size = x.shape[i] // math.prod(sizes[a] for a in names)
+            blk = jax.lax.slice_in_dim(blk, idx * size, (idx + 1) * size, axis=i)
+        rows.append(blk)
+    return jnp.stack(rows)
+
+
+def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int]):
+    """The whole tensor of a `Held` block (its narrow copy's where it has one; `spec` the PartitionSpec of the whole
+    parameter, of `full_ndim` dims, held a layer's slice inside a repeat), whose VJP gives `wide` this device's
+    block of the devices' cotangents, widened to wide's type and summed in device order (`narrow`, a constant of
+    the step, gets none). On a mesh only: one device reads its parameters as they are."""
+    from tessera.lower.shard.deterministic import gather_full, tree_sum
+
+    spec = trailing(spec, full_ndim, held.ndim)
+    wide_dtype = held.wide.dtype
+
+    @jax.custom_vjp
+    def use(wide, narrow):
+        return gather_full(wide if narrow is None else narrow, spec)
+
+    def fwd(wide, narrow):
+        return use(wide, narrow), None
+
+    def bwd(_, g):
+        pieces = jax.lax.all_to_all(blocks_of_all(g.astype(wide_dtype), spec, axes, sizes), axes, 0, 0)
+        return tree_sum(pieces), None  # row j of pieces: device j's piece of this device's block
+
+    use.defvjp(fwd, bwd)
+    return use(held.wide, held.narrow)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A parameter block as the shard loop gets it: `wide` as held (its gradient's type) and `narrow`, the copy cast
+    once before the loop where the model's only use of it is a narrowing cast (tessera/lower/precast.py), else
+    None. Shaped like `wide`, so a repeat slices it per layer like any stacked parameter."""
+
+    wide: jax.Array
+    narrow: jax.Array | None = None
+
+    @property
+    def shape(self):
+        return self.wide.shape
+
+    @property
+    def ndim(self):
+        return self.wide.ndim
+
+
+def trailing(spec: P, full_ndim: int, ndim: int) -> P:
+    """The spec of the last `ndim` of a tensor's `full_ndim` dims (a layer's slice of a stacked parameter)."""
+    entries = tuple(spec) + (None,) * (full_ndim - len(tuple(spec)))
+    return P(*entries[full_ndim - ndim:])
+
+
+def use_plan(graph, specs: dict, stacked: dict[str, int]) -> set[str]:
+    """Paths gathered where their one op reads them: read by exactly one op, reached only through stacked `repeat`s,
+    and, when stacked, with the layers dim whole on every device. The others are gathered once per shard."""
+    uses: dict[str, int] = {}
+    nested_ok: dict[str, bool] = {}
+
+    def walk(region, ok: bool):
+        for op in region.ops:
+            for o in op.operands:
+                if isinstance(o, ParamRef):
+                    uses[o.path] = uses.get(o.path, 0) + 1
+                    nested_ok[o.path] = nested_ok.get(o.path, True) and ok
+            inner_ok = ok and op.name == "repeat" and op.attrs.get("axis") is not None
+            for r in (op.region, op.second):
+                if r is not None:
+                    walk(r, inner_ok)
+
+    walk(graph.body, True)
+    out = set()
+    for path, spec in specs.items():
+        if uses.get(path) != 1 or not nested_ok.get(path, False):
+            continue
+        if path in stacked and tuple(spec)[:1] not in ((), (None,)):
+            continue
+        out.add(path)
+    return out
+
+
+def interleaved(batch: dict, axes: tuple[str, ...], n: int, m: int) -> dict:
+    """This device's canonical shards d, n + d, …, (m − 1)·n + d of a batch held in contiguous blocks over `axes`:
+    [m, rows, ...] per leaf (the batch's ints are gathered whole; they are small beside the model)."""
+    d = block_index(axes) if axes else 0
+
+    def mine(a):
+        whole = jax.lax.all_gather(a, axes, axis=0, tiled=True) if axes else a
+        shards = whole.reshape((m, n, -1) + a.shape[1:])
+        return jax.lax.dynamic_index_in_dim(shards, d, axis=1, keepdims=False)
+
+    return jax.tree.map(mine, batch)
+
+
+def canonical_order(x, n: int, m: int):
+    """Per-shard results gathered device by device ([n·m, ...], device d's iteration j at d·m + j) in canonical
+    order (shard j·n + d)."""
+    return x.reshape((n, m) + x.shape[1:]).swapaxes(0, 1).reshape((n * m,) + x.shape[1:])
+
+
+def _chunk_dim(shape: tuple[int, ...], k: int) -> int | None:
+    """The first dim of `shape` that k divides (the dim a gradient's canonical chunks cut), else None."""
+    return next((i for i, s in enumerate(shape) if s % k == 0), None)
+
+
+def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes: dict[str, int]):
+    """[k] fp32: the sums of squares of a gradient's k canonical chunks (its whole `shape` cut along the first dim k
+    divides), from this device's block, on every device: the block is moved so this device holds whole chunks (an
+    all-to-all per split dim: exact), each chunk is reduced by the same compiled loop body whatever the mesh
+    (`_opaque_map`), and the k sums are gathered in chunk order. None when no dim of `shape` divides by k."""
+    from tessera.lower.shard.deterministic import _opaque_map
+
+    j = _chunk_dim(shape, k)
+    if j is None:
+        return None
+    entries = [(i, _entry_axes(e)) for i, e in enumerate(spec) if e is not None]
+    entries.sort(key=lambda e: e[0] != j)  # j's own split first: the chunk index is row-major over the moves
+    x, order = block.astype(jnp.float32), []
+    for i, names in entries:
+        if i != j:
+            x = jax.lax.all_to_all(x, names, j, i, tiled=True)
+        order += list(names)
+    mine = k // math.prod(sizes[a] for a in order) if order else k
+    chunks = jnp.moveaxis(x, j, 0).reshape((mine, shape[j] // k) + tuple(s for i, s in enumerate(x.shape) if i != j))
+    sums = _opaque_map(lambda c: jnp.sum(c * c), chunks, mine)
+    return jax.lax.all_gather(sums, tuple(order), axis=0, tiled=True) if order else sums
+
+
+def planned_bytes(held: list[dict], m: int, remat: str) -> dict[str, float]:
+    """Per-device bytes the per-layer step holds besides each device's blocks of the parameters and optimizer state,
+    for `tessera plan`. `held`: per parameter {numel, block (elements a device holds), wide and narrow (bytes an
+    element, narrow 0 where none), at_use, layers (its stack's depth, 1 if not stacked)}; m: canonical shards a
+    device runs. Parameters: the narrow copies of the blocks, those gathered once per shard whole, and (remat none)
+    every layer's gathered weights, which the backward pass keeps; three times the largest gathered layer besides
+    (the gather's buffers, its cotangent, the all-to-all's pieces). Gradients: each iteration's summed blocks and
+    their tree sum."""
+    params = grads = layer = 0.0
+    for p in held:
+        used = p["numel"] * (p["narrow"] or p["wide"])
+        params += p["block"] * p["narrow"]
+        if not p["at_use"]:
+            params += used
+        elif remat == "none":
+            params += used
+        if p["at_use"]:
+            layer = max(layer, p["numel"] * 4.0 / p["layers"]) if p["layers"] == 1 else layer
+        grads += (m + 1) * p["block"] * p["wide"]
+    stacked = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
+    return {"params": params + 3 * max(layer, stacked), "gradients": grads}
