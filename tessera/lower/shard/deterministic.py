@@ -1,11 +1,14 @@
 """Deterministic mode: the loss curve and final parameters do not depend on the mesh, bit for bit.
 
 The batch is cut into C canonical shards (C fixed by the spec, not the mesh). Each shard's loss sum and
-gradients are computed by the same function on the same shapes wherever it runs, with the whole model
-(parameters all-gathered: exact, no arithmetic). The devices share the C shards between them (every
-mesh axis acts as a data axis here), and the per-shard results are reduced in one fixed balanced binary tree
-over the C leaves: each device sums its own shards' gradients, an aligned subtree when C is a power of two, and
-the devices' subtree sums meet in `ordered_sum` (otherwise, and for the per-shard scalars, all C are gathered).
+gradients are computed by the same function on the same shapes wherever it runs, on whole parameters (gathered
+from the devices' blocks: exact, no arithmetic). The devices share the C shards between them (every mesh axis
+acts as a data axis here), and the per-shard results are reduced in one fixed balanced binary tree over the C
+leaves. A language model with C a power of two gathers each parameter where its layer reads it and sums the
+gradients into each device's blocks as the tree goes (`_per_layer_grads`, tessera/lower/shard/layerwise.py).
+Otherwise each shard runs on the whole model gathered for the step: each device sums its own shards' gradients,
+an aligned subtree when C is a power of two, and the devices' subtree sums meet in `ordered_sum` (otherwise, and
+for the per-shard scalars, all C are gathered).
 What needs the whole gradient (the loss, the gradient's norm, whether it is finite) is computed from it alike on
 every device; then each device updates only its own blocks of the parameters and optimizer state, handing the
 optimizer that norm (clipping) and finiteness (loss scaling), so the optimizer state is never gathered (`fenced`
