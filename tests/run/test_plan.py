@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tessera.cli import main
-from tessera.run import plan as plan_mod
+from tessera.run import plan_compile
 from tests.cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,7 @@ def test_exit_codes(capsys, tiny_forward, monkeypatch):
     def broken(exp, train):
         raise RuntimeError("lowering exploded")
 
-    monkeypatch.setattr(plan_mod, "_lowered", broken)
+    monkeypatch.setattr(plan_compile, "_lowered", broken)
     assert main(["plan", str(tiny_forward), "--json", "--device", "cpu"]) == 1
     c = json.loads(capsys.readouterr().out)["compile"]
     assert c["status"] == "failed" and "lowering exploded" in c["note"]
