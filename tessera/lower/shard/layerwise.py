@@ -185,16 +185,12 @@ def planned_bytes(held: list[dict], m: int, remat: str) -> dict[str, float]:
     every layer's gathered weights, which the backward pass keeps; three times the largest gathered layer besides
     (the gather's buffers, its cotangent, the all-to-all's pieces). Gradients: each iteration's summed blocks and
     their tree sum."""
-    params = grads = layer = 0.0
+    params = grads = 0.0
     for p in held:
-        used = p["numel"] * (p["narrow"] or p["wide"])
         params += p["block"] * p["narrow"]
-        if not p["at_use"]:
-            params += used
-        elif remat == "none":
-            params += used
-        if p["at_use"]:
-            layer = max(layer, p["numel"] * 4.0 / p["layers"]) if p["layers"] == 1 else layer
+        if not p["at_use"] or remat == "none":
+            params += p["numel"] * (p["narrow"] or p["wide"])
         grads += (m + 1) * p["block"] * p["wide"]
-    stacked = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
-    return {"params": params + 3 * max(layer, stacked), "gradients": grads}
+    layer = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
+    single = max((p["numel"] * 4.0 for p in held if p["at_use"] and p["layers"] == 1), default=0.0)
+    return {"params": params + 3 * max(layer, single), "gradients": grads}
