@@ -1,0 +1,61 @@
+"""Deterministic mode's per-layer gathers (tessera/lower/shard/layerwise.py): which parameters are gathered where
+their op reads them, the interleaved shard order, and each device's blocks. The gathers' bit-identity across meshes
+is checked end to end in test_train_meshes.py."""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from tessera.lower.interpret import stacked_layers
+from tessera.lower.program import program_graph
+from tessera.lower.shard import layerwise
+from tessera.spec import load_experiment
+from tests.lower.shard.make_snapshots import ROOT
+
+
+def _graph(spec: str):
+    graph = program_graph(load_experiment(ROOT / spec))
+    shapes = {p: types.SimpleNamespace(shape=tuple(d.size for d in v.type.dims)) for p, v in graph.params.items()}
+    return graph, stacked_layers(graph.body, shapes)
+
+
+def test_a_tied_embedding_and_pp_split_layers_are_gathered_once_per_shard_the_rest_at_their_use():
+    graph, stacked = _graph("specs/llama_tiny.yaml")
+    specs = {p: P(None, "fsdp") for p in graph.params}
+    at_use = layerwise.use_plan(graph, specs, stacked)
+    assert "embed/table" not in at_use  # read by the embedding and the tied unembedding: summed within a shard
+    assert "layers/attention/q" in at_use and "final_norm/scale" in at_use
+    assert set(stacked) <= at_use
+    over_pp = {p: P("pp") if p in stacked else P() for p in graph.params}  # each device holds some layers
+    assert not set(stacked) & layerwise.use_plan(graph, over_pp, stacked)
+
+
+def test_device_d_runs_shards_d_n_plus_d_and_results_return_to_canonical_order():
+    n, m = 4, 3
+    ran = np.array([j * n + d for d in range(n) for j in range(m)])  # gathered device by device: the shard each ran
+    assert np.asarray(layerwise.canonical_order(jnp.asarray(ran), n, m)).tolist() == list(range(n * m))
+
+
+def test_each_devices_block_as_shard_map_lays_them_out():
+    x = jnp.arange(4 * 6).reshape(4, 6)
+    sizes = {"fsdp": 2, "tp": 2}
+    rows = layerwise.blocks_of_all(x, P("fsdp", "tp"), ("fsdp", "tp"), sizes)
+    assert rows.shape == (4, 2, 3)
+    np.testing.assert_array_equal(rows[1], x[:2, 3:])  # device 1 = (fsdp 0, tp 1)
+    np.testing.assert_array_equal(rows[2], x[2:, :3])
+    rep = layerwise.blocks_of_all(x, P(None, "tp"), ("fsdp", "tp"), sizes)  # replicated over fsdp
+    np.testing.assert_array_equal(rep[0], rep[2])
+    np.testing.assert_array_equal(rep[3], x[:, 3:])
+
+
+def test_the_plan_counts_gathered_layers_and_gradient_blocks():
+    held = [{"numel": 800, "block": 100, "wide": 4, "narrow": 2, "at_use": True, "layers": 8},
+            {"numel": 80, "block": 10, "wide": 4, "narrow": 0, "at_use": False, "layers": 1}]
+    got = layerwise.planned_bytes(held, m=2, remat="dots")
+    assert got["gradients"] == 3 * (100 * 4 + 10 * 4)  # each iteration's blocks and their sum
+    assert got["params"] == 100 * 2 + 80 * 4 + 3 * (800 * 4 / 8)  # narrow blocks, the tied whole, a layer
+    assert layerwise.planned_bytes(held, m=2, remat="none")["params"] == got["params"] + 800 * 2  # kept layers
