@@ -266,6 +266,17 @@ class Deterministic:
         c, bspecs = self._shards(batch)
 
         def body(params, batch):
+            if self._per_layer(c):  # each parameter gathered where its layer reads it, as the train step does
+                tokens = batch["tokens"]
+                narrow = self.precast_types(tokens.shape[0] * self.devices, tokens.shape[1])
+                params = {k: v.astype(narrow[k]) if k in narrow else v for k, v in params.items()}
+                at_use = self._at_use()
+                gather = lambda k, v: gather_full(v, layerwise.trailing(  # noqa: E731
+                    self.param_specs[k], len(self.whole_shapes[k]), v.ndim))
+                hooks = {k: functools.partial(gather, k) for k in at_use} if self.axes else None
+                top = {k: v if k in at_use else gather(k, v) for k, v in params.items()}
+                sums, counts, _ = self._per_shard(lambda sh: self._shard_sums(top, sh, param_use=hooks), batch, c)
+                return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
             return self._mean_loss({k: gather_full(v, self.param_specs[k]) for k, v in params.items()}, batch, c)
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(self.param_specs, bspecs), out_specs=P(),
@@ -344,6 +355,11 @@ class Deterministic:
         power of two, on every mesh of that C and on one device alike (one program, so the same bits)."""
         return not self.prog.graph.losses and _power_of_two(c)
 
+    def _at_use(self) -> set[str]:
+        """The parameters gathered where their one op reads them (layerwise.use_plan)."""
+        shapes = self.prog.param_shapes()
+        return layerwise.use_plan(self.prog.graph, self.param_specs, stacked_layers(self.prog.graph.body, shapes))
+
     def _per_layer_grads(self, params: dict, history, batch: dict, c: int, ls, narrow: dict):
         """(gradient blocks summed over all C shards, per-shard loss sums, counts, terms and amaxes in canonical
         order) with each parameter gathered where it is used (tessera/lower/shard/layerwise.py): device d runs
@@ -351,12 +367,10 @@ class Deterministic:
         order, and the iterations' sums are tree-summed: the canonical tree's adds, as on one device."""
         n, m, specs = self.devices, c // self.devices, self.param_specs
         sizes = dict(self.mesh.shape)
-        at_use = layerwise.use_plan(self.prog.graph, specs, stacked_layers(self.prog.graph.body,
-                                                                             self.prog.param_shapes()))
-        ndims = {k: v.ndim for k, v in params.items()}
+        at_use = self._at_use()
 
         def gather(k, held):
-            return layerwise.gather_at_use(held, specs[k], ndims[k], self.axes, sizes)
+            return layerwise.gather_at_use(held, specs[k], len(self.whole_shapes[k]), self.axes, sizes)
 
         hooks = {k: functools.partial(gather, k) for k in at_use}
 
