@@ -129,7 +129,7 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     return 4.0 + held
 
 
-def _param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_per_element) -> dict:
+def param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_per_element) -> dict:
     """Per-device bytes of parameters (`bits` a storage type's: the IR's count, or `array_bits` as the program's
     arrays hold them), gradients and optimizer state."""
     params = grads = opt = 0.0
@@ -161,7 +161,7 @@ def _per_layer(exp, graph) -> bool:
 
 
 def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:
-    """`_param_memory` of the per-layer deterministic step on a mesh: each device's blocks, its optimizer state's,
+    """`param_memory` of the per-layer deterministic step on a mesh: each device's blocks, its optimizer state's,
     and what layerwise.planned_bytes counts (gathered parameters, gradient blocks)."""
     import types
 
@@ -184,7 +184,7 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         rows.append({"numel": t.numel(), "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})
-    extra = layerwise.planned_bytes(rows, _canonical(exp) // exp.mesh.size, exp.parallel.remat)
+    extra = layerwise.planned_bytes(rows, _canonical(exp) // exp.mesh.size)
     return {"params": params + extra["params"], "gradients": extra["gradients"],
             "optimizer": opt + delayed_history_bytes(graph)}
 
@@ -197,7 +197,7 @@ def _precast(exp) -> dict:
     from tessera.lower.program import compile_experiment
 
     dims = cost.task_dims(exp)
-    return compile_experiment(_one_device(exp)).deterministic_executor().precast_types(dims["batch"], dims["seq"])
+    return compile_experiment(one_device(exp)).deterministic_executor().precast_types(dims["batch"], dims["seq"])
 
 
 def delayed_history_bytes(graph) -> int:
@@ -241,7 +241,7 @@ def _microbatching(exp) -> tuple[int, int]:
     return accum * pipe.microbatches, in_flight
 
 
-def _activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool) -> dict:
+def activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool) -> dict:
     """Per-device bytes of activations (and of the KV cache when generating)."""
     logits = next(v.type for v in graph.outputs)
     if train:
@@ -315,7 +315,7 @@ def build_plan(exp, device: str | None = None) -> dict:
     train = _trains(exp)
     summary = cost.param_summary(graph)  # counts: the model's (IR) parameters
     summary["bytes"], summary["bytes_by_dtype"] = _held_bytes(exp, graph)  # bytes: what the program holds
-    memory = {**_param_memory(graph, layout, exp, train), **_activation_memory(graph, exp, sizes, layout, train)}
+    memory = {**param_memory(graph, layout, exp, train), **activation_memory(graph, exp, sizes, layout, train)}
     memory["total"] = sum(memory.values())
     flops = _flops(graph, exp, sizes)
     step_sizes = sizes if train or exp.task.kind != "generate" else {"batch": sizes["batch"], "seq": 1}
@@ -339,7 +339,7 @@ def build_plan(exp, device: str | None = None) -> dict:
     }
 
 
-def _one_device(exp):
+def one_device(exp):
     """A copy of `exp` on a one-device mesh (what compiles on a machine without the mesh's devices)."""
     return exp.model_copy(update={"mesh": exp.mesh.model_copy(update={a: 1 for a in exp.mesh.axes})})
 

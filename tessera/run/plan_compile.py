@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 
 from tessera.ir import cost
-from tessera.run.plan import _activation_memory, _one_device, _param_memory, _trains, array_bits
+from tessera.run.plan import activation_memory, array_bits, one_device, param_memory
+from tessera.spec.tasks import trains
 
 COMPILE_PARAMS_LIMIT = 2e9  # above this, compile two shallow copies and extrapolate per layer
 _PROBE_LAYERS = (2, 4)      # even, so layers that alternate (sliding / full attention) stay balanced
@@ -96,8 +97,8 @@ def _ours_as_compiled(exp, train: bool) -> float:
 
     graph, sizes = program_graph(exp), cost.task_dims(exp)
     layout = cost.Layout.of(exp)
-    memory = {**_activation_memory(graph, exp, sizes, layout, train),
-              **_param_memory(graph, layout, exp, train, bits=array_bits)}
+    memory = {**activation_memory(graph, exp, sizes, layout, train),
+              **param_memory(graph, layout, exp, train, bits=array_bits)}
     return sum(memory.values())
 
 
@@ -137,10 +138,10 @@ def aot_compile(exp, plan: dict) -> dict:
     from tessera.diagnostics import TesseraError
 
     sharded, started = _sharded_compile(exp), time.perf_counter()
-    target = exp if sharded or exp.mesh.size == 1 else _one_device(exp)
+    target = exp if sharded or exp.mesh.size == 1 else one_device(exp)
     out = {"status": "ok", "backend": jax.default_backend(), "note": "", "scope": _scope(exp, sharded)}
     try:
-        compiler, ours, what = _figures(target, _trains(exp), plan["params"]["total"])
+        compiler, ours, what = _figures(target, trains(exp.task), plan["params"]["total"])
     except _Skip as exc:
         return {"status": "skipped", "note": str(exc)}
     except TesseraError as exc:  # the program cannot lower this layout yet (the plan above still holds)

@@ -129,7 +129,7 @@ def state_specs(tree, param_specs: dict):
     return jax.tree.map(lambda t: dict(param_specs) if is_params(t) else P(), tree, is_leaf=is_params)
 
 
-def _opaque_map(fn, xs, n: int):
+def opaque_map(fn, xs, n: int):
     """fn over the leading axis of xs in a loop XLA cannot unroll, inline or hoist from, so the body
     compiles to the same arithmetic for every n (a loop of one would otherwise be fused with its surroundings)."""
     first = jax.tree.map(lambda a: a[0], xs)
@@ -152,7 +152,7 @@ def fenced(fn, *args):
     sum into an fma, in which order elementwise work runs) is the same whatever surrounds it: the gathers of a
     mesh's blocks before it, the slices of them after it, or neither on one device. The branch never taken
     returns zeros (never run; the taken branch adds no copies to the one-device program). A conditional rather
-    than `_opaque_map`'s loop: a loop of one over inputs it does not change would invite XLA's loop-invariant code
+    than `opaque_map`'s loop: a loop of one over inputs it does not change would invite XLA's loop-invariant code
     motion to move the work back out."""
     fn = jax.jit(fn)  # traced once: the branch reuses the trace that gives the shapes (XLA inlines it)
     shapes = jax.eval_shape(fn, *args)
@@ -236,7 +236,7 @@ class Deterministic:
     def _local_shards(self, fn, batch: dict, c: int):
         """fn over this device's canonical shards (C / devices of them, in canonical order), stacked."""
         local = jax.tree.map(lambda a: a.reshape((c // self.devices, -1) + a.shape[1:]), batch)
-        return _opaque_map(fn, local, c // self.devices)
+        return opaque_map(fn, local, c // self.devices)
 
     def _gathered(self, out):
         """Per-shard results of this device, those of all C shards in canonical order."""
@@ -391,7 +391,7 @@ class Deterministic:
         inputs = fp8_delayed.merged(diff, history)
         grad_fn = jax.value_and_grad(scaled, has_aux=True)
         local = layerwise.interleaved(batch, self.axes, n, m)
-        (sums, (counts, terms)), grads = _opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
+        (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
         grads, amaxes = fp8_delayed.split(grads, history)
         grads = {k: tree_sum(g.astype(params[k].dtype)) for k, g in grads.items()}  # the levels above the devices
         gathered = self._gathered((sums, counts, terms, amaxes))
@@ -457,7 +457,7 @@ class Deterministic:
             sq = layerwise.canonical_square_sums(g, self.param_specs[k], shape, c, sizes)
             if sq is None:
                 whole = gather_full(g, self.param_specs[k]).astype(jnp.float32)
-                sq = _opaque_map(lambda w: jnp.sum(w * w), whole[None], 1)
+                sq = opaque_map(lambda w: jnp.sum(w * w), whole[None], 1)
             per.append(tree_sum(sq))
         norm = jnp.sqrt(tree_sum(jnp.stack(per)))
         finite = loss_scale.all_finite_of(blocks).astype(jnp.int32)

@@ -158,8 +158,8 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
     """[k] fp32: the sums of squares of a gradient's k canonical chunks (its whole `shape` cut along the first dim k
     divides), from this device's block, on every device: the block is moved so this device holds whole chunks (an
     all-to-all per split dim: exact), each chunk is reduced by the same compiled loop body whatever the mesh
-    (`_opaque_map`), and the k sums are gathered in chunk order. None when no dim of `shape` divides by k."""
-    from tessera.lower.shard.deterministic import _opaque_map
+    (`opaque_map`), and the k sums are gathered in chunk order. None when no dim of `shape` divides by k."""
+    from tessera.lower.shard.deterministic import opaque_map
 
     j = _chunk_dim(shape, k)
     if j is None:
@@ -173,22 +173,22 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
         order += list(names)
     mine = k // math.prod(sizes[a] for a in order) if order else k
     chunks = jnp.moveaxis(x, j, 0).reshape((mine, shape[j] // k) + tuple(s for i, s in enumerate(x.shape) if i != j))
-    sums = _opaque_map(lambda c: jnp.sum(c * c), chunks, mine)
+    sums = opaque_map(lambda c: jnp.sum(c * c), chunks, mine)
     return jax.lax.all_gather(sums, tuple(order), axis=0, tiled=True) if order else sums
 
 
-def planned_bytes(held: list[dict], m: int, remat: str) -> dict[str, float]:
+def planned_bytes(held: list[dict], m: int) -> dict[str, float]:
     """Per-device bytes the per-layer step holds besides each device's blocks of the parameters and optimizer state,
     for `tessera plan`. `held`: per parameter {numel, block (elements a device holds), wide and narrow (bytes an
     element, narrow 0 where none), at_use, layers (its stack's depth, 1 if not stacked)}; m: canonical shards a
-    device runs. Parameters: the narrow copies of the blocks, those gathered once per shard whole, and (remat none)
-    every layer's gathered weights, which the backward pass keeps; three times the largest gathered layer besides
-    (the gather's buffers, its cotangent, the all-to-all's pieces). Gradients: each iteration's summed blocks and
-    their tree sum."""
+    device runs. Parameters: the narrow copies of the blocks, those gathered once per shard whole, and three times
+    the largest layer gathered at its use (the gathered layer and its gather's buffers, its cotangent, the
+    all-to-all's pieces: the backward gathers a layer again rather than keeping it, under every remat policy).
+    Gradients: each iteration's summed blocks and their tree sum."""
     params = grads = 0.0
     for p in held:
         params += p["block"] * p["narrow"]
-        if not p["at_use"] or remat == "none":
+        if not p["at_use"]:
             params += p["numel"] * (p["narrow"] or p["wide"])
         grads += (m + 1) * p["block"] * p["wide"]
     layer = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
