@@ -49,9 +49,9 @@ def _all_but_gathers(prim, *_, **params) -> bool:
     """The remat policy of a layer whose parameters deterministic mode gathers where they are read, without remat:
     every value saved but the gathered parameters (a custom_vjp whose forward sums over devices), which the backward
     gathers again."""
-    if prim.name != "custom_vjp_call":
+    jaxpr = params.get("call_jaxpr", params.get("fun_jaxpr"))  # the primal's jaxpr, named either way by jax version
+    if not prim.name.startswith("custom_vjp_call") or jaxpr is None:
         return True
-    jaxpr = params["call_jaxpr"]
     return not any(e.primitive.name.startswith("psum") for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
 
 
