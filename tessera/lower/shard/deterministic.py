@@ -269,13 +269,11 @@ class Deterministic:
             if self._per_layer(c):  # each parameter gathered where its layer reads it, as the train step does
                 tokens = batch["tokens"]
                 narrow = self.precast_types(tokens.shape[0] * self.devices, tokens.shape[1])
-                params = {k: v.astype(narrow[k]) if k in narrow else v for k, v in params.items()}
-                at_use = self._at_use()
-                gather = lambda k, v: gather_full(v, layerwise.trailing(  # noqa: E731
-                    self.param_specs[k], len(self.whole_shapes[k]), v.ndim))
-                hooks = {k: functools.partial(gather, k) for k in at_use} if self.axes else None
-                top = {k: v if k in at_use else gather(k, v) for k, v in params.items()}
-                sums, counts, _ = self._per_shard(lambda sh: self._shard_sums(top, sh, param_use=hooks), batch, c)
+                cast, hooks = precast.cast(params, narrow), None
+                if self.axes:
+                    top, hooks = self._layer_gathers()
+                    cast = top({k: layerwise.Held(v, cast[k] if k in narrow else None) for k, v in params.items()})
+                sums, counts, _ = self._per_shard(lambda sh: self._shard_sums(cast, sh, param_use=hooks), batch, c)
                 return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
             return self._mean_loss({k: gather_full(v, self.param_specs[k]) for k, v in params.items()}, batch, c)
 
@@ -355,37 +353,45 @@ class Deterministic:
         power of two, on every mesh of that C and on one device alike (one program, so the same bits)."""
         return not self.prog.graph.losses and _power_of_two(c)
 
+    @functools.cached_property
     def _at_use(self) -> set[str]:
         """The parameters gathered where their one op reads them (layerwise.use_plan)."""
         shapes = self.prog.param_shapes()
         return layerwise.use_plan(self.prog.graph, self.param_specs, stacked_layers(self.prog.graph.body, shapes))
+
+    def _layer_gathers(self):
+        """(top, hooks) for a mesh: `top` makes whole, once per shard, the `layerwise.Held` blocks of the parameters
+        not gathered at their use; `hooks` ({path: fn}, `Program.logits`' param_use) gathers the others where their
+        op reads them. Each gather's VJP sums the devices' block gradients in device order (gather_at_use)."""
+        sizes = dict(self.mesh.shape)
+
+        def gather(k, held):
+            return layerwise.gather_at_use(held, self.param_specs[k], len(self.whole_shapes[k]), self.axes, sizes)
+
+        def top(p):
+            return {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in self._at_use else v
+                    for k, v in p.items()}
+
+        return top, {k: functools.partial(gather, k) for k in self._at_use}
 
     def _per_layer_grads(self, params: dict, history, batch: dict, c: int, ls, narrow: dict):
         """(gradient blocks summed over all C shards, per-shard loss sums, counts, terms and amaxes in canonical
         order) with each parameter gathered where it is used (tessera/lower/shard/layerwise.py): device d runs
         shards d, n + d, ...; each gather's VJP sums the n devices' block gradients of one iteration in device
         order, and the iterations' sums are tree-summed: the canonical tree's adds, as on one device."""
-        n, m, specs = self.devices, c // self.devices, self.param_specs
-        sizes = dict(self.mesh.shape)
-        at_use = self._at_use()
-
-        def gather(k, held):
-            return layerwise.gather_at_use(held, specs[k], len(self.whole_shapes[k]), self.axes, sizes)
-
-        hooks = {k: functools.partial(gather, k) for k in at_use}
-
+        n, m = self.devices, c // self.devices
         # One device: the gradient is taken at the parameters as the shard loop reads them (the narrow copy where
         # precast.py finds one, widened at the tree). A mesh: at the held blocks, through each gather's VJP.
         one = not self.axes
-        cast = {k: v.astype(narrow[k]) for k, v in params.items() if k in narrow}
-        diff = {**params, **cast} if one else params
+        cast = precast.cast(params, narrow)
+        diff = cast if one else params
+        top, hooks = (None, None) if one else self._layer_gathers()
 
         def scaled(p, sh):  # blocks in; the ones read by one op gathered there, the rest once per shard here
             if not one:
-                p = {k: layerwise.Held(v, cast.get(k)) if k in specs else v for k, v in p.items()}
-                p = {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in at_use else v
-                     for k, v in p.items()}
-            s, count, terms = self._shard_sums(p, sh, param_use=None if one else hooks)
+                p = top({k: layerwise.Held(v, cast[k] if k in narrow else None) if k in self.param_specs else v
+                         for k, v in p.items()})
+            s, count, terms = self._shard_sums(p, sh, param_use=hooks)
             return (s if ls is None else s * ls.scale), (count, terms)
 
         inputs = fp8_delayed.merged(diff, history)
