@@ -156,8 +156,9 @@ def param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_pe
 def _per_layer(exp, graph) -> bool:
     """Deterministic training that gathers each parameter where it is used (tessera/lower/shard/layerwise.py): a
     language model whose canonical shard count is a power of two, with an elementwise optimizer."""
-    c = _canonical(exp)
-    return not graph.losses and c & (c - 1) == 0 and not _gathers_optimizer_state(exp)
+    from tessera.lower.shard.deterministic import per_layer
+
+    return per_layer(graph, _canonical(exp)) and not _gathers_optimizer_state(exp)
 
 
 def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:

@@ -160,6 +160,13 @@ def fenced(fn, *args):
     return jax.lax.cond(jax.lax.optimization_barrier(jnp.bool_(True)), fn, zeros, *args)
 
 
+def per_layer(graph, c: int) -> bool:
+    """Whether deterministic mode gathers each parameter where its layer reads it (tessera/lower/shard/layerwise.py):
+    a language model whose canonical shard count C is a power of two (its train step also needs an elementwise
+    optimizer, `_blockwise`; `tessera plan` asks the same)."""
+    return not graph.losses and _power_of_two(c)
+
+
 def _blockwise(opt_state) -> bool:
     """Whether the optimizer updates each element from its own gradient and state, once handed the whole
     gradient's norm and finiteness (`Deterministic._block_update`): everything tessera.run.optim builds but L-BFGS,
@@ -349,9 +356,9 @@ class Deterministic:
         return type(state)(state.step + 1, params, opt_state), metrics
 
     def _per_layer(self, c: int) -> bool:
-        """Whether the train step gathers the parameters per layer (layerwise.py): a language model whose C is a
-        power of two, on every mesh of that C and on one device alike (one program, so the same bits)."""
-        return not self.prog.graph.losses and _power_of_two(c)
+        """Whether the step gathers the parameters per layer (`per_layer`), on every mesh of that C and on one
+        device alike (one program, so the same bits)."""
+        return per_layer(self.prog.graph, c)
 
     @functools.cached_property
     def _at_use(self) -> set[str]:
