@@ -32,7 +32,9 @@ class LowerCtx:
 
     mode: "train" (full sequence, no cache), "prefill" (full prompt, fills the cache) or
     "decode" (new tokens against the cache). positions: int32 [batch, seq] absolute positions of the
-    tokens being processed. shard: inside `shard_map`, which mesh axes split which logical axes and the
+    tokens being processed; position_start: where the caller knows them to be one run for every row
+    (positions[b, s] = position_start + s: generation's prefill and decode steps), that int32 scalar, which
+    lets a cache take the new tokens as one slice. shard: inside `shard_map`, which mesh axes split which logical axes and the
     collectives that go with them (lowerings then see local blocks). unroll: `repeat` runs its layers
     unrolled over per-layer parameters and states (generation; tessera/lower/interpret.py says why).
     last_only: the caller reads only the last position's output (generation's prefill samples from it), so
@@ -42,6 +44,7 @@ class LowerCtx:
     accum_dtype: Any = jnp.float32
     mode: str = "train"
     positions: Any = None
+    position_start: Any = None
     kernels: str = "reference"  # "auto" lets lowerings pick a kernel where the backend and shapes allow
     backend: str = "cpu"
     deterministic: bool = True

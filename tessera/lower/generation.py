@@ -29,7 +29,8 @@ def generate_tokens(body: Region, ctx, params, prompts, seed, max_new, capacity:
     whole = (lambda x: x) if shard is None else (lambda x: shard.gather(x, "vocab", axis=-1))
     with jax.named_scope("prefill"):
         (logits,), state = eval_region(body, [prompts], params, ctx(mode="prefill", positions=positions,
-                                                                    last_only=True), state)
+                                                                    position_start=0, last_only=True),
+                                       state)
     logits = whole(logits)
     key = jax.random.key(seed)
     first = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, 0))
@@ -38,8 +39,10 @@ def generate_tokens(body: Region, ctx, params, prompts, seed, max_new, capacity:
     @jax.named_scope("decode")
     def step(i, carry):
         token, done, state, out = carry
-        pos = jnp.full((b, 1), p + i, jnp.int32)
-        (logits,), state = eval_region(body, [token[:, None]], params, ctx(mode="decode", positions=pos), state)
+        start = (p + i).astype(jnp.int32)
+        pos = jnp.full((b, 1), start, jnp.int32)
+        (logits,), state = eval_region(body, [token[:, None]], params,
+                                       ctx(mode="decode", positions=pos, position_start=start), state)
         logits = whole(logits)
         nxt = sampling.sample(logits[:, -1], rule, jax.random.fold_in(key, i + 1))
         nxt = jnp.where(done, token, nxt)  # a finished row repeats its stop token

@@ -270,11 +270,20 @@ def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
     return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt), "pos": jnp.full((batch, c), -1, jnp.int32)}
 
 
-def _cache_write(cache, k, v, pos):
-    """Write k, v [B, S, Hkv, D] at absolute positions pos [B, S] into the ring buffer (last C tokens)."""
+def _cache_write(cache, k, v, pos, start=None):
+    """Write k, v [B, S, Hkv, D] at absolute positions pos [B, S] into the ring buffer (last C tokens). `start`
+    (LowerCtx.position_start): pos is start + 0..S-1 in every row, so where those S slots do not wrap they are one
+    slice, written in place by dynamic_update_slice, which XLA fuses with the values' producer (a scatter is a
+    kernel of its own: three a layer and token in decode)."""
     c = cache["pos"].shape[1]
     if k.shape[1] > c:  # a prompt longer than a sliding window: only its last C tokens stay
+        start = None if start is None else start + (k.shape[1] - c)
         k, v, pos = k[:, -c:], v[:, -c:], pos[:, -c:]
+    s = k.shape[1]
+    # one slice where the slots do not wrap: one token (a traced start), or a known start (the prompt's 0)
+    if start is not None and (s == 1 or (isinstance(start, int) and start % c + s <= c)):
+        put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), start % c, axis=1)
+        return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
     rows = jnp.arange(k.shape[0])[:, None]
     slots = pos % c
     # unique (row, slot) pairs: the last C positions fill distinct slots; said so, XLA's deterministic-ops
@@ -306,12 +315,12 @@ def _attention(ctx, op, attrs, ins, params, cache):
         out, new_cache = table.dispatch(ctx, "attention", label, q, k, v, q_offset=offset, **core), None
     elif ctx.mode == "prefill":  # the generation program's prompt, from position 0: the kernels' whole sequence
         out = table.dispatch(ctx, "attention", label, q, k, v, q_offset=0, **core)
-        new_cache = None if cache is None else _cache_write(cache, k, v, pos)
+        new_cache = None if cache is None else _cache_write(cache, k, v, pos, ctx.position_start)
     elif cache is None:
         out = attention_ref(q, k, v, q_offset=pos[:, 0], accum=ctx.accum_dtype, **core)
         new_cache = None
     else:  # decode: the new tokens join the cache, then attend over it
-        new_cache = _cache_write(cache, k, v, pos)
+        new_cache = _cache_write(cache, k, v, pos, ctx.position_start)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
     y = _weight_product(ctx, "bshd,hde->bse", out, p["o"], store, "o")

@@ -74,3 +74,27 @@ def test_attention_gradient_with_sinks_and_window():
         sinks = jnp.asarray(r.standard_normal(4))
         check_grads(jax.jit(lambda q, k, v, s: attention(q, k, v, sinks=s, window=3)), (q, k, v, sinks),
                     order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("c, prompt", [(8, 5), (8, 8), (8, 13), (8, 16), (6, 3)])
+def test_cache_slice_writes_equal_scattered_writes(c, prompt):
+    """With the positions known to be one run in every row (LowerCtx.position_start), the ring buffer takes a
+    prompt and then decode steps as slices; the cache is the one the per-position scatter writes, wrap-arounds
+    included (prompts longer than the cache, decode steps past its end)."""
+    from tessera.lower.ops_nn import _cache_write
+
+    rng = np.random.default_rng(c * 100 + prompt)
+    b, h, d = 2, 3, 4
+    empty = {"k": jnp.zeros((b, c, h, d)), "v": jnp.zeros((b, c, h, d)), "pos": jnp.full((b, c), -1, jnp.int32)}
+    kv = lambda s: [jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for _ in range(2)]  # noqa: E731
+    k, v = kv(prompt)
+    pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
+    sliced, scattered = _cache_write(empty, k, v, pos, 0), _cache_write(empty, k, v, pos)
+    step = jax.jit(lambda cache, k, v, start: _cache_write(cache, k, v, jnp.full((b, 1), start), start))
+    for t in range(prompt, prompt + c + 3):  # every slot written again at least once
+        k, v = kv(1)
+        sliced = step(sliced, k, v, jnp.int32(t))
+        scattered = _cache_write(scattered, k, v, jnp.full((b, 1), t, jnp.int32))
+        for name in ("k", "v", "pos"):
+            np.testing.assert_array_equal(sliced[name], scattered[name], err_msg=f"{name} after position {t}")
+    assert int(jnp.max(sliced["pos"])) == prompt + c + 2
