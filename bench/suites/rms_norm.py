@@ -16,7 +16,7 @@ def run_rms_norm(check: bool = False) -> None:
     fwd (+residual) moves 4 tensors (x, r in; y, h out), fwd+bwd 8 (+ h, dy, dh in; dh out; random
     cotangents), plain RMSNorm fwd 2 (what the `rmsnorm` op lowers to).
     """
-    from tessera.lower.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm
+    from bench.experiments.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm
     from tessera.lower.reference.norms import rms_norm as rms_norm_reference
     d = 2880
     scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(5), (d,), jnp.float32)

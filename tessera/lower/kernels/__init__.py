@@ -8,16 +8,15 @@
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
 | mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot at decode | (through pair_dot) |
 | fp8_gemv (Triton backend) | weight_only_einsum(spec, x, w: FP8Blocks, *, out_dtype, config): one token times block-scaled fp8 weights | supported(...) |
-| rms_norm (Triton backend) | rms_norm(x, scale, *, eps, config), add_rms_norm(x, residual, scale, *, eps, config) | supported(...) -> (ok, why) |
 
 Each `supported()` is False without its GPU (unless a config asks for the CPU interpreter): Hopper
-for the Mosaic GPU kernels, compute capability 8.0+ for mxfp4_matmul, any CUDA GPU for rms_norm;
+for the Mosaic GPU kernels, compute capability 8.0+ for the Triton ones;
 the lowering keeps the `jax.numpy` reference there. Modules import Pallas lazily: import them only
 where a kernel may run.
 
 Below: what each kernel implements, as entries of the lowering table (tessera/lower/table.py), which is how
-a lowering reaches a kernel. rms_norm is not registered (`rms_norm.NOT_SELECTED` says why; docs/kernels-log.md, RMSNorm, has the
-latest numbers).
+a lowering reaches a kernel. Kernels no lowering selects live in bench/experiments/ (a fused RMSNorm, the
+fused gate/up grouped GEMM + SwiGLU), with docs/kernels-log.md saying why.
 """
 
 
@@ -115,7 +114,7 @@ def _grouped(lhs, rhs, group_sizes, preferred_element_type=None):
 def _pairs_takes(lhs, rhs, experts, preferred_element_type=None):
     from tessera.lower.kernels import mxfp4_matmul as mk
 
-    if not isinstance(rhs, _mxfp4.MXFP4):
+    if not all(isinstance(m, _mxfp4.MXFP4) for m in (rhs if _mxfp4.several(rhs) else (rhs,))):
         return "plain experts: each (token, expert) pair gathers its expert"
     return mk.supported_pairs(lhs, rhs, experts) or "MXFP4 experts outside mxfp4_pair_gemv (dequantised)"
 

@@ -7,8 +7,9 @@ reads x, r and scale once and writes y, h and the per-row fp32 rstd; the backwar
 cotangent of h and rstd and writes dh (= dx = dr); d scale = sum over rows of dy * h * rstd is one
 XLA reduction outside.
 
-Selection: the lowering only takes it where it beats XLA's own fusion of the same expression
-(`supported()` says why not); the measurement: docs/kernels-log.md, "RMSNorm".
+Not selected by any lowering, so it lives here, out of the package (`NOT_SELECTED`; docs/kernels-log.md,
+"RMSNorm", has the measurements: the forward beats XLA's fusion, forward + backward only at fewer rows).
+`python -m bench.kernels --only rmsnorm` times it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tessera.lower.kernels.rms_norm import (RmsNormConfig, add_rms_norm, add_rms_norm_reference, rms_norm,
+from bench.experiments.rms_norm import (RmsNormConfig, add_rms_norm, add_rms_norm_reference, rms_norm,
                                             supported)
 from tessera.lower.reference.norms import rms_norm as rms_norm_reference
 from tests.lower.kernels._check import assert_close
