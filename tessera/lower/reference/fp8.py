@@ -147,9 +147,10 @@ def quantize_delayed(x, row, dtype):
     past = jnp.max(row)
     xf = x.astype(jnp.float32)
     big = float(jnp.finfo(dtype).max)
-    # only the fallback reduces over x: with a history, the scale is known before x is
-    s = jax.lax.cond((past > 0) & jnp.isfinite(past), lambda xf: _pow2_scale(past, dtype),
-                     lambda xf: _pow2_scale(jnp.max(jnp.abs(xf)), dtype), xf)
+    # only the fallback reduces over x: with a history, the scale is known before x is. The branches take x as
+    # it is (a 16-bit operand), not its fp32 widening, which the conditional would make XLA write out whole
+    s = jax.lax.cond((past > 0) & jnp.isfinite(past), lambda x: _pow2_scale(past, dtype),
+                     lambda x: _pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype), x)
     return jnp.clip(xf * s, -big, big).astype(dtype), s
 
 
