@@ -64,6 +64,10 @@ class LowerCtx:
     # {path: fn} applied to a parameter where an op reads it (inside a repeat: its layer's slice): deterministic
     # mode's gather of a device's block whole at its use (tessera/lower/shard/deterministic.py); None elsewhere
     param_use: Any = None
+    # a jax.checkpoint policy for a repeat's layers in a train step whose spec asks for no remat, set by whoever
+    # sets param_use (deterministic mode: every value saved but its gathered parameters,
+    # layerwise.saveable_but_gathers); None: no remat
+    layer_remat: Any = None
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

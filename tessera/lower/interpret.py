@@ -45,16 +45,6 @@ REMAT_POLICIES = {  # parallel.remat -> the jax.checkpoint policy of a `repeat` 
 }
 
 
-def _all_but_gathers(prim, *_, **params) -> bool:
-    """The remat policy of a layer whose parameters deterministic mode gathers where they are read, without remat:
-    every value saved but the gathered parameters (a custom_vjp whose forward sums over devices), which the backward
-    gathers again."""
-    jaxpr = params.get("call_jaxpr", params.get("fun_jaxpr"))  # the primal's jaxpr, named either way by jax version
-    if not prim.name.startswith("custom_vjp_call") or jaxpr is None:
-        return True
-    return not any(e.primitive.name.startswith("psum") for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
-
-
 def param_bindings(op: Op) -> list[tuple[str, str]]:
     """(local name, path) of each parameter operand, in the order the op's definition declares them."""
     refs = [o.path for o in op.operands if isinstance(o, ParamRef)]
@@ -237,8 +227,8 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
 
     if ctx.mode == "train" and remat in REMAT_POLICIES:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    elif ctx.mode == "train" and ctx.param_use:
-        body = jax.checkpoint(body, policy=_all_but_gathers, prevent_cse=False)
+    elif ctx.mode == "train" and ctx.layer_remat is not None:
+        body = jax.checkpoint(body, policy=ctx.layer_remat, prevent_cse=False)
     xs = (jnp.arange(n // p, dtype=jnp.int32), xs_params, state)
     carry, (new_state, aux) = jax.lax.scan(body, tuple(ins), xs, unroll=bool(ctx.scan_unroll))
     for name, per_step in (aux or {}).items():

@@ -244,12 +244,14 @@ class Program:
         return LowerCtx(kernels=self.options.kernels, backend=jax.default_backend(),
                         deterministic=self.options.deterministic, **kw)
 
-    def logits(self, params, tokens, mode: str = "train", *, shard=None, aux=None, param_use=None):
+    def logits(self, params, tokens, mode: str = "train", *, shard=None, aux=None, param_use=None,
+               layer_remat=None):
         """Logits [batch, seq, vocab] of int32 tokens [batch, seq], traced under `mode` ("train", "forward");
         `shard`: inside shard_map, the ShardEnv the lowerings see local blocks by; `aux`: a dict the
         lowerings add step counters to; `param_use`: {path: fn} applied to a parameter where an op reads it
-        (deterministic mode's per-layer gathers)."""
-        ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux, param_use=param_use)
+        (deterministic mode's per-layer gathers); `layer_remat`: the checkpoint policy of a repeat's layers where
+        the spec's remat is none (LowerCtx.layer_remat)."""
+        ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux, param_use=param_use, layer_remat=layer_remat)
         (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.options.remat)
         return logits
 

@@ -235,7 +235,9 @@ class Deterministic:
         if self.prog.graph.losses:
             total, terms = self.prog.objective(params, shard)
             return total, jnp.ones((), total.dtype), terms
-        logits = self.prog.logits(params, shard["tokens"], "train", param_use=param_use)
+        # without remat, the layers keep every value but the gathered parameters (gathered again in the backward)
+        remat = layerwise.saveable_but_gathers if param_use else None
+        logits = self.prog.logits(params, shard["tokens"], "train", param_use=param_use, layer_remat=remat)
         per_token = token_cross_entropy(logits, shard["targets"])
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
         return jnp.sum(per_token * w), jnp.sum(w), {}

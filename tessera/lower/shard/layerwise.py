@@ -77,6 +77,17 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
     return use(held.wide, held.narrow)
 
 
+def saveable_but_gathers(prim, *_, **params) -> bool:
+    """The remat policy (`jax.checkpoint`) of a layer whose parameters are gathered where they are read
+    (`gather_at_use`), where the spec asks for no remat: every value saved but the gathered parameters (a custom_vjp
+    whose forward sums over devices), which the backward gathers again. Deterministic mode hands it to the
+    lowering as LowerCtx.layer_remat beside its gathers."""
+    jaxpr = params.get("call_jaxpr", params.get("fun_jaxpr"))  # the primal's jaxpr, named either way by jax version
+    if not prim.name.startswith("custom_vjp_call") or jaxpr is None:
+        return True
+    return not any(e.primitive.name.startswith("psum") for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Held:
