@@ -8,7 +8,9 @@ bytes at a time become E4M3 bytes (masks and a shift) that `cvt.rn.f16x2.e4m3x2`
 instruction (`_E4M3_PTX`, exact); x's (even, odd) bf16 pair is one 32-bit load; the 16 rows' products are
 summed per column and scaled once by the group's scale row, read once. Split-K partials are fp32, summed
 outside in a fixed order (deterministic). The grouped kernel (one row a run) masks 15 of its 16 dot rows
-and reads each scale byte once per code row.
+and reads each scale byte once per code row. Several matrices of one shape (an expert's gate and up) share
+one launch: their N tiles follow one another in the grid, so a GPT-OSS layer's gate and up are one call and
+one split-K sum instead of two (not yet timed on a GPU against two calls).
 
 `pair_dot` on one H200, jax 0.11.2 (`python -m bench.mxfp4_gemv`: GPU busy time per call from a profile,
 the split-K sum included, weights from HBM; copy 4218-4226 GB/s; GB/s count the R experts' codes and
@@ -209,15 +211,32 @@ def _x_pair(words):
             lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32))
 
 
-def _gemv_kernel(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, *, cfg: GemvConfig, rows: int, k: int,
-                 n: int, steps_per_split: int):
+def _gemv_kernel(ex_ref, xw_ref, *refs, cfg: GemvConfig, rows: int, k: int, n: int, steps_per_split: int,
+                 count: int):
     """One (pair, N tile, K split): out[r, tile] = lhs[r, K range] @ dequantised expert columns (flat refs).
 
-    Each code row is one vector of block_n bytes; each scale row is read once for its 16 code rows. Code
-    rows past K/2 (the last step when `groups` scale groups do not divide K) read as zeros.
+    `count` matrices of one shape (refs: their codes, then their scales, then out) share the launch: the N tiles
+    of matrix j follow those of matrix j - 1 in the grid, and each program runs the loop of its own matrix. Each
+    code row is one vector of block_n bytes; each scale row is read once for its 16 code rows. Code rows past K/2
+    (the last step when `groups` scale groups do not divide K) read as zeros.
     """
+    codes_refs, scales_refs, out_ref = refs[:count], refs[count:2 * count], refs[2 * count]
+    tiles = -(-n // cfg.block_n)
+    r, nt, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if count == 1:
+        _gemv_tile(ex_ref, xw_ref, codes_refs[0], scales_refs[0], out_ref, r, nt, s, 0, cfg=cfg, rows=rows, k=k, n=n,
+                   steps_per_split=steps_per_split, count=count)
+        return
+    for j in range(count):
+        pl.when(nt // tiles == j)(functools.partial(
+            _gemv_tile, ex_ref, xw_ref, codes_refs[j], scales_refs[j], out_ref, r, nt - j * tiles, s, j, cfg=cfg,
+            rows=rows, k=k, n=n, steps_per_split=steps_per_split, count=count))
+
+
+def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
+               k: int, n: int, steps_per_split: int, count: int):
+    """`_gemv_kernel`'s program for N tile `ni` of matrix `which`."""
     bn, gq = cfg.block_n, cfg.groups
-    r, ni, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = ex_ref[r]
     c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
     col_ok = c < n
@@ -255,7 +274,7 @@ def _gemv_kernel(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, *, cfg: GemvCon
 
     acc = _steps(load, step, lo, hi, jnp.zeros((bn,), jnp.float32), ahead=cfg.ahead)
     out = (acc * _nibble_shift(cfg)).astype(out_ref.dtype)
-    pltriton.store(out_ref.at[(s * rows + r) * n + c], out, mask=col_ok)
+    pltriton.store(out_ref.at[((s * count + which) * rows + r) * n + c], out, mask=col_ok)
 
 
 def gemv_steps(k: int, cfg: GemvConfig) -> int:
@@ -271,30 +290,38 @@ def gemv_splits(r: int, k: int, n: int, cfg: GemvConfig) -> int:
     return -(-steps // per)  # no empty splits
 
 
-def gemv(lhs, rhs: ref.MXFP4, experts, cfg: GemvConfig, out_dtype):
-    """out [R, N] = lhs[r] @ dequantise(rhs[experts[r]]) by `_gemv_kernel` (fp32 split partials summed).
+def gemv(lhs, rhs, experts, cfg: GemvConfig, out_dtype):
+    """out [R, N] = lhs[r] @ dequantise(rhs[experts[r]]) by `_gemv_kernel` (fp32 split partials summed). `rhs` a
+    tuple of MXFP4 matrices of one shape (an expert's gate and up): one launch, a tuple of outputs.
 
     Forward only: `mxfp4_matmul.pair_dot` is the differentiable op."""
+    many = ref.several(rhs)
+    mats = rhs if many else (rhs,)
     r, k = lhs.shape
-    g, _, n = rhs.shape
-    splits = gemv_splits(r, k, n, cfg)
+    g, _, n = mats[0].shape
+    if any(m.shape != mats[0].shape for m in mats):
+        raise ValueError(f"one launch takes matrices of one shape, not {[m.shape for m in mats]}")
+    count = len(mats)
+    splits = gemv_splits(r, k, n * count, cfg)
     per = -(-gemv_steps(k, cfg) // splits)  # K steps a split
     part_dtype = out_dtype if splits == 1 else jnp.float32
-    body = functools.partial(_gemv_kernel, cfg=cfg, rows=r, k=k, n=n, steps_per_split=per)
+    body = functools.partial(_gemv_kernel, cfg=cfg, rows=r, k=k, n=n, steps_per_split=per, count=count)
     xw = lax.bitcast_convert_type(lhs.reshape(r, k // 2, 2), jnp.uint32).reshape(-1)  # (even, odd) bf16 pairs
-    codes, scales = rhs.codes.reshape(-1), rhs.scales.reshape(-1)
-    experts, xw, codes, scales = common(experts, xw, codes, scales)
+    flat = [m.codes.reshape(-1) for m in mats] + [m.scales.reshape(-1) for m in mats]
+    experts, xw, *flat = common(experts, xw, *flat)
     out = pl.pallas_call(
         body,
-        out_shape=out_struct((splits * r * n,), part_dtype, xw),
-        grid=(r, -(-n // cfg.block_n), splits),
+        out_shape=out_struct((splits * count * r * n,), part_dtype, xw),
+        grid=(r, count * -(-n // cfg.block_n), splits),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="mxfp4_pair_gemv",
-    )(experts, xw, codes, scales)
+    )(experts, xw, *flat)
     if splits == 1:
-        return out.reshape(r, n)
-    # The split-K sum as a reduce of its own: fused into its consumer (the expert combine, the residual
-    # add), XLA made one loop fusion of ~2,900 threads, each summing 30 splits x 4 pairs strided; with the
-    # barrier, GPT-OSS-20B's batch-1 decode ran 4.6 % faster on an H100 (bench/experiments/decode_variants).
-    return lax.optimization_barrier(out.reshape(splits, r, n).sum(axis=0).astype(out_dtype))
+        out = out.reshape(count, r, n)
+    else:
+        # The split-K sum as a reduce of its own: fused into its consumer (the expert combine, the residual
+        # add), XLA made one loop fusion of ~2,900 threads, each summing 30 splits x 4 pairs strided; with the
+        # barrier, GPT-OSS-20B's batch-1 decode ran 4.6 % faster on an H100 (bench/experiments/decode_variants).
+        out = lax.optimization_barrier(out.reshape(splits, count, r, n).sum(axis=0).astype(out_dtype))
+    return tuple(out) if many else out[0]

@@ -417,27 +417,33 @@ def _pairs_dot_fwd(lhs, rhs, experts, cfg, out_dtype):
 
 
 def _pairs_dot_bwd(cfg, out_dtype, res, dout):
-    """d lhs[r] = dout[r] @ W[experts[r]]^T (the reference); packed weights and indices get none."""
+    """d lhs[r] = dout[r] @ W[experts[r]]^T (the reference; summed over the matrices of a tuple); packed
+    weights and indices get none."""
     lhs, rhs, experts = res
     _, vjp = jax.vjp(lambda x: ref.pair_dot(x, rhs, experts, preferred_element_type=jnp.float32), lhs)
-    return vjp(dout.astype(jnp.float32))[0].astype(lhs.dtype), None, None
+    wide = jax.tree.map(lambda d: d.astype(jnp.float32), dout)
+    return vjp(wide)[0].astype(lhs.dtype), None, None
 
 
 _pairs_dot.defvjp(_pairs_dot_fwd, _pairs_dot_bwd)
 
 
-def pair_dot(lhs, rhs: ref.MXFP4, experts, *, preferred_element_type=None, config=None):
+def pair_dot(lhs, rhs, experts, *, preferred_element_type=None, config=None):
     """`reference.mxfp4.pair_dot(lhs [R, K], rhs [G, K, N], experts [R])`: row r times expert experts[r].
 
     No sort and no tile table to build: by default (`mxfp4_gemv.pair_config`) the matrix-vector kernel, one
     program per (pair, column tile, K split); a `mxfp4_gemv.GemvConfig` sets its knobs, an Mxfp4Config runs
     the grouped kernel with each row its own run. fp32 accumulation; the result in preferred_element_type
-    (default lhs's dtype).
+    (default lhs's dtype). `rhs` a tuple of matrices of one shape (an expert's gate and up): a tuple of
+    products, from one launch of the matrix-vector kernel.
     """
     from tessera.lower.kernels import mxfp4_gemv  # imports this module's helpers
 
     r, k = lhs.shape
-    g, _, n = rhs.shape
+    g, _, n = (rhs[0] if ref.several(rhs) else rhs).shape
+    if ref.several(rhs) and isinstance(config, Mxfp4Config):
+        return tuple(pair_dot(lhs, m, experts, preferred_element_type=preferred_element_type, config=config)
+                     for m in rhs)
     cfg = config or mxfp4_gemv.pair_config(r, k, n)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     return _pairs_dot(lhs, rhs, experts.astype(jnp.int32), cfg, out_dtype)
@@ -447,6 +453,8 @@ def supported_pairs(lhs, rhs, experts, config=None) -> bool:
     """As `supported`, for `pair_dot`: experts int [R] with R the rows of lhs."""
     if experts.ndim != 1 or not jnp.issubdtype(experts.dtype, jnp.integer) or experts.shape[0] != lhs.shape[0]:
         return False
+    if ref.several(rhs):  # matrices of one shape, each one the kernel takes
+        return bool(rhs) and all(m.shape == rhs[0].shape and supported_pairs(lhs, m, experts, config) for m in rhs)
     sizes = jax.ShapeDtypeStruct((rhs.shape[0],), jnp.int32)  # what `supported` checks of group sizes
     return isinstance(rhs, ref.MXFP4) and supported(lhs, rhs, sizes, config)
 

@@ -115,13 +115,21 @@ def ragged_dot(lhs: jax.Array, rhs: MXFP4, group_sizes: jax.Array, preferred_ele
                               preferred_element_type=preferred_element_type)
 
 
+def several(rhs) -> bool:
+    """Whether an expert operand is a tuple of matrices (an expert's gate and up, one launch) rather than one
+    matrix (an array, or an MXFP4, itself a NamedTuple)."""
+    return isinstance(rhs, tuple) and not isinstance(rhs, MXFP4)
+
+
 def pair_dot(lhs: jax.Array, rhs, experts: jax.Array, preferred_element_type=None, accum=None) -> jax.Array:
     """Row r of lhs [R, K] times expert experts[r] of rhs [G, K, N] (packed MXFP4 or plain) -> [R, N].
 
     The few-copies form of an expert product (decode: one row per (token, expert) pair, in any order):
     each row gathers only its expert's weights, and nothing is sorted or counted. `accum`: the accumulation
-    type where narrower than fp32 (reference/accum.py).
+    type where narrower than fp32 (reference/accum.py). `rhs` a tuple of matrices: a tuple of products.
     """
+    if several(rhs):
+        return tuple(pair_dot(lhs, m, experts, preferred_element_type, accum) for m in rhs)
     w = dense(jax.tree.map(lambda a: a[experts], rhs), lhs.dtype)  # [R, K, N]
     if accum_ref.narrow(accum):
         return accum_ref.einsum("rk,rkn->rn", lhs, w, accum=accum, preferred_element_type=preferred_element_type)

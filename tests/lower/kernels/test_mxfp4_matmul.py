@@ -154,6 +154,30 @@ def test_interpret_pair_dot(experts, k, n, cfg, dtype, grad):
         assert_close(dlhs, np.einsum("rn,rkn->rk", np.asarray(ct, np.float64), w), 1e-2, "dlhs")
 
 
+@pytest.mark.parametrize("cfg", [GemvConfig(block_n=32, splits=2, interpret=True),
+                                 GemvConfig(block_n=32, splits=1, ahead=0, dequant="pair", interpret=True)])
+def test_interpret_pair_dot_two_matrices_one_launch(cfg):
+    """Interpreter: gate and up of the same experts in one launch (their N tiles one after the other in the
+    grid) are each bitwise the one-matrix call, N off the tile; d lhs sums both matrices' (the reference)."""
+    experts, k, n = [3, 0, 3, 1], 64, 48
+    lhs, gate, _ = _inputs(11, len(experts), k, n, [0] * 4)
+    _, up, _ = _inputs(12, len(experts), k, n, [0] * 4)
+    ex = jnp.asarray(experts, jnp.int32)
+    assert supported_pairs(lhs, (gate, up), ex, cfg)
+    assert not supported_pairs(lhs, (gate, ref.MXFP4(up.codes[:, :, :32], up.scales[:, :, :32])), ex, cfg)
+    both = jax.jit(lambda x: pair_dot(x, (gate, up), ex, preferred_element_type=jnp.float32, config=cfg))(lhs)
+    for got, m in zip(both, (gate, up)):
+        one = jax.jit(lambda x, m=m: pair_dot(x, m, ex, preferred_element_type=jnp.float32, config=cfg))(lhs)
+        np.testing.assert_array_equal(got, one)
+        want = np.einsum("rk,rkn->rn", np.asarray(lhs.astype(jnp.float32), np.float64), _weights(m, experts))
+        assert_close(got, want, 1e-5, "pairs")
+    ct = jax.random.normal(jax.random.key(3), (2, len(experts), n), jnp.float32)
+    _, vjp = jax.vjp(lambda x: pair_dot(x, (gate, up), ex, preferred_element_type=jnp.float32, config=cfg), lhs)
+    dlhs = vjp((ct[0], ct[1]))[0]
+    want = sum(np.einsum("rn,rkn->rk", np.asarray(c, np.float64), _weights(m, experts)) for c, m in zip(ct, (gate, up)))
+    assert_close(dlhs, want, 1e-2, "dlhs")
+
+
 def test_gemv_config_and_splits(monkeypatch):
     """Bad configs are refused; splits=0 splits K until ~3 programs an SM, never into empty splits; the
     default converts through E4M3 from compute capability 8.9 on, through fp16 pairs below."""
@@ -250,6 +274,20 @@ def test_gpu_pair_dot_default_matches_reference(r, g, n):
     got = jax.jit(lambda a, b, e: pair_dot(a, b, e, preferred_element_type=jnp.float32))(lhs, rhs, ex)
     assert_close(got, want, 1e-5, "fp32 out")
     assert_close(jax.jit(pair_dot)(lhs, rhs, ex), want, 1e-2, "bf16 out")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,n", [(4, 2880), (1, 200)])
+def test_gpu_pair_dot_two_matrices_match_reference(r, n):
+    """On a GPU: gate and up in one launch of the matrix-vector kernel, each against the reference's pair_dot."""
+    lhs, gate, _ = _inputs(r + n, r, 2880, n, [0] * 32)
+    _, up, _ = _inputs(r + n + 1, r, 2880, n, [0] * 32)
+    ex = jnp.asarray(np.random.default_rng(n).integers(0, 32, r).astype(np.int32))
+    assert supported_pairs(lhs, (gate, up), ex)
+    got = jax.jit(lambda a, e: pair_dot(a, (gate, up), e, preferred_element_type=jnp.float32))(lhs, ex)
+    for out, m in zip(got, (gate, up)):
+        assert_close(out, ref.pair_dot(lhs.astype(jnp.float32), m, ex, preferred_element_type=jnp.float32), 1e-5,
+                     "fp32 out")
 
 
 @pytest.mark.gpu
