@@ -131,3 +131,28 @@ def test_pairs_equals_sorted_with_shared_and_idle_experts(packed):
     assert float(jnp.abs(sorted_).max()) > 1.0
     np.testing.assert_allclose(pairs, sorted_, rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("t, e, k", [(1, 32, 4), (5, 128, 4), (3, 8, 8), (64, 16, 2), (65, 16, 2)])
+def test_choose_top_k_is_lax_top_k(t, e, k):
+    """The router's top-k by ranks (few rows) gives jax.lax.top_k's values and indices bit for bit: random logits,
+    rows with ties (to the lower index), zeros of both signs (+0.0 ranks above -0.0), infinities and a NaN."""
+    from tessera.lower.reference.moe import choose_top_k
+
+    rng = np.random.default_rng(t * 1000 + e)
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[0, : e // 2] = 0.5  # a tie across half the row
+    if t > 2:
+        logits[1, ::3] = -0.0
+        logits[1, 1::3] = 0.0
+        logits[2, 0], logits[2, -1] = np.inf, -np.inf
+        logits[2, 1] = np.nan
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(logits, dtype)
+        got, want = jax.jit(lambda a: choose_top_k(a, k))(x), jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32).view(np.int32) if dtype == jnp.float32
+                                      else np.asarray(got[0].astype(jnp.float32)),
+                                      np.asarray(want[0], np.float32).view(np.int32) if dtype == jnp.float32
+                                      else np.asarray(want[0].astype(jnp.float32)))
+        assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype

@@ -39,8 +39,30 @@ def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top
     logits = router_logits(x, router, accum)
     if router_bias is not None:
         logits = logits + router_bias.astype(logits.dtype)
-    top, experts = jax.lax.top_k(logits, top_k)  # [T, k], sorted descending
+    top, experts = choose_top_k(logits, top_k)  # [T, k], sorted descending
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+
+
+def choose_top_k(logits, k: int):
+    """`jax.lax.top_k(logits [T, E], k)`: values sorted descending, ties to the lower index. For at most
+    ROUTER_ROWS_MAX rows (decode) by ranks, all elementwise ops and reductions that XLA fuses with the router's
+    own (each expert's rank is how many others beat it; the j-th choice is the expert of rank j), where XLA:GPU
+    sorts each row in a kernel of its own; the same values and indices (exact: comparisons in top_k's total
+    order and one selected value a slot)."""
+    t, e = logits.shape
+    if t > ROUTER_ROWS_MAX or k > e:
+        return jax.lax.top_k(logits, k)
+    ids = jnp.arange(e, dtype=jnp.int32)
+    # compared as top_k orders them, totally: -0.0 below +0.0 (and NaN above everything): the fp32 bits, the
+    # magnitude bits of negatives flipped, are ordered as int32s
+    bits = jax.lax.bitcast_convert_type(logits.astype(jnp.float32), jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    mine, other = key[:, :, None], key[:, None, :]  # [T, E, 1] against [T, 1, E]
+    beats = (other > mine) | ((other == mine) & (ids[None, None, :] < ids[None, :, None]))
+    rank = jnp.sum(beats.astype(jnp.int32), axis=-1)  # [T, E]
+    chosen = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [T, k, E]: one True a slot
+    values = jnp.max(jnp.where(chosen, logits[:, None, :], -jnp.inf), axis=-1)
+    return values.astype(logits.dtype), jnp.max(jnp.where(chosen, ids, -1), axis=-1)
 
 
 # A few tokens' router product (decode) sums K in blocks of ROUTER_BLOCK: each block's products summed in
@@ -130,7 +152,7 @@ def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
     """Unsorted MoE for few tokens: x [T, D] -> [T, D]; copy (t, j) multiplies x[t] by expert experts[t, j].
 
     `pair_dot(lhs [R, K], rhs [G, K, N], experts [R], preferred_element_type)` is `reference.mxfp4.pair_dot`
-    or a kernel with its semantics; the same products as `moe`, summed over each token's k copies in
+    or a kernel with its semantics, rhs also a tuple (gate, up) giving a tuple; the same products as `moe`, summed over each token's k copies in
     routing order.
     """
     t, d = x.shape
@@ -139,8 +161,8 @@ def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
     xs = jnp.repeat(x, top_k, axis=0)  # [T*k, D]
     ct = wide(x.dtype)
     pd = functools.partial(pair_dot, experts=flat, preferred_element_type=ct)
-    g = pd(xs, _operand(gate, x.dtype)) + gate_bias.astype(ct)[flat]
-    u = pd(xs, _operand(up, x.dtype)) + up_bias.astype(ct)[flat]
+    g, u = pd(xs, (_operand(gate, x.dtype), _operand(up, x.dtype)))  # one launch where a kernel takes both
+    g, u = g + gate_bias.astype(ct)[flat], u + up_bias.astype(ct)[flat]
     h = act(g.astype(x.dtype), u.astype(x.dtype))
     y = pd(h, _operand(down, x.dtype)) + down_bias.astype(ct)[flat]  # [T*k, D]
     # a weighted sum, not a product with k = 4 contracted: it fuses with the bias and split-K sums before it
