@@ -34,8 +34,8 @@ class LowerCtx:
     "decode" (new tokens against the cache). positions: int32 [batch, seq] absolute positions of the
     tokens being processed; position_start: where the caller knows them to be one run for every row
     (positions[b, s] = position_start + s: generation's prefill and decode steps), that int32 scalar, which
-    lets a cache take the new tokens as one slice. shard: inside `shard_map`, which mesh axes split which logical axes and the
-    collectives that go with them (lowerings then see local blocks). unroll: `repeat` runs its layers
+    lets a cache take the new tokens as one slice. shard: inside `shard_map`, which mesh axes split which
+    logical axes and the collectives that go with them (lowerings then see local blocks). unroll: `repeat` runs its layers
     unrolled over per-layer parameters and states (generation; tessera/lower/interpret.py says why).
     last_only: the caller reads only the last position's output (generation's prefill samples from it), so
     `unembed` projects that position alone: a prompt's [batch, seq, vocab] logits are never made.
