@@ -152,8 +152,8 @@ def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, u
     """Unsorted MoE for few tokens: x [T, D] -> [T, D]; copy (t, j) multiplies x[t] by expert experts[t, j].
 
     `pair_dot(lhs [R, K], rhs [G, K, N], experts [R], preferred_element_type)` is `reference.mxfp4.pair_dot`
-    or a kernel with its semantics, rhs also a tuple (gate, up) giving a tuple; the same products as `moe`, summed over each token's k copies in
-    routing order.
+    or a kernel with its semantics (rhs also a tuple, gate and up, giving a tuple); the same products as `moe`,
+    summed over each token's k copies in routing order.
     """
     t, d = x.shape
     weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum)
