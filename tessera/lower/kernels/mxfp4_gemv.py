@@ -224,14 +224,14 @@ def _gemv_kernel(ex_ref, xw_ref, *refs, cfg: GemvConfig, rows: int, k: int, n: i
     codes_refs, scales_refs, out_ref = refs[:count], refs[count:2 * count], refs[2 * count]
     tiles = -(-n // cfg.block_n)
     r, nt, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if count == 1:
-        _gemv_tile(ex_ref, xw_ref, codes_refs[0], scales_refs[0], out_ref, r, nt, s, 0, cfg=cfg, rows=rows, k=k, n=n,
-                   steps_per_split=steps_per_split, count=count)
-        return
     for j in range(count):
-        pl.when(nt // tiles == j)(functools.partial(
-            _gemv_tile, ex_ref, xw_ref, codes_refs[j], scales_refs[j], out_ref, r, nt - j * tiles, s, j, cfg=cfg,
-            rows=rows, k=k, n=n, steps_per_split=steps_per_split, count=count))
+        tile = functools.partial(_gemv_tile, ex_ref, xw_ref, codes_refs[j], scales_refs[j], out_ref, r,
+                                 nt - j * tiles if j else nt, s, j, cfg=cfg, rows=rows, k=k, n=n,
+                                 steps_per_split=steps_per_split, count=count)
+        if count == 1:
+            tile()  # one matrix: no branch
+        else:
+            pl.when(nt // tiles == j)(tile)
 
 
 def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
