@@ -148,7 +148,7 @@ def quantize_delayed(x, row, dtype):
     xf = x.astype(jnp.float32)
     big = float(jnp.finfo(dtype).max)
     # only the fallback reduces over x: with a history, the scale is known before x is. The branches take x as
-    # it is (a 16-bit operand), not its fp32 widening, which the conditional would make XLA write out whole
+    # it is (a 16-bit operand), not its fp32 widening, which as the conditional's operand XLA may write out whole
     s = jax.lax.cond((past > 0) & jnp.isfinite(past), lambda x: _pow2_scale(past, dtype),
                      lambda x: _pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype), x)
     return jnp.clip(xf * s, -big, big).astype(dtype), s
