@@ -8,6 +8,7 @@
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4 or a tuple of them, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
 | mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot at decode | (through pair_dot) |
 | fp8_gemv (Triton backend) | weight_only_einsum(spec, x, w: FP8Blocks, *, out_dtype, config): one token times block-scaled fp8 weights | supported(...) |
+| moe_route (Triton backend) | route_blocks(blocks, bias, top_k, *, config): a decode step's routing after the router's product | supported(...) |
 
 Each `supported()` is False without its GPU (unless a config asks for the CPU interpreter): Hopper
 for the Mosaic GPU kernels, compute capability 8.0+ for the Triton ones;
@@ -26,6 +27,7 @@ fused gate/up grouped GEMM + SwiGLU), with docs/kernels-log.md saying why.
 
 from tessera.lower import table as _table  # noqa: E402
 from tessera.lower.reference import fp8_blocks as _fp8_blocks  # noqa: E402
+from tessera.lower.reference import moe as _moe  # noqa: E402
 from tessera.lower.reference import mxfp4 as _mxfp4  # noqa: E402
 from tessera.lower.reference.attention import attention as _attention_reference  # noqa: E402
 
@@ -41,6 +43,7 @@ _table.primitive("decode_attention", _decode_reference)
 _table.primitive("ragged_dot", _mxfp4.any_ragged_dot)  # the experts' grouped products (rhs plain or MXFP4)
 _table.primitive("pair_dot", _mxfp4.pair_dot)  # row r times expert experts[r] (decode's few copies)
 _table.primitive("weight_only_einsum", _fp8_blocks.weight_only_einsum)  # one token times held fp8 blocks
+_table.primitive("route_blocks", _moe.route_blocks)  # the router's partial sums -> top-k experts, weights
 
 
 def _flash_takes(q, k, v, *, sinks, causal, window, scale, q_offset=0):
@@ -125,6 +128,19 @@ def _pairs(lhs, rhs, experts, preferred_element_type=None):
     from tessera.lower.kernels import mxfp4_matmul as mk
 
     return mk.pair_dot(lhs, rhs, experts, preferred_element_type=preferred_element_type)
+
+
+def _route_takes(blocks, bias, top_k):
+    from tessera.lower.kernels import moe_route
+
+    return moe_route.supported(blocks, bias, top_k) or "more than 128 experts, or not fp32 sums"
+
+
+@_table.kernel("route_blocks", name="moe_route (Pallas, Triton)", when=_route_takes)
+def _route(blocks, bias, top_k):
+    from tessera.lower.kernels import moe_route
+
+    return moe_route.route_blocks(blocks, bias, top_k)
 
 
 def _fp8_gemv_takes(spec, x, w, **kw):

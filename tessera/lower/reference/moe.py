@@ -33,14 +33,25 @@ Activation = Callable[[jax.Array, jax.Array], jax.Array]
 GPT_OSS_ACT: Activation = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
 
 
-def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int, accum=None):
-    """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k]); the router's
-    product accumulates in fp32, or in `accum` where narrower (reference/accum.py)."""
-    logits = router_logits(x, router, accum)
-    if router_bias is not None:
-        logits = logits + router_bias.astype(logits.dtype)
+def route_blocks(blocks: jax.Array, bias: jax.Array | None, top_k: int, accum=None):
+    """The routing that follows the router's product: its partial sums blocks fp32 [T, C, E] (`router_blocks`)
+    summed over C, plus bias [E], top_k chosen (`choose_top_k`), softmaxed -> (weights fp32 [T, k], experts
+    int32 [T, k]). `accum` is taken for the lowering table's sake: under a narrow one `router_blocks` gives one
+    block, already accumulated as asked."""
+    del accum
+    logits = blocks.sum(axis=1)
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
     top, experts = choose_top_k(logits, top_k)  # [T, k], sorted descending
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+
+
+def route(x: jax.Array, *, router: jax.Array, router_bias: jax.Array | None, top_k: int, accum=None,
+          route_blocks=route_blocks):
+    """Top-k-then-softmax routing: x [T, D] -> (weights fp32 [T, k], experts int32 [T, k]); the router's
+    product accumulates in fp32, or in `accum` where narrower (reference/accum.py). `route_blocks` is
+    `route_blocks` above or a kernel with its semantics (decode: kernels/moe_route.py)."""
+    return route_blocks(router_blocks(x, router, accum), router_bias, top_k)
 
 
 def choose_top_k(logits, k: int):
@@ -80,19 +91,26 @@ ROUTER_ROWS_MAX = 64
 def router_logits(x, router, accum=None):
     """x [T, D] @ router [D, E] accumulating in fp32 (or `accum` where narrower): fp32 [T, E]. For at most
     ROUTER_ROWS_MAX tokens and D a multiple of ROUTER_BLOCK (more than one block), the blocks' sums
-    [T, D / block, E] are added apart."""
+    [T, D / block, E] are added apart (`router_blocks`)."""
+    return router_blocks(x, router, accum).sum(axis=1)
+
+
+def router_blocks(x, router, accum=None):
+    """`router_logits` before its last sum: fp32 [T, C, E] whose sum over C is the logits. C = D / ROUTER_BLOCK
+    for at most ROUTER_ROWS_MAX tokens and D a multiple of ROUTER_BLOCK (more than one block), else 1 (one
+    product)."""
     ct = wide(x.dtype)
     w = router.astype(x.dtype)
     if accum_ref.narrow(accum):
-        return accum_ref.einsum("td,de->te", x, w, accum=accum, preferred_element_type=ct)
+        return accum_ref.einsum("td,de->te", x, w, accum=accum, preferred_element_type=ct)[:, None]
     t, d = x.shape
     if t > ROUTER_ROWS_MAX or d % ROUTER_BLOCK or d == ROUTER_BLOCK:
-        return jnp.einsum("td,de->te", x, w, preferred_element_type=ct)
+        return jnp.einsum("td,de->te", x, w, preferred_element_type=ct)[:, None]
     c = d // ROUTER_BLOCK
     # products in fp32 (exact for 16-bit operands), each block's 32 summed
     blocks = (x.reshape(t, c, ROUTER_BLOCK, 1).astype(ct) * w.reshape(1, c, ROUTER_BLOCK, -1).astype(ct)).sum(2)
     # the barrier keeps the two sums apart: XLA folds a reduce of a reduce into one reduce over both dims
-    return jax.lax.optimization_barrier(blocks).sum(axis=1)
+    return jax.lax.optimization_barrier(blocks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
@@ -148,15 +166,17 @@ PAIRS_MAX = 4
 
 
 def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
-              act: Activation = GPT_OSS_ACT, pair_dot=mxfp4.pair_dot, accum=None) -> jax.Array:
+              act: Activation = GPT_OSS_ACT, pair_dot=mxfp4.pair_dot, accum=None,
+              route_blocks=route_blocks) -> jax.Array:
     """Unsorted MoE for few tokens: x [T, D] -> [T, D]; copy (t, j) multiplies x[t] by expert experts[t, j].
 
     `pair_dot(lhs [R, K], rhs [G, K, N], experts [R], preferred_element_type)` is `reference.mxfp4.pair_dot`
     or a kernel with its semantics (rhs also a tuple, gate and up, giving a tuple); the same products as `moe`,
-    summed over each token's k copies in routing order.
+    summed over each token's k copies in routing order. `route_blocks` (`route`'s) may be a kernel too.
     """
     t, d = x.shape
-    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum)
+    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum,
+                             route_blocks=route_blocks)
     flat = experts.reshape(-1)  # [T*k], copy c belongs to token c // k
     xs = jnp.repeat(x, top_k, axis=0)  # [T*k, D]
     ct = wide(x.dtype)
