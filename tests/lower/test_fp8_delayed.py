@@ -52,6 +52,22 @@ def _ints(rng, shape, top: int, exp: int) -> np.ndarray:
 EXPONENTS = [(0, -6, 0), (3, -6, 2), (-2, -4, -1), (1, -7, 4), (1, -7, -3), (-3, -5, 0)]
 
 
+def test_delayed_products_branch_on_no_conditional():
+    """The first-step fallback (no history yet: the current amax) is a select, not a conditional: a dense and a
+    grouped product and their gradients lower to HLO with none (XLA:GPU's conditionals cost a step a readback)."""
+    sizes = jnp.asarray([2, 2], jnp.int32)
+
+    def f(x, w, r, hd, hg):
+        y = fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, scaling="delayed(2)", history=hd)
+        yl = fp8.ragged_dot(x, r, sizes, scaling="delayed(2)", history=hg)
+        return y.sum() + yl.sum()
+
+    args = (jnp.ones((4, 8)), jnp.ones((8, 4)), jnp.ones((2, 8, 4)), jnp.zeros((3, 2)), jnp.zeros((3, 2)))
+    hlo = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4))).lower(*args).as_text()
+    assert "f8E4M3FN" in hlo and "f8E5M2" in hlo  # the products are there
+    assert "conditional" not in hlo and "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+
+
 def test_each_steps_scales_come_from_the_previous_steps_amaxes():
     """Six steps of a dense and a grouped product with H = 2: y, dx, dw and the recorded amaxes equal the numpy model
     (scales from the max over the last two steps' amaxes, the current amax on the first step), bit for bit."""

@@ -141,17 +141,19 @@ def _amax(x):
     return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
-def quantize_delayed(x, row, dtype):
+def quantize_delayed(x, row, dtype, amax=None):
     """(x_q, s): x quantised to `dtype` with the power of two from max(row) (an amax history's row), saturating; an
-    all-zero row (no history yet) uses x's current amax (`quantize`)."""
+    all-zero row (no history yet) uses x's current amax (`quantize`). `amax` is x's current amax where the caller
+    has it (it records it in the history anyway): the fallback then costs a select, not a reduction of its own.
+
+    A select, not a `lax.cond` (two per product and one per gradient): with the conditionals, delayed(16) took
+    273.9 ms a step of the Llama-1B shape on one H100 and 184 s to compile (session 31), per_tensor, which reduces
+    every operand as this select's fallback does, 250.2 ms (XLA:GPU's conditional reads its predicate back to
+    the host). The select form was not measured on the GPU when it was written."""
     past = jnp.max(row)
-    xf = x.astype(jnp.float32)
-    big = float(jnp.finfo(dtype).max)
-    # only the fallback reduces over x: with a history, the scale is known before x is. The branches take x as
-    # it is (a 16-bit operand), not its fp32 widening, which as the conditional's operand XLA may write out whole
-    s = jax.lax.cond((past > 0) & jnp.isfinite(past), lambda x: _pow2_scale(past, dtype),
-                     lambda x: _pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype), x)
-    return jnp.clip(xf * s, -big, big).astype(dtype), s
+    now = _amax(x) if amax is None else amax
+    s = _pow2_scale(jnp.where((past > 0) & jnp.isfinite(past), past, now), dtype)
+    return jnp.clip(x.astype(jnp.float32) * s, -float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype), s
 
 
 def _record(history, amaxes):
@@ -165,19 +167,20 @@ def _delayed(spec, x, w, history, accum, out_dtype):
 
 
 def _delayed_fwd(spec, x, w, history, accum, out_dtype):
-    (xq, sx), (wq, sw) = quantize_delayed(x, history[0], E4M3), quantize_delayed(w, history[1], E4M3)
-    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
     seen = jnp.stack([_amax(x), _amax(w)])
+    (xq, sx), (wq, sw) = quantize_delayed(x, history[0], E4M3, seen[0]), quantize_delayed(w, history[1], E4M3, seen[1])
+    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
     return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
 
 
 def _delayed_bwd(spec, accum, out_dtype, res, g):
     xq, sx, wq, sw, zx, zw, history, seen = res
     a, b, o = _split(spec)
-    gq, sg = quantize_delayed(g, history[2], E5M2)
+    ag = _amax(g)
+    gq, sg = quantize_delayed(g, history[2], E5M2, ag)
     dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
     dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype, PRECISE)
-    return dx, dw, _record(history, jnp.concatenate([seen, _amax(g)[None]]))
+    return dx, dw, _record(history, jnp.concatenate([seen, ag[None]]))
 
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)
@@ -224,21 +227,23 @@ def _ragged_delayed(lhs, rhs, group_sizes, history, accum, out_dtype):
 
 
 def _ragged_delayed_fwd(lhs, rhs, group_sizes, history, accum, out_dtype):
-    (lq, sl), (rq, sr) = quantize_delayed(lhs, history[0], E4M3), quantize_delayed(rhs, history[1], E4M3)
-    out = (_ragged(lq, rq, group_sizes, accum) / (sl * sr)).astype(out_dtype)
     seen = jnp.stack([_amax(lhs), _amax(rhs)])
+    (lq, sl), (rq, sr) = (quantize_delayed(lhs, history[0], E4M3, seen[0]),
+                          quantize_delayed(rhs, history[1], E4M3, seen[1]))
+    out = (_ragged(lq, rq, group_sizes, accum) / (sl * sr)).astype(out_dtype)
     return out, (lq, sl, rq, sr, group_sizes, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype), history, seen)
 
 
 def _ragged_delayed_bwd(accum, out_dtype, res, g):
     lq, sl, rq, sr, group_sizes, zl, zr, history, seen = res
-    gq, sg = quantize_delayed(g, history[2], E5M2)
+    ag = _amax(g)
+    gq, sg = quantize_delayed(g, history[2], E5M2, ag)
     wide = jnp.bfloat16
     _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32),
                      lq.astype(wide), rq.astype(wide))
     dl, dr = vjp(gq.astype(jnp.float32))
     return (dl.astype(jnp.float32) / (sg * sr)).astype(zl.dtype), (dr.astype(jnp.float32) / (sl * sg)).astype(zr.dtype), \
-        None, _record(history, jnp.concatenate([seen, _amax(g)[None]]))
+        None, _record(history, jnp.concatenate([seen, ag[None]]))
 
 
 _ragged_delayed.defvjp(_ragged_delayed_fwd, _ragged_delayed_bwd)
