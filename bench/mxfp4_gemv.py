@@ -51,6 +51,9 @@ def _variants() -> dict:
     out["n1024_w8"] = g(block_n=1024, num_warps=8)
     out["n512_w4"] = g(block_n=512, num_warps=4)
     out["n2048_w8"] = g(block_n=2048, num_warps=8)
+    # the tensor-core route (fp16 operands, one conversion instruction for two values; session 31, unmeasured)
+    for bn, w in ((128, 4), (256, 4), (512, 4), (512, 8)):
+        out[f"n{bn}_w{w}_mma"] = g(block_n=bn, num_warps=w, mma=True)
     return out
 
 

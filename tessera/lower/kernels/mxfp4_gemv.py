@@ -67,6 +67,7 @@ class GemvConfig:
     dequant: str = "e4m3"
     programs: int = 396  # splits=0: K splits until about this many programs (3 an SM of an H100 / H200)
     fma: bool = True  # products summed by fused multiply-adds (`fma`); False: a multiply and an add each
+    mma: bool = False  # the products on the tensor cores (`_mma_tile`; e4m3 only): see `_mma_tile`
     interpret: bool = False
 
     def __post_init__(self):
@@ -80,6 +81,8 @@ class GemvConfig:
             raise ValueError(f"splits ({self.splits}) and ahead ({self.ahead}) must be >= 0")
         if self.dequant not in ("e4m3", "pair"):
             raise ValueError(f"dequant {self.dequant!r} is not one of e4m3, pair")
+        if self.mma and (self.dequant != "e4m3" or self.groups != 1):
+            raise ValueError("mma takes dequant e4m3 and one scale group a step")
 
 
 def pair_config(r: int, k: int, n: int, *, interpret: bool = False) -> GemvConfig:
@@ -121,14 +124,29 @@ mov.b32 $2, f2;
 mov.b32 $3, f3;
 }}"""
 # low nibble: magnitude bits 0-2 -> 2-4, sign bit 3 -> 7; high nibble: magnitude 4-6 -> 2-4, sign in place
-_E4M3_LO = _E4M3_PTX.format(place="""and.b32 m, $4, 0x07070707;
+_PLACE_LO = """and.b32 m, {x}, 0x07070707;
 shl.b32 m, m, 2;
-and.b32 s, $4, 0x08080808;
-shl.b32 s, s, 4;""")
-_E4M3_HI = _E4M3_PTX.format(place="""shr.b32 m, $4, 2;
+and.b32 s, {x}, 0x08080808;
+shl.b32 s, s, 4;"""
+_PLACE_HI = """shr.b32 m, {x}, 2;
 and.b32 m, m, 0x1C1C1C1C;
-and.b32 s, $4, 0x80808080;""")
+and.b32 s, {x}, 0x80808080;"""
+_E4M3_LO = _E4M3_PTX.format(place=_PLACE_LO.format(x="$4"))
+_E4M3_HI = _E4M3_PTX.format(place=_PLACE_HI.format(x="$4"))
 E4M3_SHIFT = 64.0  # the E4M3 values are the E2M1 values times 2^-6
+
+# The same placement, the values left in fp16 two a register (the tensor-core route's operand, `_mma_tile`).
+_E4M3_F16 = """{{
+.reg .b32 m, s, q;
+.reg .b16 p0, p1;
+{place}
+or.b32 q, m, s;
+mov.b32 {{p0, p1}}, q;
+cvt.rn.f16x2.e4m3x2 $0, p0;
+cvt.rn.f16x2.e4m3x2 $1, p1;
+}}"""
+_E4M3_F16_LO = _E4M3_F16.format(place=_PLACE_LO.format(x="$2"))
+_E4M3_F16_HI = _E4M3_F16.format(place=_PLACE_HI.format(x="$2"))
 
 # One code byte b -> its low nibble's value in the low fp16 half and its high nibble's in the high half,
 # each the fp16 bit pattern s000 0mmm 0000 0000 (the E2M1 value times 2^-14, the code 0.5 a subnormal:
@@ -166,6 +184,18 @@ def nibbles_e4m3(codes, *, ptx: bool):
             for asm in (_E4M3_LO, _E4M3_HI))
     c = codes.astype(jnp.int32)
     return tuple(_e2m1_to_f32(nib) * (FP16_SHIFT / E4M3_SHIFT) for nib in (c & 15, c >> 4))
+
+
+def nibbles_f16(codes, *, ptx: bool):
+    """uint8 code bytes -> (low-nibble, high-nibble) values times 2^-6 in fp16 (`_E4M3_F16`: every such value is
+    a normal fp16, exact), off the GPU from jnp ops."""
+    if ptx:
+        out = jax.ShapeDtypeStruct(codes.shape, jnp.float16)
+        return tuple(pltriton.elementwise_inline_asm(asm, args=[codes], pack=4, constraints="=r,=r,r",
+                                                     result_shape_dtypes=[out])[0]
+                     for asm in (_E4M3_F16_LO, _E4M3_F16_HI))
+    c = codes.astype(jnp.int32)
+    return tuple((_e2m1_to_f32(nib) * (FP16_SHIFT / E4M3_SHIFT)).astype(jnp.float16) for nib in (c & 15, c >> 4))
 
 
 def _nibbles_f32(codes, cfg: GemvConfig):
@@ -237,6 +267,9 @@ def _gemv_kernel(ex_ref, xw_ref, *refs, cfg: GemvConfig, rows: int, k: int, n: i
 def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
                k: int, n: int, steps_per_split: int, count: int):
     """`_gemv_kernel`'s program for N tile `ni` of matrix `which`."""
+    if cfg.mma:
+        return _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which, cfg=cfg, rows=rows, k=k,
+                         n=n, steps_per_split=steps_per_split, count=count)
     bn, gq = cfg.block_n, cfg.groups
     e = ex_ref[r]
     c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
@@ -275,6 +308,69 @@ def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: 
 
     acc = _steps(load, step, lo, hi, jnp.zeros((bn,), jnp.float32), ahead=cfg.ahead)
     out = (acc * _nibble_shift(cfg)).astype(out_ref.dtype)
+    pltriton.store(out_ref.at[((s * count + which) * rows + r) * n + c], out, mask=col_ok)
+
+
+def _pow2_exponent(v):
+    """floor(log2(v)) for fp32 v > 0 normal, from its exponent bits (-127 for 0 and subnormals)."""
+    return ((lax.bitcast_convert_type(v, jnp.int32) >> 23) & 0xFF) - 127
+
+
+def _pow2(e):
+    """2^e in fp32 for int32 e in [-126, 127], from its bits."""
+    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
+              k: int, n: int, steps_per_split: int, count: int):
+    """`_gemv_tile` with the products on the tensor cores: a scale group's 16 code rows are two [16, block_n]
+    fp16 operands (low nibbles: the even K rows, high nibbles: the odd ones), each one instruction for two
+    values (`_E4M3_F16`), where the FMA route converts each value on to fp32 and multiplies it there (~10
+    instructions a code byte in all, issue-bound at about half the copy bandwidth: the module docstring). x
+    is the other operand, in row 0 of a [16, 16] fp16 tile (the rest zeros): x times 2^t, t the power of two
+    that brings the pair's largest |x| into [2^14, 2^15), so every x within 2^-28 of that largest is exact in
+    fp16 (bf16's 8 bits fit fp16's 11) and the products are exact in the fp32 accumulator; smaller x round to
+    fp16's subnormals. The group's products, summed by the dot, are scaled by the group's scale row and summed
+    over the groups in K order (fp32), then times 2^-t. Unmeasured on a GPU (session 31): not the default.
+    """
+    bn = cfg.block_n
+    e = ex_ref[r]
+    c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
+    col_ok = c < n
+    kh = k // 2
+    code_base, scale_base, x_base = e * kh, e * (k // 32), r * kh
+    lo = s * steps_per_split
+    hi = jnp.minimum(lo + steps_per_split, gemv_steps(k, cfg))
+    # the pair's x scale from all of its row (every program of the pair reads it: 4 bytes a code row)
+    every = jnp.arange(1 << max(0, kh - 1).bit_length(), dtype=jnp.int32)
+    xe_all, xo_all = _x_pair(pltriton.load(xw_ref.at[x_base + jnp.minimum(every, kh - 1)], mask=every < kh,
+                                           other=0))
+    amax = jnp.maximum(jnp.max(jnp.abs(xe_all)), jnp.max(jnp.abs(xo_all)))
+    t = jnp.clip(14 - _pow2_exponent(amax), -126, 126)
+    up, down = _pow2(t), _pow2(-t)
+    i16 = jnp.arange(16, dtype=jnp.int32)
+    first = i16[:, None] == 0
+
+    def load(kk, live):
+        j = kk * 16 + i16  # the step's code rows
+        ok = live & (j < kh)
+        codes = pltriton.load(codes_ref.at[(code_base + j[:, None]) * n + c[None, :]],
+                              mask=ok[:, None] & col_ok[None, :], other=0)
+        xs = pltriton.load(xw_ref.at[x_base + jnp.minimum(j, kh - 1)], mask=ok, other=0)
+        g_ok = live & (kk < k // 32)
+        scales = pltriton.load(scales_ref.at[(scale_base + kk) * n + c], mask=col_ok & g_ok, other=0)
+        return codes, xs, scales
+
+    def step(tiles, acc):
+        codes, xs, scales = tiles
+        w_lo, w_hi = nibbles_f16(codes, ptx=not cfg.interpret)
+        x_e, x_o = _x_pair(xs)
+        row = lambda v: jnp.where(first, (v * up).astype(jnp.float16)[None, :], 0).astype(jnp.float16)  # noqa: E731
+        part = pltriton.dot(row(x_e), w_lo) + pltriton.dot(row(x_o), w_hi)  # [16, bn] fp32, rows 1-15 zero
+        return acc + _scale_f32(scales)[None, :] * part
+
+    acc = _steps(load, step, lo, hi, jnp.zeros((16, bn), jnp.float32), ahead=cfg.ahead)
+    out = (jnp.sum(acc, axis=0) * (E4M3_SHIFT * down)).astype(out_ref.dtype)  # row 0 (the others are zeros)
     pltriton.store(out_ref.at[((s * count + which) * rows + r) * n + c], out, mask=col_ok)
 
 
