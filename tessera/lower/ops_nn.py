@@ -379,10 +379,11 @@ def _moe(ctx, op, attrs, ins, params):
     if ctx.fp8_history:  # delayed fp8 scaling in a train step: each grouped product with its amax history
         args["fp8_history"] = {m: _history(ctx, f"experts/{m}") for m in ("gate", "up", "down")}
     label = f"{op_scope(op)} experts"
+    if ctx.mode == "decode":  # nothing differentiates a decode step's routing: a kernel may do it (moe_route)
+        args["route_blocks"] = table.bound(ctx, "route_blocks", f"{op_scope(op)} routing")
     few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
     if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)
-        y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=table.bound(ctx, "pair_dot", label),
-                              route_blocks=table.bound(ctx, "route_blocks", f"{op_scope(op)} routing"))
+        y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=table.bound(ctx, "pair_dot", label))
     else:
         y = moe_ref.moe(x.reshape(b * s, e), **args, ragged_dot=table.bound(ctx, "ragged_dot", label))
     return [align(y.reshape(b, s, e).astype(_dtype(op)), BSE, have)]

@@ -34,7 +34,7 @@ def test_report_on_cpu_names_every_attention_and_moe_op():
     report = _prog().kernel_report()
     assert set(report) == {"layers/attention (window 16)", "layers/attention (window None)", "layers/moe experts",
                            "layers/attention (window 16) (decode)", "layers/attention (window None) (decode)",
-                           "layers/moe experts (decode)"}
+                           "layers/moe experts (decode)", "layers/moe routing (decode)"}
     assert all(choice == "reference (jax.numpy): no kernel for backend cpu" for choice in report.values())
 
 
@@ -105,6 +105,39 @@ def test_decode_multiplies_unsorted_pairs_by_packed_experts(monkeypatch):
     np.testing.assert_array_equal(np.asarray(auto.generate(params, prompts, max_new_tokens=4)), expected)
     assert calls and all(shape[0] == 2 * 2 for shape in calls)  # batch 2 x top-2: one row a (token, expert)
     assert auto.kernel_report()["layers/moe experts (decode)"].startswith("mxfp4_pair_gemv over (token, expert)")
+
+
+def test_decode_routes_with_the_routing_kernel(monkeypatch):
+    """A decode step's routing goes through the routing kernel (here its interpreted self) where it is supported,
+    in the sorted MoE too (batch 2 x top-2 is more than the pairs path takes), and generates what the reference
+    does; prefill keeps the reference (the report names only the decode op)."""
+    from tessera.lower.kernels import moe_route
+
+    from tessera.spec.tasks import ForwardTask
+
+    forward = ForwardTask(kind="forward", tokens=[[1, 2]])
+    compile_ = lambda kernels: tessera.compile(tessera.load(SPEC, overrides={**SMALL, "kernels": kernels})  # noqa: E731
+                                               .model_copy(update={"task": forward}))
+    reference = compile_("reference")
+    params = reference.init(0)
+    prompts = np.random.default_rng(2).integers(0, 64, (2, 5)).astype(np.int32)
+    expected = np.asarray(reference.generate(params, prompts, max_new_tokens=4))
+    calls = []
+    interpreted = moe_route.route_blocks
+
+    def counted(blocks, bias, top_k, config=None):
+        calls.append(blocks.shape)
+        return interpreted(blocks, bias, top_k, config=moe_route.RouteConfig(interpret=True))
+
+    _gpu_kernels_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(moe_route, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(moe_route, "route_blocks", counted)
+    auto = compile_("auto")
+    np.testing.assert_array_equal(np.asarray(auto.generate(params, prompts, max_new_tokens=4)), expected)
+    assert calls and all(shape[0] == 2 for shape in calls)  # one token a row, two rows
+    report = auto.kernel_report()
+    assert report["layers/moe routing (decode)"] == "moe_route (Pallas, Triton)"
+    assert not any(k.startswith("layers/moe routing") and "(decode)" not in k for k in report)
 
 
 def test_sharded_steps_take_only_kernels_verified_inside_shard_map(monkeypatch):

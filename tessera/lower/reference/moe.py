@@ -195,17 +195,20 @@ def _operand(w, dtype):
 
 
 def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
-        act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot, accum=None, fp8_history=None) -> jax.Array:
+        act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot, accum=None, fp8_history=None,
+        route_blocks=route_blocks) -> jax.Array:
     """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `ragged_dot` per group.
 
     `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul);
     gate, up and down may be packed `MXFP4` experts, which it must then accept (`mxfp4.any_ragged_dot` does).
     `fp8_history` ({gate, up, down: amax history}, delayed fp8 scaling in a train step) goes to each product's
-    `ragged_dot` as its `history` (reference/fp8.py's takes it).
+    `ragged_dot` as its `history` (reference/fp8.py's takes it). `route_blocks` (`route`'s) may be a kernel
+    where nothing differentiates the routing (generation).
     """
     t, d = x.shape
     n_experts = gate.shape[0]
-    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum)
+    weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum,
+                             route_blocks=route_blocks)
     flat_expert = experts.reshape(-1)  # [T*k], copy c belongs to token c // k
     order = jnp.argsort(flat_expert, stable=True)  # copies grouped by expert id
     sorted_expert = flat_expert[order]
