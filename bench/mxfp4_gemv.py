@@ -54,6 +54,7 @@ def _variants() -> dict:
     # the tensor-core route (fp16 operands, one conversion instruction for two values; session 31, unmeasured)
     for bn, w in ((128, 4), (256, 4), (512, 4), (512, 8)):
         out[f"n{bn}_w{w}_mma"] = g(block_n=bn, num_warps=w, mma=True)
+        out[f"n{bn}_w{w}_mma_wf"] = g(block_n=bn, num_warps=w, mma=True, mma_weights_first=True)
     return out
 
 

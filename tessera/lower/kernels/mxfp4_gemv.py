@@ -68,6 +68,7 @@ class GemvConfig:
     programs: int = 396  # splits=0: K splits until about this many programs (3 an SM of an H100 / H200)
     fma: bool = True  # products summed by fused multiply-adds (`fma`); False: a multiply and an add each
     mma: bool = False  # the products on the tensor cores (`_mma_tile`; e4m3 only): see `_mma_tile`
+    mma_weights_first: bool = False  # mma: the weights the dot's left operand ([block_n, 16] by x's [16, 16])
     interpret: bool = False
 
     def __post_init__(self):
@@ -331,7 +332,9 @@ def _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: i
     that brings the pair's largest |x| into [2^14, 2^15), so every x within 2^-28 of that largest is exact in
     fp16 (bf16's 8 bits fit fp16's 11) and the products are exact in the fp32 accumulator; smaller x round to
     fp16's subnormals. The group's products, summed by the dot, are scaled by the group's scale row and summed
-    over the groups in K order (fp32), then times 2^-t. Unmeasured on a GPU (session 31): not the default.
+    over the groups in K order (fp32), then times 2^-t. `mma_weights_first` puts the weights on the left
+    ([block_n, 16] tiles, x in column 0 of the right): the same sums with block_n as the dot's M, the shape
+    Hopper's warpgroup products take. Unmeasured on a GPU (session 31): not the default.
     """
     bn = cfg.block_n
     e = ex_ref[r]
@@ -349,13 +352,14 @@ def _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: i
     t = jnp.clip(14 - _pow2_exponent(amax), -126, 126)
     up, down = _pow2(t), _pow2(-t)
     i16 = jnp.arange(16, dtype=jnp.int32)
-    first = i16[:, None] == 0
+    wf = cfg.mma_weights_first  # tiles [block_n, 16] (weights left), else [16, block_n] (x left)
 
     def load(kk, live):
         j = kk * 16 + i16  # the step's code rows
         ok = live & (j < kh)
-        codes = pltriton.load(codes_ref.at[(code_base + j[:, None]) * n + c[None, :]],
-                              mask=ok[:, None] & col_ok[None, :], other=0)
+        at, mask = ((c[:, None], j[None, :]), col_ok[:, None] & ok[None, :]) if wf else \
+            ((c[None, :], j[:, None]), ok[:, None] & col_ok[None, :])
+        codes = pltriton.load(codes_ref.at[(code_base + at[1]) * n + at[0]], mask=mask, other=0)
         xs = pltriton.load(xw_ref.at[x_base + jnp.minimum(j, kh - 1)], mask=ok, other=0)
         g_ok = live & (kk < k // 32)
         scales = pltriton.load(scales_ref.at[(scale_base + kk) * n + c], mask=col_ok & g_ok, other=0)
@@ -365,12 +369,16 @@ def _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: i
         codes, xs, scales = tiles
         w_lo, w_hi = nibbles_f16(codes, ptx=not cfg.interpret)
         x_e, x_o = _x_pair(xs)
-        row = lambda v: jnp.where(first, (v * up).astype(jnp.float16)[None, :], 0).astype(jnp.float16)  # noqa: E731
+        if wf:  # x in column 0 of a [16, 16] tile: part [bn, 16], columns 1-15 zero
+            col = lambda v: jnp.where(i16[None, :] == 0, (v * up).astype(jnp.float16)[:, None], 0).astype(jnp.float16)  # noqa: E731
+            part = pltriton.dot(w_lo, col(x_e)) + pltriton.dot(w_hi, col(x_o))
+            return acc + _scale_f32(scales)[:, None] * part
+        row = lambda v: jnp.where(i16[:, None] == 0, (v * up).astype(jnp.float16)[None, :], 0).astype(jnp.float16)  # noqa: E731
         part = pltriton.dot(row(x_e), w_lo) + pltriton.dot(row(x_o), w_hi)  # [16, bn] fp32, rows 1-15 zero
         return acc + _scale_f32(scales)[None, :] * part
 
-    acc = _steps(load, step, lo, hi, jnp.zeros((16, bn), jnp.float32), ahead=cfg.ahead)
-    out = (jnp.sum(acc, axis=0) * (E4M3_SHIFT * down)).astype(out_ref.dtype)  # row 0 (the others are zeros)
+    acc = _steps(load, step, lo, hi, jnp.zeros((bn, 16) if wf else (16, bn), jnp.float32), ahead=cfg.ahead)
+    out = (jnp.sum(acc, axis=1 if wf else 0) * (E4M3_SHIFT * down)).astype(out_ref.dtype)  # x's row or column
     pltriton.store(out_ref.at[((s * count + which) * rows + r) * n + c], out, mask=col_ok)
 
 

@@ -130,6 +130,9 @@ PAIR_CASES = [  # experts, K, N, config, out dtype, d lhs
      jnp.bfloat16, False),
     # the tensor-core route: two K splits over three steps (the last split's second step masked), N off the tile
     ([3, 0, 3, 1, 3], 96, 48, GemvConfig(block_n=32, splits=2, mma=True, interpret=True), jnp.float32, False),
+    # the same with the weights as the dot's left operand, one split, loads in the step, bf16 stored by the kernel
+    ([2, 0, 2], 96, 48, GemvConfig(block_n=32, splits=1, ahead=0, mma=True, mma_weights_first=True, interpret=True),
+     jnp.bfloat16, False),
     # the grouped kernel, each row its own run: split K, a masked last step, N off the tile
     ([1, 3, 1], 96, 48, Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True), jnp.float32,
      False),
@@ -279,16 +282,17 @@ def test_gpu_pair_dot_default_matches_reference(r, g, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("r,n,block_n", [(4, 5760, 256), (1, 2880, 512), (5, 200, 128)])
-def test_gpu_pair_dot_tensor_core_route_matches_reference(r, n, block_n):
-    """On a GPU: the tensor-core route (`GemvConfig(mma=True)`, not the default) against the reference's pair_dot,
-    unsorted experts with a repeat, fp32 out."""
+@pytest.mark.parametrize("r,n,block_n,weights_first", [(4, 5760, 256, False), (1, 2880, 512, False),
+                                                       (5, 200, 128, False), (4, 2880, 256, True)])
+def test_gpu_pair_dot_tensor_core_route_matches_reference(r, n, block_n, weights_first):
+    """On a GPU: the tensor-core route (`GemvConfig(mma=True)`, not the default), x or the weights on the dot's
+    left, against the reference's pair_dot, unsorted experts with a repeat, fp32 out."""
     rng = np.random.default_rng(r * n)
     lhs, rhs, _ = _inputs(r + n, r, 2880, n, [0] * 32)
     experts = rng.integers(0, 32, r).astype(np.int32)
     experts[-1] = experts[0]
     ex = jnp.asarray(experts)
-    cfg = GemvConfig(block_n=block_n, num_warps=4, mma=True)
+    cfg = GemvConfig(block_n=block_n, num_warps=4, mma=True, mma_weights_first=weights_first)
     want = ref.pair_dot(lhs.astype(jnp.float32), rhs, ex, preferred_element_type=jnp.float32)
     got = jax.jit(lambda a: pair_dot(a, rhs, ex, preferred_element_type=jnp.float32, config=cfg))(lhs)
     assert_close(got, want, 1e-5, "fp32 out")
