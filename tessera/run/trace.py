@@ -285,17 +285,20 @@ def by_op(events: list[Event], hlo: dict[str, HloOp], labels: list[str], steps: 
 
 def by_kernel(events: list[Event], hlo: dict[str, HloOp], labels: list[str], steps: int,
               param_labels: dict[str, str] | None = None) -> list[dict]:
-    """Seconds and calls per step of each kernel (a CPU thunk on the CPU), on one device, most first, with
-    the (phase, IR op) of the first instruction that ran it."""
+    """Seconds and calls per step of each kernel (a CPU thunk on the CPU) under each (phase, IR op) that ran it, on
+    one device, most first: a kernel name shared by instructions of several ops or phases (Mosaic's
+    `anonymous_mosaic_gpu_kernel` for prefill's and decode's attention, one cuBLAS kernel for the unembedding of
+    the prompt and of each new token) is a row for each, with the first instruction's HLO name."""
     labels = sorted(labels, key=len, reverse=True)
     devices = max(device_count(events), 1)
-    rows: dict[str, dict] = {}
+    cache: dict[str, tuple[str, str]] = {}
+    rows: dict[tuple[str, str, str], dict] = {}
     for e in events:
-        if e.kernel not in rows:
-            phase, label = op_label(hlo.get(e.hlo_op), labels, param_labels)
-            rows[e.kernel] = {"kernel": e.kernel, "op": label, "phase": phase, "hlo_op": e.hlo_op, "seconds": 0.0,
-                              "events": 0}
-        row = rows[e.kernel]
+        if e.hlo_op not in cache:
+            cache[e.hlo_op] = op_label(hlo.get(e.hlo_op), labels, param_labels)
+        phase, label = cache[e.hlo_op]
+        row = rows.setdefault((e.kernel, phase, label), {"kernel": e.kernel, "op": label, "phase": phase,
+                                                         "hlo_op": e.hlo_op, "seconds": 0.0, "events": 0})
         row["seconds"] += e.seconds
         row["events"] += 1
     return _per_step(rows.values(), steps * devices)

@@ -106,6 +106,18 @@ def test_gpu_trace_counts_stream_kernels_once_and_tables_add_up(tmp_path):
     assert ar["bandwidth_bytes_per_s"] == pytest.approx(sent / 50e-6)
 
 
+def test_a_kernel_name_shared_by_two_ops_is_a_row_for_each(tmp_path):
+    """One kernel name run by instructions of two IR ops or phases (Mosaic names every kernel alike) is split
+    between them, not all charged to the first."""
+    hlo = tr.parse_hlo(HLO)
+    path = _trace(tmp_path, [_ev(7, "anonymous_kernel", "fusion.1", 300.0), _ev(7, "anonymous_kernel", "dot.5", 100.0),
+                             _ev(7, "anonymous_kernel", "dot.5", 100.0)])
+    kernels = tr.by_kernel(tr.read_events(path, "jit_step", hlo), hlo, LABELS, steps=1)
+    assert [(k["kernel"], k["phase"], k["op"], k["calls"]) for k in kernels] == [
+        ("anonymous_kernel", "backward", "layers/mlp", 1), ("anonymous_kernel", "decode", "layers/attention", 2)]
+    assert [k["seconds"] for k in kernels] == pytest.approx([300e-6, 200e-6])
+
+
 def test_cpu_trace_skips_loop_thunks_that_span_their_bodies(tmp_path):
     hlo = tr.parse_hlo(HLO)
     path = tmp_path / "perfetto_trace.json.gz"
