@@ -303,10 +303,11 @@ def render(record: dict, stream: TextIO, top: int = TOP) -> None:
         say(f"{r['op'][:34]:<34} {r['phase']:<9} {_ms(r['seconds']):>10} {r['seconds'] / total:>6.1%} "
             f"{_ms(r.get('plan_seconds')):>9} {ratio:>7} {r['calls']:>7.0f}")
     say()
-    say(f"{'kernel':<48} {'ms/step':>10} {'share':>6} {'calls':>7}  IR op (phase)")
+    say(f"{'kernel':<48} {'ms/step':>10} {'share':>6} {'calls':>7} {'us/call':>8}  IR op (phase)")
     for r in record["by_kernel"][:top]:
-        say(f"{r['kernel'][:48]:<48} {_ms(r['seconds']):>10} {r['seconds'] / total:>6.1%} {r['calls']:>7.0f}  "
-            f"{r['op']} ({r['phase']})")
+        each = f"{r['seconds'] / r['calls'] * 1e6:,.1f}" if r["calls"] else "-"
+        say(f"{r['kernel'][:48]:<48} {_ms(r['seconds']):>10} {r['seconds'] / total:>6.1%} {r['calls']:>7.0f} "
+            f"{each:>8}  {r['op']} ({r['phase']})")
     if record["by_collective"]:
         say()
         say(f"{'collective':<20} {'calls':>7} {'sent/step':>12} {'ms/step':>10} {'GB/s':>8} {'plan sent':>12}")

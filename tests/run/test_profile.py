@@ -178,6 +178,8 @@ def test_profile_saves_the_trace_and_prints_the_tables(profiled, capsys):
         next(l for l in lines if l.startswith("kernel")))
     assert second - first - 2 == min(2, len(record["by_op"]))
     assert record["by_kernel"][0]["kernel"][:48] in lines[second + 1]
+    k = record["by_kernel"][0]  # and its time a call, in microseconds
+    assert "us/call" in lines[second] and f"{k['seconds'] / k['calls'] * 1e6:,.1f}" in lines[second + 1]
 
 
 def test_profile_refuses_a_bad_step_count(capsys):
