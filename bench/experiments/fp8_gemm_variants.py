@@ -39,7 +39,23 @@ def variants(s):
         "fp8 [n,k] widened*s (XLA's scaled pattern)": (
             lambda x, w: jax.lax.dot_general(x.astype(jnp.bfloat16) * s.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                                              NK, preferred_element_type=jnp.bfloat16), "nk"),
+        # bf16 operands quantised inside the program, as a train step does (the weight held [k, n]): does XLA's
+        # layout assignment give the weight's quantisation a k-major output by itself, or must the product ask
+        # for it by quantising w.T (the transpose fused into the cast that reads w anyway)?
+        "bf16 in, quantise, [k,n] -> bf16 (Tessera's)": (_quantised(transposed=False), "bf16kn"),
+        "bf16 in, quantise w.T, [n,k] -> bf16": (_quantised(transposed=True), "bf16kn"),
     }
+
+
+def _quantised(transposed: bool):
+    from tessera.lower.reference import fp8
+
+    def product(x, w):
+        (xq, sx), (wq, sw) = fp8.quantize(x, fp8.E4M3), fp8.quantize(w.T if transposed else w, fp8.E4M3)
+        y = jax.lax.dot_general(xq, wq, NK if transposed else KN, preferred_element_type=jnp.bfloat16)
+        return y / (sx * sw).astype(jnp.bfloat16)
+
+    return product
 
 
 def main() -> None:
