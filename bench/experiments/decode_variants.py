@@ -21,45 +21,45 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tessera.lower.kernels import mxfp4_gemv  # noqa: E402
+from tessera.lower.kernels import moe_route, mxfp4_gemv  # noqa: E402
 from tessera.lower.reference import moe  # noqa: E402
 
 F32 = dict(preferred_element_type=jnp.float32)
 
 
-def _route_rows2(x, *, router, router_bias, top_k, accum=None):
+def _route_rows2(x, *, router, router_bias, top_k, accum=None, route_blocks=None):
     # one token's router product as two rows: cuBLAS instead of XLA's column reduce
     pad = jnp.concatenate([x, x[:1]]) if x.shape[0] == 1 else x
     logits = jnp.einsum("td,de->te", pad, router.astype(x.dtype), **F32)[:x.shape[0]]
     return _finish(logits, router_bias, top_k)
 
 
-def _route_wt(x, *, router, router_bias, top_k, accum=None):
+def _route_wt(x, *, router, router_bias, top_k, accum=None, route_blocks=None):
     # over router.T: a row reduce (each expert's 2880 weights contiguous) if XLA keeps the transpose
     logits = jnp.einsum("td,ed->te", x, router.astype(x.dtype).T, **F32)
     return _finish(logits, router_bias, top_k)
 
 
-def _route_einsum(x, *, router, router_bias, top_k, accum=None):
+def _route_einsum(x, *, router, router_bias, top_k, accum=None, route_blocks=None):
     # one einsum over the whole K, as before the blocked router (XLA orders the sum)
     logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), **F32)
     return _finish(logits, router_bias, top_k)
 
 
-def _route_f32(x, *, router, router_bias, top_k, accum=None):
+def _route_f32(x, *, router, router_bias, top_k, accum=None, route_blocks=None):
     # an fp32 product of the exactly widened operands (same products, fp32 sums): an fp32 GEMV for XLA
     logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     return _finish(logits, router_bias, top_k)
 
 
-def _route_bf16_out(x, *, router, router_bias, top_k, accum=None):
+def _route_bf16_out(x, *, router, router_bias, top_k, accum=None, route_blocks=None):
     # fp32 accumulation stored bf16 (as Hugging Face's bf16 router computes it), widened for top_k
     logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.bfloat16)
     return _finish(logits.astype(jnp.float32), router_bias, top_k)
 
 
-def _no_router(x, *, router, router_bias, top_k, accum=None):
+def _no_router(x, *, router, router_bias, top_k, accum=None, route_blocks=None):
     # ablation: experts 0..k-1 for every token, equal weights (x kept as an operand)
     logits = jnp.zeros((x.shape[0], top_k), jnp.float32) + x[:, :1].astype(jnp.float32) * 0
     experts = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (x.shape[0], top_k))
@@ -74,6 +74,19 @@ def _finish(logits, router_bias, top_k):
 
 
 _gemv = mxfp4_gemv.gemv
+
+
+def _route_reference(blocks, bias, top_k, config=None):
+    # the routing kernel's primitive as XLA's five small kernels (before 00917be)
+    return moe.route_blocks(blocks, bias, top_k)
+
+
+def _tensor_cores(block_n: int, weights_first: bool = False, num_warps: int = 4):
+    # pair_dot's default config on the tensor-core route (GemvConfig.mma)
+    def config(r, k, n, *, interpret=False):
+        return mxfp4_gemv.GemvConfig(block_n=block_n, num_warps=num_warps, mma=True,
+                                     mma_weights_first=weights_first, interpret=interpret)
+    return config
 
 
 def _gemv_fewer_splits(lhs, rhs, experts, cfg, out_dtype):
@@ -99,6 +112,11 @@ VARIANTS = {
     "router bf16 out": [(moe, "route", _route_bf16_out)],
     "ablate: no router": [(moe, "route", _no_router)],
     "gemv 264 programs": [(mxfp4_gemv, "gemv", _gemv_fewer_splits)],
+    "routing: reference": [(moe_route, "route_blocks", _route_reference)],
+    "gemv mma n256": [(mxfp4_gemv, "pair_config", _tensor_cores(256))],
+    "gemv mma n512": [(mxfp4_gemv, "pair_config", _tensor_cores(512))],
+    "gemv mma n256 wf": [(mxfp4_gemv, "pair_config", _tensor_cores(256, True))],
+    "gemv mma n512 wf": [(mxfp4_gemv, "pair_config", _tensor_cores(512, True))],
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv)],
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
 }
