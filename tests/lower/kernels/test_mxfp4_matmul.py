@@ -159,6 +159,24 @@ def test_interpret_pair_dot(experts, k, n, cfg, dtype, grad):
         assert_close(dlhs, np.einsum("rn,rkn->rk", np.asarray(ct, np.float64), w), 1e-2, "dlhs")
 
 
+def test_interpret_tensor_core_route_scales_x_into_fp16():
+    """The tensor-core route carries x in fp16 scaled by a power of two from the pair's largest |x|: a zero row
+    gives zeros, rows at 2^40 and 2^-60 (outside fp16's range unscaled) and a row whose values span 2^40 match
+    the reference to fp32's rounding."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 96)).astype(np.float32)
+    x[0], x[1], x[2], x[3, ::3] = 0.0, x[1] * 2.0 ** 40, x[2] * 2.0 ** -60, x[3, ::3] * 2.0 ** -40
+    lhs = jnp.asarray(x, jnp.bfloat16)
+    _, rhs, _ = _inputs(7, 4, 96, 48, [0] * 4)
+    ex = jnp.asarray([3, 0, 2, 1], jnp.int32)
+    cfg = GemvConfig(block_n=32, splits=2, mma=True, interpret=True)
+    got = np.asarray(jax.jit(lambda a: pair_dot(a, rhs, ex, preferred_element_type=jnp.float32, config=cfg))(lhs))
+    want = np.einsum("rk,rkn->rn", np.asarray(lhs.astype(jnp.float32), np.float64), _weights(rhs, [3, 0, 2, 1]))
+    assert not got[0].any()
+    for row in range(1, 4):
+        assert_close(got[row], want[row], 1e-5, f"row {row}")
+
+
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=32, splits=2, interpret=True),
                                  GemvConfig(block_n=32, splits=1, ahead=0, dequant="pair", interpret=True)])
 def test_interpret_pair_dot_two_matrices_one_launch(cfg):
