@@ -401,9 +401,11 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     c = plan["compile"]
     comp = [("status", c["status"] + (f" in {c['seconds']:.1f} s" if "seconds" in c else ""))]
     if c.get("status") == "ok":
+        from tessera.run.plan_compile import COMPILER_FIGURES
+
         figures = c.get("compiler_bytes") or {}
         comp += [("compiler memory", _size(figures.get("total")))]
-        comp += [(f"  {k}", _size(figures[k])) for k in _STATS if figures.get(k)]
+        comp += [(f"  {k}", _size(figures[k])) for k in COMPILER_FIGURES if figures.get(k)]
         comp += [("ours, same program", _size(c["ours_bytes"]))]
     comp += [("note", c["note"])] if c.get("note") else []
     step = d["step"]

@@ -75,7 +75,7 @@ def _lowered(exp, train: bool):
     return jax.jit(prog.forward_fn("forward")).lower(params, tokens)
 
 
-_STATS = ("argument", "output", "alias", "temp")
+COMPILER_FIGURES = ("argument", "output", "alias", "temp")  # the compiler's memory analysis, as `tessera plan` shows it
 
 
 def _compiled_bytes(exp, train: bool) -> dict | None:
@@ -86,7 +86,7 @@ def _compiled_bytes(exp, train: bool) -> dict | None:
     stats = _lowered(exp, train).compile().memory_analysis()
     if stats is None:
         return None
-    out = {k: float(getattr(stats, f"{k}_size_in_bytes")) for k in _STATS}
+    out = {k: float(getattr(stats, f"{k}_size_in_bytes")) for k in COMPILER_FIGURES}
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     return out
 

@@ -133,6 +133,14 @@ def test_ahead_of_time_compile_beside_ours(capsys, tiny_forward):
     assert c["ours_bytes"] == plan["memory_per_device"]["total"]
 
 
+def test_text_plan_shows_the_ahead_of_time_compile(capsys, tiny_forward):
+    """The plain-text plan of a spec whose ahead-of-time compile succeeds lists the compiler's figures beside ours
+    (it raised a NameError once the compile moved to plan_compile.py: only --json and --no-compile were tested)."""
+    assert main(["plan", str(tiny_forward), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "compiler memory" in out and "argument" in out and "ours, same program" in out
+
+
 def test_exit_codes(capsys, tiny_forward, monkeypatch):
     assert main(["plan", str(tiny_forward), "--no-compile", "--device", "h1000"]) == 2
     assert "unknown device `h1000`" in capsys.readouterr().err
