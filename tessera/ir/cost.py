@@ -80,6 +80,30 @@ def task_dims(exp) -> dict[str, int]:
     return {"batch": int(shape[0]), "seq": int(shape[1])}
 
 
+def loss_sizes(graph: Graph, exp) -> list[tuple]:
+    """(loss entry, its inputs' run-time dim sizes) for each loss entry of a model trained on batches of data: a
+    collocation set's points for an input named after the set (or its `<set>_target`), the task's batch of
+    samples for any other input. The per-device work of a canonical shard is the caller's to divide."""
+    data = getattr(exp.task, "data", None)
+    out = []
+    for loss in graph.losses:
+        sizes: dict[str, int] = {}
+        for arg in loss.region.args:
+            rows = _input_rows(arg.name, data, exp.task)
+            for d in arg.type.dims:
+                if d.size is None:
+                    sizes[d.name] = rows
+        out.append((loss, sizes))
+    return out
+
+
+def _input_rows(name: str, data, task) -> int:
+    if getattr(data, "kind", None) == "collocation":
+        sets = data.sets
+        return int(sets[name if name in sets else name.removesuffix("_target")].n)
+    return int(task.batch)
+
+
 # ---- walking ------------------------------------------------------------------------------------------
 
 def _inner(op: Op, axes: tuple, backward: bool = False):
@@ -170,14 +194,14 @@ def param_summary(graph: Graph) -> dict:
 
 # ---- FLOPs --------------------------------------------------------------------------------------------
 
-def flop_counts(graph: Graph, sizes: dict) -> dict[str, float]:
+def flop_counts(graph: Graph, sizes: dict, region: Region | None = None) -> dict[str, float]:
     """Forward FLOPs split into contractions / other; those the backward pass differentiates (all of them but the
     steps before the last under `grad = last`), and of those the ones in the repeated block (what remat
-    recomputes)."""
+    recomputes). Of the graph's body, or of `region` (a loss entry's)."""
     out = {"contraction": 0.0, "other": 0.0, "backward_contraction": 0.0, "backward_other": 0.0,
            "block_contraction": 0.0, "block_other": 0.0}
     for backward in (False, True):
-        for op, axes, times in walk_counted(graph.body, backward=backward):
+        for op, axes, times in walk_counted(region or graph.body, backward=backward):
             f = times * op_flops(op, graph, sizes, list(axes))
             kind = "contraction" if get_op(op.name).contraction else "other"
             out[("backward_" if backward else "") + kind] += f
@@ -222,8 +246,10 @@ def saved_tensors(op: Op, sizes: dict) -> list[tuple[TensorType, bool]]:
     return out
 
 
-def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t: t.numel()) -> dict[str, float]:
-    """Bytes of activations held for backward: per layer under `remat`, the block inputs, the rest of the graph.
+def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t: t.numel(),
+                     region: Region | None = None) -> dict[str, float]:
+    """Bytes of activations held for backward: per layer under `remat`, the block inputs, the rest of the graph
+    (its body, or `region`: a loss entry's).
 
     none: every saved tensor of every layer. dots: only contraction outputs of each layer. full: each
     layer's input only, plus one layer's full set while that layer's backward recomputes it.
@@ -233,7 +259,7 @@ def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t:
 
     block_all = block_dots = carry = outside = 0.0
     layers = 1
-    for op in graph.body.ops:
+    for op in (region or graph.body).ops:
         if op.region is None:
             outside += size(saved_tensors(op, sizes))
             continue

@@ -72,12 +72,16 @@ def array_bits(dtype: str) -> float:
 
 
 def optimizer_states(exp) -> int:
-    """Optimizer state tensors per parameter: adam/adamw keep mu and nu; sgd its momentum, if any."""
+    """Optimizer state tensors per parameter: adam/adamw keep mu and nu; sgd its momentum, if any; L-BFGS (alone,
+    or after `lbfgs_after` steps of the first, whose state stays) 2 x memory of parameter and gradient differences
+    plus 3 (the last parameters and update, and the line search's gradient: optax.lbfgs's state)."""
     opt = getattr(exp.task, "optimizer", None)
     name = getattr(opt, "name", "adamw")
-    if name in ("adam", "adamw"):
-        return 2
-    return 1 if getattr(opt, "momentum", 0.0) else 0
+    lbfgs = 2 * int(getattr(opt, "lbfgs_memory", 0) or 0) + 3
+    if name == "lbfgs":
+        return lbfgs
+    first = 2 if name in ("adam", "adamw") else 1 if getattr(opt, "momentum", 0.0) else 0
+    return first + (lbfgs if getattr(opt, "lbfgs_after", None) is not None else 0)
 
 
 def _trains(exp) -> bool:
@@ -106,11 +110,17 @@ def _gathers_optimizer_state(exp) -> bool:
     return getattr(opt, "name", None) == "lbfgs" or getattr(opt, "lbfgs_after", None) is not None
 
 
+def _one_objective(exp) -> bool:
+    """A model trained on collocation points: one objective over every point, no canonical shards
+    (Program.canonical_objective)."""
+    return getattr(getattr(exp.task, "data", None), "kind", None) == "collocation"
+
+
 def gradient_bytes(exp, dtype: str, precast=None) -> float:
     """Bytes of gradient buffers the train step holds per parameter element of storage type `dtype`.
 
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
-    is fp32 already. Several microbatches: one microbatch's gradient plus the fp32 accumulator.
+    is fp32 or fp64 already; so too a model trained on collocation points (one objective, no canonical shards). Several microbatches: one microbatch's gradient plus the fp32 accumulator.
     Deterministic mode (`deterministic.gradient_buffers`; on a mesh per element of the whole parameter): an fp32
     gradient per canonical shard of the device, plus the reduction's fp32 ones (their tree sum on one device; on
     dp=8, llama_tiny at d_model 256 compiled to 29.4 MB of temporaries, four whole gradients); for a parameter the
@@ -119,13 +129,13 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     the update's arithmetic the same on every mesh: Llama-1B 42.7 GiB against this model's 43.4, 20b-layers 54.6
     against 58.3.)"""
     held = array_bits(dtype) / 8
-    if exp.parallel.deterministic:
+    if exp.parallel.deterministic and not _one_objective(exp):
         from tessera.lower.shard.deterministic import gradient_buffers
 
         shards, reduction = gradient_buffers(_canonical(exp), exp.mesh.size)
         return (precast.itemsize if precast is not None else 4.0) * shards + 4.0 * reduction  # a numpy dtype
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
-        return 4.0 if held == 4 else 4.0 + held
+        return held if held >= 4 else 4.0 + held  # fp32 and fp64 gradients as held; narrower ones widened
     return 4.0 + held
 
 
@@ -242,8 +252,41 @@ def _microbatching(exp) -> tuple[int, int]:
     return accum * pipe.microbatches, in_flight
 
 
-def activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool) -> dict:
-    """Per-device bytes of activations (and of the KV cache when generating)."""
+def run_sizes(graph, exp, train: bool) -> tuple[dict, list]:
+    """(the run-time sizes the plan counts at, `cost.loss_sizes` of a model trained on its loss entries, else
+    empty): a loss-entry model's `loss_model_sizes`, otherwise the task's batch and sequence."""
+    losses = cost.loss_sizes(graph, exp) if graph.losses and train else []
+    return (loss_model_sizes(losses) if losses else cost.task_dims(exp)), losses
+
+
+def loss_model_sizes(losses: list) -> dict:
+    """A loss-entry model's run-time sizes: each input dim at its largest over the entries (what the body, its
+    forward pass, is walked at), `batch` the samples a step takes (collocation points over every set, or the
+    data batch) and `seq` 1, so that the plan's per-token figures read per sample."""
+    dims: dict[str, int] = {}
+    for _, sizes in losses:
+        for k, v in sizes.items():
+            dims[k] = max(dims.get(k, 0), v)
+    samples = sum(max(sizes.values(), default=1) for _, sizes in losses)
+    return {**dims, "batch": dims.get("batch", samples), "seq": 1}
+
+
+def _loss_activations(graph, exp, losses: list, layout: cost.Layout) -> float:
+    """Activations a loss-entry model's train step holds: every entry's, at its inputs' sizes (a data batch cut
+    into deterministic mode's canonical shards, one at a time; collocation points whole)."""
+    cut = _canonical(exp) if exp.parallel.deterministic else 1
+    total = 0.0
+    for loss, sizes in losses:
+        mb = {k: max(1, v // cut) if k == "batch" else v for k, v in sizes.items()}
+        total += cost.activation_bytes(graph, mb, exp.parallel.remat, layout.activations, region=loss.region)["total"]
+    return total
+
+
+def activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool, losses: list = ()) -> dict:
+    """Per-device bytes of activations (and of the KV cache when generating); `losses` (`cost.loss_sizes`): a
+    model trained on its loss entries."""
+    if train and losses:
+        return {"activations": _loss_activations(graph, exp, list(losses), layout), "kv_cache": 0.0}
     logits = next(v.type for v in graph.outputs)
     if train:
         cut, in_flight = _microbatching(exp)
@@ -295,8 +338,12 @@ def _timing(exp, graph, sizes, flops: dict, layout, device: Device, memory: dict
             "bytes_per_step": None, "mfu_ceiling": 1.0}
 
 
-def _flops(graph, exp, sizes: dict) -> dict:
-    counts = cost.flop_counts(graph, sizes)
+def _flops(graph, exp, sizes: dict, losses: list = ()) -> dict:
+    if losses:  # the loss entries' work, each at its inputs' sizes
+        each = [cost.flop_counts(graph, s, region=loss.region) for loss, s in losses]
+        counts = {k: sum(c[k] for c in each) for k in each[0]}
+    else:
+        counts = cost.flop_counts(graph, sizes)
     per = cost.train_flops(counts, exp.parallel.remat)
     tokens = sizes["batch"] * sizes["seq"]
     return {"forward_per_token": per["forward"] / tokens, "train_step_per_token": per["train_step"] / tokens,
@@ -311,21 +358,25 @@ def build_plan(exp, device: str | None = None) -> dict:
 
     key, dev = pick_device(device)
     graph = program_graph(exp)  # the checks `tessera check` runs (TesseraError), then the pipeline
-    sizes = cost.task_dims(exp)
     layout = cost.Layout.of(exp)
     train = _trains(exp)
+    sizes, losses = run_sizes(graph, exp, train)
     summary = cost.param_summary(graph)  # counts: the model's (IR) parameters
     summary["bytes"], summary["bytes_by_dtype"] = _held_bytes(exp, graph)  # bytes: what the program holds
-    memory = {**param_memory(graph, layout, exp, train), **activation_memory(graph, exp, sizes, layout, train)}
+    memory = {**param_memory(graph, layout, exp, train),
+              **activation_memory(graph, exp, sizes, layout, train, losses)}
     memory["total"] = sum(memory.values())
-    flops = _flops(graph, exp, sizes)
+    flops = _flops(graph, exp, sizes, losses)
     step_sizes = sizes if train or exp.task.kind != "generate" else {"batch": sizes["batch"], "seq": 1}
     comms = cost.collectives(graph, step_sizes, layout, train=train, remat=exp.parallel.remat)
     timing = _timing(exp, graph, sizes, flops, layout, dev, memory)
     return {
         "schema": SCHEMA, "spec": exp.name, "model": graph.name, "task": exp.task.kind,
         "mesh": dict(exp.mesh.axes), "devices": layout.devices,
-        "shapes": {**sizes, "microbatches": _microbatching(exp)[0], "remat": exp.parallel.remat},
+        "shapes": {**sizes, "microbatches": _microbatching(exp)[0], "remat": exp.parallel.remat,
+                   "per": "sample" if losses else "token",
+                   **({"inputs": {a.name: [d.size for d in cost.concrete(a.type, s).dims] for loss, s in losses
+                                  for a in loss.region.args}} if losses else {})},
         "params": {"total": summary["total"], "active": summary["active"], "bytes": summary["bytes"],
                    "gib": summary["bytes"] / GIB, "bytes_by_dtype": summary["bytes_by_dtype"]},
         "flops": flops,
@@ -385,15 +436,18 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     head = [("model", f"{plan['model']} ({plan['spec']}), task {plan['task']}"),
             ("mesh", f"{mesh} ({plan['devices']} device{'s' if plan['devices'] != 1 else ''})"),
             ("shapes", f"batch {shapes['batch']}, seq {shapes['seq']}, microbatches {shapes['microbatches']}, "
-                       f"remat {shapes['remat']}")]
+                       f"remat {shapes['remat']}" if "inputs" not in shapes else
+             ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in shapes["inputs"].items())
+             + f"; remat {shapes['remat']}")]
+    per = shapes.get("per", "token")
     params = [("total", _count(p["total"])), ("active per token", _count(p["active"])),
               ("bytes (storage types)", _size(p["bytes"]))]
     params += [(f"  in {dt}", _size(b)) for dt, b in p["bytes_by_dtype"].items()]
     memory = [(k.replace("_", " "), _size(v)) for k, v in m.items() if k != "total"]
     memory += [("total", _size(m["total"])), (f"{d['key']}: {d['name']}", _size(d["memory_bytes"])),
                ("fits", f"{'yes' if d['fits'] else 'NO'} (margin {_size(d['margin_bytes'])})")]
-    flops = [("forward per token", _flop(f["forward_per_token"])),
-             ("train step per token", _flop(f["train_step_per_token"])),
+    flops = [(f"forward per {per}", _flop(f["forward_per_token"])),
+             (f"train step per {per}", _flop(f["train_step_per_token"])),
              ("  with remat recompute", _flop(f["train_step_hardware_per_token"])),
              (f"{d['step']} time (at peak)", _time(d["step_time_s"])),
              ("MFU ceiling", "-" if d["mfu_ceiling"] is None else f"{d['mfu_ceiling']:.1%}")]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from tessera.ir import cost
-from tessera.run.plan import activation_memory, array_bits, one_device, param_memory
+from tessera.run.plan import activation_memory, array_bits, one_device, param_memory, run_sizes
 from tessera.spec.tasks import trains
 
 COMPILE_PARAMS_LIMIT = 2e9  # above this, compile two shallow copies and extrapolate per layer
@@ -62,6 +62,11 @@ def _lowered(exp, train: bool):
     if train:
         state = _abstract(jax.eval_shape(prog.init_train_state, params), shardings)
         batch = {"tokens": tokens, "targets": tokens, "mask": sds(tokens.shape, jnp.float32)}
+        if prog.graph.losses:  # the loss entries' inputs at the task data's sizes
+            from tessera.lower.context import jnp_dtype
+
+            batch = {a.name: sds(tuple(d.size for d in cost.concrete(a.type, s).dims), jnp_dtype(a.type.dtype))
+                     for loss, s in cost.loss_sizes(prog.graph, exp) for a in loss.region.args}
         return prog.lower("train_step", state, batch)  # as `tessera run` compiles it: state donated
     if exp.task.kind == "generate":
         t, new = exp.task, exp.task.max_new_tokens
@@ -95,9 +100,10 @@ def _ours_as_compiled(exp, train: bool) -> float:
     """Our per-device total for the program as it compiles: params as it holds them (`array_bits`)."""
     from tessera.lower.program import program_graph
 
-    graph, sizes = program_graph(exp), cost.task_dims(exp)
+    graph = program_graph(exp)
+    sizes, losses = run_sizes(graph, exp, train)
     layout = cost.Layout.of(exp)
-    memory = {**activation_memory(graph, exp, sizes, layout, train),
+    memory = {**activation_memory(graph, exp, sizes, layout, train, losses),
               **param_memory(graph, layout, exp, train, bits=array_bits)}
     return sum(memory.values())
 
