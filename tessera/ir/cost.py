@@ -65,8 +65,13 @@ def _prompt_len(prompt) -> int:
 
 
 def task_dims(exp) -> dict[str, int]:
-    """The run-time sizes {"batch", "seq"} of the spec's task (generate: prompts + new tokens)."""
+    """The run-time sizes {"batch", "seq"} of the spec's task (generate: prompts + new tokens; collocation points:
+    every set's points as the batch, seq 1, and `points`, the largest set's)."""
     task = exp.task
+    data = getattr(task, "data", None)
+    if getattr(data, "kind", None) == "collocation":  # points, not sequences: every set's, the largest set's
+        counts = [int(spec.n) for spec in data.sets.values()]
+        return {"batch": sum(counts), "seq": 1, "points": max(counts)}
     if task.kind in ("train", "bench"):
         return {"batch": task.batch, "seq": task.seq_len}
     if task.kind == "generate":

@@ -398,9 +398,15 @@ class Program:
             pos = jnp.zeros((b, 1), jnp.int32)
             return eval_region(body, [t], p, self.lower_ctx(mode="decode", positions=pos, report=decoding), state)[0]
 
+        (arg,) = body.args[:1]
+        from tessera.ir.cost import concrete
+        from tessera.lower.context import jnp_dtype
+
+        x = sds(tuple(d.size for d in concrete(arg.type, sizes).dims), jnp_dtype(arg.type.dtype))
         with jax.default_matmul_precision(self.matmul_precision):
-            jax.eval_shape(forward, params, sds((b, s), jnp.int32))
-            jax.eval_shape(decode, params, sds((b, 1), jnp.int32))
+            jax.eval_shape(forward, params, x)
+            if not self.graph.losses:  # a language model's decoding step (loss-entry models do not generate)
+                jax.eval_shape(decode, params, sds((b, 1), jnp.int32))
         for label, choice in decoding.items():  # a decoding step may choose otherwise: its own entries
             report[label if label.endswith("(decode)") else label + " (decode)"] = choice
         return report

@@ -174,6 +174,18 @@ def test_cli_after_lower_prints_the_choices(kernels, capsys):
     assert "layers/attention (window 16) (decode)" in out
 
 
+@pytest.mark.parametrize("spec", ["pinn_kovasznay.yaml", "fno_burgers.yaml"])
+def test_cli_after_lower_of_models_on_loss_entries(spec, capsys):
+    """A PINN's and the FNO's inputs are points and fields, not token ids: the kernel report traces the forward
+    pass with the input the model declares (a PINN's ended in a traceback: an int32 [batch, seq] given for its
+    [points, coord] floats), and no decoding step."""
+    from tessera.cli import main
+
+    assert main(["ir", str(SPEC.parent / spec), "--after", "lower"]) == 0
+    out = capsys.readouterr().out
+    assert "// lowering on backend cpu" in out and "(decode)" not in out
+
+
 def test_report_of_a_sharded_fast_program_traces_the_sharded_step():
     """kernel_report follows the sharded step: on a (pretend) GPU mesh its train/forward ops say why not."""
     import json
