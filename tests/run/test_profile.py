@@ -182,6 +182,20 @@ def test_profile_saves_the_trace_and_prints_the_tables(profiled, capsys):
     assert "us/call" in lines[second] and f"{k['seconds'] / k['calls'] * 1e6:,.1f}" in lines[second + 1]
 
 
+def test_profile_of_a_pinn_feeds_its_loss_entries(tmp_path):
+    """A PINN trains on collocation points, not tokens: the profiled step gets random inputs of its loss entries'
+    shapes (each set's points), and every table comes out (it ended in KeyError 'interior')."""
+    from tessera.cli import main
+
+    out = tmp_path / "run"
+    small = ["--set", "model.args.width=8", "--set", "model.args.depth=2", "--set", "task.data.sets.interior.n=16",
+             "--set", "task.data.sets.boundary.n=8"]
+    assert main(["profile", "specs/pinn_kovasznay.yaml", *small, "--steps", "1", "--out", str(out)]) == 0
+    record = json.loads((out / "manifest.json").read_text())["profile"]
+    assert record["what"] == "train step (interior 16x2, boundary 8x2, boundary_target 8x3)"
+    assert record["by_op"] and record["by_kernel"] and record["op_seconds"] > 0
+
+
 def test_profile_refuses_a_bad_step_count(capsys):
     from tessera.cli import main
 
