@@ -181,7 +181,8 @@ def test_cli_after_lower_of_models_on_loss_entries(spec, capsys):
     [points, coord] floats), and no decoding step."""
     from tessera.cli import main
 
-    assert main(["ir", str(SPEC.parent / spec), "--after", "lower"]) == 0
+    fp32 = ["--set", "numerics.default=fp32", "--set", "numerics.params=fp32"]  # fp64 turns x64 on process-wide
+    assert main(["ir", str(SPEC.parent / spec), "--after", "lower", *fp32]) == 0
     out = capsys.readouterr().out
     assert "// lowering on backend cpu" in out and "(decode)" not in out
 

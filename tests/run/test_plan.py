@@ -146,16 +146,17 @@ def test_plan_of_models_trained_on_loss_entries(capsys):
     task data's sizes (a collocation set's points, the data batch), per sample, and compiles the train step with
     those inputs (a PINN's plan raised KeyError 'points', the FNO's compile failed on 'u0'). L-BFGS's memory of
     differences is in the optimizer's bytes; a collocation model's gradient is one, as held (no canonical shards)."""
-    pinn = run_json(capsys, SPECS / "pinn_kovasznay.yaml", "--device", "cpu")
+    fp32 = ("--set", "numerics.default=fp32", "--set", "numerics.params=fp32")  # fp64 turns x64 on process-wide
+    pinn = run_json(capsys, SPECS / "pinn_kovasznay.yaml", "--device", "cpu", *fp32)
     assert pinn["shapes"]["per"] == "sample"
     assert pinn["shapes"]["inputs"] == {"interior": [1000, 2], "boundary": [256, 2], "boundary_target": [256, 3]}
     assert pinn["shapes"]["batch"] == 1000 + 256 and pinn["compile"]["status"] == "ok"
-    mem, params = pinn["memory_per_device"], pinn["params"]["bytes"]  # fp64 parameters
+    mem, params = pinn["memory_per_device"], pinn["params"]["bytes"]
     assert mem["gradients"] == params and mem["optimizer"] == (2 + 2 * 100 + 3) * params  # adam, then L-BFGS(100)
     assert mem["activations"] > 0 and pinn["flops"]["train_step_per_token"] > pinn["flops"]["forward_per_token"] > 0
     fno = run_json(capsys, SPECS / "fno_burgers.yaml", "--device", "cpu")
     assert fno["shapes"]["inputs"] == {"u0": [40, 64], "u1": [40, 64]} and fno["compile"]["status"] == "ok"
-    assert main(["plan", str(SPECS / "pinn_taylor_green.yaml"), "--no-compile"]) == 0
+    assert main(["plan", str(SPECS / "pinn_taylor_green.yaml"), "--no-compile", *fp32]) == 0
     assert "per sample" in capsys.readouterr().out
 
 

@@ -189,7 +189,8 @@ def test_profile_of_a_pinn_feeds_its_loss_entries(tmp_path):
 
     out = tmp_path / "run"
     small = ["--set", "model.args.width=8", "--set", "model.args.depth=2", "--set", "task.data.sets.interior.n=16",
-             "--set", "task.data.sets.boundary.n=8"]
+             "--set", "task.data.sets.boundary.n=8", "--set", "numerics.default=fp32",
+             "--set", "numerics.params=fp32"]  # fp64 would turn x64 on for the rest of the process
     assert main(["profile", "specs/pinn_kovasznay.yaml", *small, "--steps", "1", "--out", str(out)]) == 0
     record = json.loads((out / "manifest.json").read_text())["profile"]
     assert record["what"] == "train step (interior 16x2, boundary 8x2, boundary_target 8x3)"
