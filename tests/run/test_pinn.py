@@ -100,6 +100,15 @@ def kovasznay_run(tmp_path_factory):
     return run_experiment(exp, out=out, stream=io.StringIO(), tensorboard=False)
 
 
+def test_a_pinn_run_reports_points_a_second_not_tokens(kovasznay_run):
+    """A PINN's throughput is collocation points a second (both sets', 256 + 128 a step), not tokens."""
+    m = kovasznay_run.manifest
+    assert m["samples_per_s"] > 0 and "tokens_per_s" not in m
+    from tessera.run.tasks.train import _throughput
+
+    assert _throughput(tessera.load(KOV)) == (("samples/s", "samples_per_s"), 1000 + 256)
+
+
 def _untrained_errors(run_dir) -> dict:
     """rel_l2 of the run's network at its initial parameters, on the run's held-out points."""
     prog, _ = tessera.load_run(run_dir)

@@ -58,7 +58,8 @@ class Trainer:
         self.eval_every = int(getattr(self.task, "eval_every", 0) or 0)
         self.records: list[dict] = []
         self.pending: list[tuple[int, dict]] = []  # (step, device metrics) not yet on the host
-        self.tokens_per_step = int(self.task.batch) * int(self.task.seq_len)
+        # throughput: tokens a step, or for a model fitted to fields (collocation points, data pairs) samples a step
+        self.rate_name, self.per_step = _throughput(self.exp)
         self._skipped_total = 0  # loss scaling's skipped steps so far (lower/loss_scale.py), as last recorded
 
     def start(self) -> int:
@@ -187,11 +188,11 @@ class Trainer:
             checkpoint = self.every and done % self.every == 0
             if done % self.log_every == 0 or done == self.steps or evaluate or checkpoint:
                 jax.block_until_ready(m)  # the rate counts the training steps only, not the evaluation below
-                rate = (done - last) * self.tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+                rate = (done - last) * self.per_step / max(time.perf_counter() - t0, 1e-9)
                 new = self.flush(self.evaluate() if evaluate else None, self.errors() if evaluate else None)
                 t0, last = time.perf_counter(), done
-                progress.update(done, {**new[-1], "tok/s": rate})
-                self.ctx.manifest.record["tokens_per_s"] = rate
+                progress.update(done, {**new[-1], self.rate_name[0]: rate})
+                self.ctx.manifest.record[self.rate_name[1]] = rate
             if checkpoint:
                 self.save(done)
         return True
@@ -254,3 +255,16 @@ def run(ctx: RunContext) -> int:
         return 0
     finally:
         tr.ckpts.close()
+
+
+def _throughput(exp) -> tuple[tuple[str, str], int]:
+    """((progress label, manifest key), units a step): tokens (batch x seq_len), or samples for a model fitted to
+    fields (every collocation set's points, or the batch of data pairs)."""
+    task = exp.task
+    data = getattr(task, "data", None)
+    kind = getattr(data, "kind", None)
+    if kind == "collocation":
+        return ("samples/s", "samples_per_s"), sum(int(spec.n) for spec in data.sets.values())
+    if kind == "burgers":
+        return ("samples/s", "samples_per_s"), int(task.batch)
+    return ("tok/s", "tokens_per_s"), int(task.batch) * int(task.seq_len)
