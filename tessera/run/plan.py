@@ -120,7 +120,8 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     """Bytes of gradient buffers the train step holds per parameter element of storage type `dtype`.
 
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
-    is fp32 or fp64 already; so too a model trained on collocation points (one objective, no canonical shards). Several microbatches: one microbatch's gradient plus the fp32 accumulator.
+    is fp32 or fp64 already; so too a model trained on collocation points (one objective, no canonical
+    shards). Several microbatches: one microbatch's gradient plus the fp32 accumulator.
     Deterministic mode (`deterministic.gradient_buffers`; on a mesh per element of the whole parameter): an fp32
     gradient per canonical shard of the device, plus the reduction's fp32 ones (their tree sum on one device; on
     dp=8, llama_tiny at d_model 256 compiled to 29.4 MB of temporaries, four whole gradients); for a parameter the

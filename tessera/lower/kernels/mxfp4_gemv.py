@@ -369,12 +369,15 @@ def _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: i
         codes, xs, scales = tiles
         w_lo, w_hi = nibbles_f16(codes, ptx=not cfg.interpret)
         x_e, x_o = _x_pair(xs)
-        if wf:  # x in column 0 of a [16, 16] tile: part [bn, 16], columns 1-15 zero
-            col = lambda v: jnp.where(i16[None, :] == 0, (v * up).astype(jnp.float16)[:, None], 0).astype(jnp.float16)  # noqa: E731
-            part = pltriton.dot(w_lo, col(x_e)) + pltriton.dot(w_hi, col(x_o))
+        def tile(v):  # x times 2^t in fp16, in column 0 (weights first) or row 0 of a [16, 16] tile of zeros
+            h = (v * up).astype(jnp.float16)
+            at = (i16[None, :] == 0, h[:, None]) if wf else (i16[:, None] == 0, h[None, :])
+            return jnp.where(*at, 0).astype(jnp.float16)
+
+        if wf:  # part [bn, 16], columns 1-15 zero
+            part = pltriton.dot(w_lo, tile(x_e)) + pltriton.dot(w_hi, tile(x_o))
             return acc + _scale_f32(scales)[:, None] * part
-        row = lambda v: jnp.where(i16[:, None] == 0, (v * up).astype(jnp.float16)[None, :], 0).astype(jnp.float16)  # noqa: E731
-        part = pltriton.dot(row(x_e), w_lo) + pltriton.dot(row(x_o), w_hi)  # [16, bn] fp32, rows 1-15 zero
+        part = pltriton.dot(tile(x_e), w_lo) + pltriton.dot(tile(x_o), w_hi)  # [16, bn] fp32, rows 1-15 zero
         return acc + _scale_f32(scales)[None, :] * part
 
     acc = _steps(load, step, lo, hi, jnp.zeros((bn, 16) if wf else (16, bn), jnp.float32), ahead=cfg.ahead)

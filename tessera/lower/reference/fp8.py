@@ -153,7 +153,8 @@ def quantize_delayed(x, row, dtype, amax=None):
     past = jnp.max(row)
     now = _amax(x) if amax is None else amax
     s = _pow2_scale(jnp.where((past > 0) & jnp.isfinite(past), past, now), dtype)
-    return jnp.clip(x.astype(jnp.float32) * s, -float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype), s
+    big = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
 
 
 def _record(history, amaxes):
