@@ -262,19 +262,20 @@ def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t:
     def size(items):
         return sum(nbytes(t, per_device(t)) for t, _ in items)
 
-    block_all = block_dots = carry = outside = 0.0
-    layers = 1
+    outside, blocks = 0.0, []  # blocks: (runs kept, all saved, contraction outputs, inputs) of each region op
     for op in (region or graph.body).ops:
         if op.region is None:
             outside += size(saved_tensors(op, sizes))
             continue
-        layers = _kept(op)
-        carry += sum(nbytes(t, per_device(t)) for t in (concrete(v.type, sizes) for v in op.values))
+        carry = sum(nbytes(t, per_device(t)) for t in (concrete(v.type, sizes) for v in op.values))
         items = [x for o, _, _ in walk_counted(op.region) for x in saved_tensors(o, sizes)]
-        block_all += size(items)
-        block_dots += size([x for x in items if x[1]])
-    per_layer = {"none": block_all, "dots": block_dots + carry, "full": carry}[remat]
-    peak_extra = block_all if remat == "full" else 0.0
+        blocks.append((_kept(op), size(items), size([x for x in items if x[1]]), carry))
+    per = [{"none": a, "dots": d + c, "full": c}[remat] for _, a, d, c in blocks]
+    peak_extra = max((a for _, a, _, _ in blocks), default=0.0) if remat == "full" else 0.0
+    if len(blocks) == 1:  # a language model's layer stack: per layer, times its layers
+        layers, per_layer = blocks[0][0], per[0]
+    else:  # several region ops (a loss entry's network and its derivatives): each at its own count
+        layers, per_layer = 1, sum(k * p for (k, _, _, _), p in zip(blocks, per))
     return {"per_layer": per_layer, "layers": layers, "outside_block": outside,
             "total": layers * per_layer + peak_extra + outside}
 

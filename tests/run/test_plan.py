@@ -154,6 +154,12 @@ def test_plan_of_models_trained_on_loss_entries(capsys):
     mem, params = pinn["memory_per_device"], pinn["params"]["bytes"]
     assert mem["gradients"] == params and mem["optimizer"] == (2 + 2 * 100 + 3) * params  # adam, then L-BFGS(100)
     assert mem["activations"] > 0 and pinn["flops"]["train_step_per_token"] > pinn["flops"]["forward_per_token"] > 0
+    # without L-BFGS (whose zoom line search evaluates the loss again: not modelled) ours is within 20 % of the
+    # compiler's figure; it was 26 % under when a loss entry's several region ops (the network, its derivatives)
+    # kept only the last one's layer count
+    adam = run_json(capsys, SPECS / "pinn_kovasznay.yaml", "--device", "cpu", *fp32,
+                    "--set", "task.optimizer.lbfgs_after=null")
+    assert abs(adam["compile"]["ours_bytes"] / adam["compile"]["compiler_bytes"]["total"] - 1) < 0.20
     fno = run_json(capsys, SPECS / "fno_burgers.yaml", "--device", "cpu")
     assert fno["shapes"]["inputs"] == {"u0": [40, 64], "u1": [40, 64]} and fno["compile"]["status"] == "ok"
     assert main(["plan", str(SPECS / "pinn_taylor_green.yaml"), "--no-compile", *fp32]) == 0
