@@ -102,6 +102,12 @@ def loss_sizes(graph: Graph, exp) -> list[tuple]:
     return out
 
 
+def loss_inputs(losses: list) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{input name: (shape, IR element type)} of the loss entries' inputs at their `loss_sizes`."""
+    return {a.name: (tuple(d.size for d in concrete(a.type, sizes).dims), a.type.dtype)
+            for loss, sizes in losses for a in loss.region.args}
+
+
 def _input_rows(name: str, data, task) -> int:
     if getattr(data, "kind", None) == "collocation":
         sets = data.sets

@@ -376,8 +376,8 @@ def build_plan(exp, device: str | None = None) -> dict:
         "mesh": dict(exp.mesh.axes), "devices": layout.devices,
         "shapes": {**sizes, "microbatches": _microbatching(exp)[0], "remat": exp.parallel.remat,
                    "per": "sample" if losses else "token",
-                   **({"inputs": {a.name: [d.size for d in cost.concrete(a.type, s).dims] for loss, s in losses
-                                  for a in loss.region.args}} if losses else {})},
+                   **({"inputs": {k: list(shape) for k, (shape, _) in cost.loss_inputs(losses).items()}}
+                      if losses else {})},
         "params": {"total": summary["total"], "active": summary["active"], "bytes": summary["bytes"],
                    "gib": summary["bytes"] / GIB, "bytes_by_dtype": summary["bytes_by_dtype"]},
         "flops": flops,

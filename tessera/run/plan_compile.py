@@ -65,8 +65,8 @@ def _lowered(exp, train: bool):
         if prog.graph.losses:  # the loss entries' inputs at the task data's sizes
             from tessera.lower.context import jnp_dtype
 
-            batch = {a.name: sds(tuple(d.size for d in cost.concrete(a.type, s).dims), jnp_dtype(a.type.dtype))
-                     for loss, s in cost.loss_sizes(prog.graph, exp) for a in loss.region.args}
+            batch = {k: sds(shape, jnp_dtype(dtype))
+                     for k, (shape, dtype) in cost.loss_inputs(cost.loss_sizes(prog.graph, exp)).items()}
         return prog.lower("train_step", state, batch)  # as `tessera run` compiles it: state donated
     if exp.task.kind == "generate":
         t, new = exp.task, exp.task.max_new_tokens

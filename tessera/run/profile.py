@@ -69,19 +69,8 @@ def _job(prog, exp) -> Job:
     if prog.optimizer is not None and trains(task) and prog.graph.losses:
         return _loss_entries_job(prog, exp, params, rng)
     if prog.optimizer is not None and trains(task):
-        batch = prog.global_batch({"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
-                              "mask": np.ones((b, s), np.float32)})
-        holder = [prog.init_train_state(params)]
-
-        def step():
-            holder[0], metrics = prog.train_step(holder[0], batch)
-            return metrics["loss"]
-
-        def advance(out):
-            holder[0] = out[0]
-            return out[1]["loss"]
-
-        return Job(f"train step ({b} x {s} tokens)", step, lambda: "train_step", lambda: (holder[0], batch), advance)
+        batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": np.ones((b, s), np.float32)}
+        return _train_job(prog, params, batch, f"{b} x {s} tokens")
     tokens = jnp.asarray(tokens, jnp.int32)
     return Job(f"forward ({b} x {s} tokens)", lambda: prog.forward(params, tokens), lambda: "forward",
                lambda: (params, tokens))
@@ -90,12 +79,18 @@ def _job(prog, exp) -> Job:
 def _loss_entries_job(prog, exp, params, rng) -> Job:
     """The train step of a model trained on its loss entries, on random inputs of the shapes the task's data gives
     them (a collocation set's points, the data batch: `cost.loss_sizes`)."""
-    from tessera.ir.cost import concrete, loss_sizes
+    from tessera.ir.cost import loss_inputs, loss_sizes
     from tessera.lower.context import jnp_dtype
 
-    inputs = {a.name: (tuple(d.size for d in concrete(a.type, sizes).dims), np.dtype(jnp_dtype(a.type.dtype)))
-              for loss, sizes in loss_sizes(prog.graph, exp) for a in loss.region.args}
-    batch = prog.global_batch({k: rng.standard_normal(shape).astype(dtype) for k, (shape, dtype) in inputs.items()})
+    inputs = loss_inputs(loss_sizes(prog.graph, exp))
+    batch = {k: rng.standard_normal(shape).astype(np.dtype(jnp_dtype(dtype))) for k, (shape, dtype) in inputs.items()}
+    return _train_job(prog, params, batch, ", ".join(f"{k} {'x'.join(map(str, shape))}"
+                                                     for k, (shape, _) in inputs.items()))
+
+
+def _train_job(prog, params, batch: dict, what: str) -> Job:
+    """One optimizer step of `batch` (host arrays, placed as the program's global batch), the state carried."""
+    batch = prog.global_batch(batch)
     holder = [prog.init_train_state(params)]
 
     def step():
@@ -106,7 +101,6 @@ def _loss_entries_job(prog, exp, params, rng) -> Job:
         holder[0] = out[0]
         return out[1]["loss"]
 
-    what = ", ".join(f"{k} {'x'.join(map(str, shape))}" for k, (shape, _) in inputs.items())
     return Job(f"train step ({what})", step, lambda: "train_step", lambda: (holder[0], batch), advance)
 
 

@@ -259,12 +259,11 @@ def run(ctx: RunContext) -> int:
 
 def _throughput(exp) -> tuple[tuple[str, str], int]:
     """((progress label, manifest key), units a step): tokens (batch x seq_len), or samples for a model fitted to
-    fields (every collocation set's points, or the batch of data pairs)."""
-    task = exp.task
-    data = getattr(task, "data", None)
-    kind = getattr(data, "kind", None)
-    if kind == "collocation":
-        return ("samples/s", "samples_per_s"), sum(int(spec.n) for spec in data.sets.values())
-    if kind == "burgers":
-        return ("samples/s", "samples_per_s"), int(task.batch)
-    return ("tok/s", "tokens_per_s"), int(task.batch) * int(task.seq_len)
+    fields (`cost.task_dims`' batch: every collocation set's points, or the batch of data pairs)."""
+    from tessera.ir.check_objectives import SCIENTIFIC_DATA
+    from tessera.ir.cost import task_dims
+
+    sizes = task_dims(exp)
+    if getattr(getattr(exp.task, "data", None), "kind", None) in SCIENTIFIC_DATA:
+        return ("samples/s", "samples_per_s"), int(sizes["batch"])
+    return ("tok/s", "tokens_per_s"), int(sizes["batch"]) * int(sizes["seq"])
