@@ -265,6 +265,16 @@ def _gemv_kernel(ex_ref, xw_ref, *refs, cfg: GemvConfig, rows: int, k: int, n: i
             pl.when(nt // tiles == j)(tile)
 
 
+def _span(ex_ref, r, ni, s, bn: int, cfg: GemvConfig, k: int, n: int, steps_per_split: int):
+    """A program's part: its columns c and which are in range, K/2 code rows, where its expert's codes and scales and
+    its pair's x start, and its K steps [lo, hi)."""
+    e = ex_ref[r]
+    c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
+    kh = k // 2
+    lo = s * steps_per_split
+    return (c, c < n, kh, e * kh, e * (k // 32), r * kh, lo, jnp.minimum(lo + steps_per_split, gemv_steps(k, cfg)))
+
+
 def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
                k: int, n: int, steps_per_split: int, count: int):
     """`_gemv_kernel`'s program for N tile `ni` of matrix `which`."""
@@ -272,13 +282,7 @@ def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: 
         return _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which, cfg=cfg, rows=rows, k=k,
                          n=n, steps_per_split=steps_per_split, count=count)
     bn, gq = cfg.block_n, cfg.groups
-    e = ex_ref[r]
-    c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
-    col_ok = c < n
-    kh = k // 2
-    code_base, scale_base, x_base = e * kh, e * (k // 32), r * kh
-    lo = s * steps_per_split
-    hi = jnp.minimum(lo + steps_per_split, gemv_steps(k, cfg))
+    c, col_ok, kh, code_base, scale_base, x_base, lo, hi = _span(ex_ref, r, ni, s, bn, cfg, k, n, steps_per_split)
 
     def load(kk, live):
         codes, xs, scs = [], [], []
@@ -337,13 +341,7 @@ def _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: i
     Hopper's warpgroup products take. Unmeasured on a GPU (session 31): not the default.
     """
     bn = cfg.block_n
-    e = ex_ref[r]
-    c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
-    col_ok = c < n
-    kh = k // 2
-    code_base, scale_base, x_base = e * kh, e * (k // 32), r * kh
-    lo = s * steps_per_split
-    hi = jnp.minimum(lo + steps_per_split, gemv_steps(k, cfg))
+    c, col_ok, kh, code_base, scale_base, x_base, lo, hi = _span(ex_ref, r, ni, s, bn, cfg, k, n, steps_per_split)
     # the pair's x scale from all of its row (every program of the pair reads it: 4 bytes a code row)
     every = jnp.arange(1 << max(0, kh - 1).bit_length(), dtype=jnp.int32)
     xe_all, xo_all = _x_pair(pltriton.load(xw_ref.at[x_base + jnp.minimum(every, kh - 1)], mask=every < kh,
