@@ -449,16 +449,23 @@ def test_dequant_ptx_is_bitwise_the_reference_on_an_emulator():
         np.testing.assert_array_equal(got.reshape(-1).astype(np.uint16), _reference_bits(nibble, scales))
 
 
+def _every_byte_in_every_position(seed: int):
+    """(bytes [4 positions, 256] as uint32, the 256 registers packing them): every byte value once in each of a
+    register's four positions, the other positions random permutations."""
+    rng = np.random.default_rng(seed)
+    b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
+    for pos in range(4):
+        rolled = np.roll(b, pos, axis=0)
+        yield rolled, rolled[0] | rolled[1] << 8 | rolled[2] << 16 | rolled[3] << 24
+
+
 def test_pair_ptx_is_bitwise_the_jnp_bits_on_an_emulator():
     """`_PAIR_PTX` (four code bytes a register -> four fp16 pairs) gives `pair_halves`'s jnp bits for every
     byte in every one of the four positions."""
     from tessera.lower.kernels.mxfp4_gemv import _PAIR_PTX
 
-    rng = np.random.default_rng(3)
-    b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
-    for pos in range(4):  # each byte value once in each position
-        rolled = np.roll(b, pos, axis=0)
-        out = _run_ptx(_PAIR_PTX, {"$4": rolled[0] | rolled[1] << 8 | rolled[2] << 16 | rolled[3] << 24})
+    for rolled, word in _every_byte_in_every_position(3):
+        out = _run_ptx(_PAIR_PTX, {"$4": word})
         for i in range(4):
             want = np.asarray(pair_halves(jnp.asarray(rolled[i].astype(np.uint8)), ptx=False)).view(np.uint32)
             np.testing.assert_array_equal(out[f"${i}"], want)
@@ -470,12 +477,8 @@ def test_e4m3_ptx_is_bitwise_the_reference_on_an_emulator():
     route the interpreter takes gives the same bits."""
     from tessera.lower.kernels.mxfp4_gemv import _E4M3_HI, _E4M3_LO, E4M3_SHIFT, nibbles_e4m3
 
-    rng = np.random.default_rng(4)
-    b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
     table = np.asarray(ref.E2M1, np.float32) / np.float32(E4M3_SHIFT)
-    for pos in range(4):
-        rolled = np.roll(b, pos, axis=0)
-        word = rolled[0] | rolled[1] << 8 | rolled[2] << 16 | rolled[3] << 24
+    for rolled, word in _every_byte_in_every_position(4):
         jnp_lo, jnp_hi = nibbles_e4m3(jnp.asarray(rolled.astype(np.uint8)), ptx=False)
         for asm, nib, via_jnp in ((_E4M3_LO, rolled & 15, jnp_lo), (_E4M3_HI, rolled >> 4, jnp_hi)):
             out = _run_ptx(asm, {"$4": word})
@@ -491,12 +494,8 @@ def test_e4m3_f16_ptx_is_bitwise_the_reference_on_an_emulator():
     jnp route the interpreter takes gives the same bits."""
     from tessera.lower.kernels.mxfp4_gemv import _E4M3_F16_HI, _E4M3_F16_LO, E4M3_SHIFT, nibbles_f16
 
-    rng = np.random.default_rng(6)
-    b = np.stack([np.arange(256, dtype=np.uint32)] + [rng.permutation(256).astype(np.uint32) for _ in range(3)])
     table = (np.asarray(ref.E2M1, np.float32) / np.float32(E4M3_SHIFT)).astype(np.float16).view(np.uint16)
-    for pos in range(4):
-        rolled = np.roll(b, pos, axis=0)
-        word = rolled[0] | rolled[1] << 8 | rolled[2] << 16 | rolled[3] << 24
+    for rolled, word in _every_byte_in_every_position(6):
         jnp_lo, jnp_hi = nibbles_f16(jnp.asarray(rolled.astype(np.uint8)), ptx=False)
         for asm, nib, via_jnp in ((_E4M3_F16_LO, rolled & 15, jnp_lo), (_E4M3_F16_HI, rolled >> 4, jnp_hi)):
             out = _run_ptx(asm, {"$2": word})
