@@ -76,21 +76,27 @@ def test_auto_takes_the_kernel_where_supported_and_computes_the_same(monkeypatch
     assert report["layers/moe experts"] == "grouped_matmul (Pallas, Mosaic GPU)"
 
 
+def _generation_against_the_reference(overrides: dict, seed: int):
+    """(compile_(kernels) of the small spec with `overrides` as an inference task, its reference program's params,
+    2 prompts of 5 tokens, the reference's 4 new tokens for them)."""
+    from tessera.spec.tasks import ForwardTask
+
+    forward = ForwardTask(kind="forward", tokens=[[1, 2]])  # packed experts are for inference tasks
+    compile_ = lambda kernels: tessera.compile(  # noqa: E731
+        tessera.load(SPEC, overrides={**SMALL, **overrides, "kernels": kernels}).model_copy(update={"task": forward}))
+    reference = compile_("reference")
+    params = reference.init(0)
+    prompts = np.random.default_rng(seed).integers(0, 64, (2, 5)).astype(np.int32)
+    return compile_, params, prompts, np.asarray(reference.generate(params, prompts, max_new_tokens=4))
+
+
 def test_decode_multiplies_unsorted_pairs_by_packed_experts(monkeypatch):
     """Decoding a packed-expert model takes the pairs kernel (no sort) and generates what the reference does."""
     from tessera.lower.kernels import mxfp4_matmul as mk
     from tessera.lower.reference import mxfp4
 
-    from tessera.spec.tasks import ForwardTask
-
     rules = {"numerics.rules": {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "fp32"}}
-    forward = ForwardTask(kind="forward", tokens=[[1, 2]])  # packed experts are for inference tasks
-    compile_ = lambda kernels: tessera.compile(tessera.load(SPEC, overrides={**SMALL, **rules, "kernels": kernels})
-                                               .model_copy(update={"task": forward}))
-    reference = compile_("reference")
-    params = reference.init(0)
-    prompts = np.random.default_rng(1).integers(0, 64, (2, 5)).astype(np.int32)
-    expected = np.asarray(reference.generate(params, prompts, max_new_tokens=4))
+    compile_, params, prompts, expected = _generation_against_the_reference(rules, seed=1)
     calls = []
 
     def fake_pairs(lhs, rhs, experts, **kw):  # stands in for the GPU kernel: same semantics, counted
@@ -113,15 +119,7 @@ def test_decode_routes_with_the_routing_kernel(monkeypatch):
     does; prefill keeps the reference (the report names only the decode op)."""
     from tessera.lower.kernels import moe_route
 
-    from tessera.spec.tasks import ForwardTask
-
-    forward = ForwardTask(kind="forward", tokens=[[1, 2]])
-    compile_ = lambda kernels: tessera.compile(tessera.load(SPEC, overrides={**SMALL, "kernels": kernels})  # noqa: E731
-                                               .model_copy(update={"task": forward}))
-    reference = compile_("reference")
-    params = reference.init(0)
-    prompts = np.random.default_rng(2).integers(0, 64, (2, 5)).astype(np.int32)
-    expected = np.asarray(reference.generate(params, prompts, max_new_tokens=4))
+    compile_, params, prompts, expected = _generation_against_the_reference({}, seed=2)
     calls = []
     interpreted = moe_route.route_blocks
 
