@@ -58,6 +58,11 @@ def concrete(t: TensorType, sizes: dict) -> TensorType:
     return TensorType(t.dtype, dims, t.shard)
 
 
+def shape_at(t: TensorType, sizes: dict) -> tuple[int, ...]:
+    """The shape of `t` with its run-time dims sized from `sizes`."""
+    return tuple(d.size for d in concrete(t, sizes).dims)
+
+
 # ---- task sizes ---------------------------------------------------------------------------------------
 
 def _prompt_len(prompt) -> int:
@@ -104,7 +109,7 @@ def loss_sizes(graph: Graph, exp) -> list[tuple]:
 
 def loss_inputs(losses: list) -> dict[str, tuple[tuple[int, ...], str]]:
     """{input name: (shape, IR element type)} of the loss entries' inputs at their `loss_sizes`."""
-    return {a.name: (tuple(d.size for d in concrete(a.type, sizes).dims), a.type.dtype)
+    return {a.name: (shape_at(a.type, sizes), a.type.dtype)
             for loss, sizes in losses for a in loss.region.args}
 
 

@@ -398,11 +398,11 @@ class Program:
             pos = jnp.zeros((b, 1), jnp.int32)
             return eval_region(body, [t], p, self.lower_ctx(mode="decode", positions=pos, report=decoding), state)[0]
 
-        (arg,) = body.args[:1]
-        from tessera.ir.cost import concrete
+        from tessera.ir.cost import shape_at
         from tessera.lower.context import jnp_dtype
 
-        x = sds(tuple(d.size for d in concrete(arg.type, sizes).dims), jnp_dtype(arg.type.dtype))
+        arg = body.args[0]  # the model's input as it declares it: token ids, or points and fields
+        x = sds(shape_at(arg.type, sizes), jnp_dtype(arg.type.dtype))
         with jax.default_matmul_precision(self.matmul_precision):
             jax.eval_shape(forward, params, x)
             if not self.graph.losses:  # a language model's decoding step (loss-entry models do not generate)
