@@ -266,17 +266,22 @@ def device_count(events: list[Event]) -> int:
 
 # ---- the tables ---------------------------------------------------------------------------------------------
 
-def by_op(events: list[Event], hlo: dict[str, HloOp], labels: list[str], steps: int,
-          param_labels: dict[str, str] | None = None) -> list[dict]:
-    """Seconds per step per (phase, IR op) on one device (the mean over devices), most first."""
+def _labeled(events: list[Event], hlo: dict[str, HloOp], labels: list[str], param_labels: dict[str, str] | None):
+    """(event, phase, IR op label) of each event; each instruction labelled once (`op_label`)."""
     labels = sorted(labels, key=len, reverse=True)
-    devices = max(device_count(events), 1)
     cache: dict[str, tuple[str, str]] = {}
-    rows: dict[tuple[str, str], dict] = {}
     for e in events:
         if e.hlo_op not in cache:
             cache[e.hlo_op] = op_label(hlo.get(e.hlo_op), labels, param_labels)
-        phase, label = cache[e.hlo_op]
+        yield (e, *cache[e.hlo_op])
+
+
+def by_op(events: list[Event], hlo: dict[str, HloOp], labels: list[str], steps: int,
+          param_labels: dict[str, str] | None = None) -> list[dict]:
+    """Seconds per step per (phase, IR op) on one device (the mean over devices), most first."""
+    devices = max(device_count(events), 1)
+    rows: dict[tuple[str, str], dict] = {}
+    for e, phase, label in _labeled(events, hlo, labels, param_labels):
         row = rows.setdefault((phase, label), {"op": label, "phase": phase, "seconds": 0.0, "events": 0})
         row["seconds"] += e.seconds
         row["events"] += 1
@@ -289,14 +294,9 @@ def by_kernel(events: list[Event], hlo: dict[str, HloOp], labels: list[str], ste
     one device, most first: a kernel name shared by instructions of several ops or phases (Mosaic's
     `anonymous_mosaic_gpu_kernel` for prefill's and decode's attention, one cuBLAS kernel for the unembedding of
     the prompt and of each new token) is a row for each, with the first instruction's HLO name."""
-    labels = sorted(labels, key=len, reverse=True)
     devices = max(device_count(events), 1)
-    cache: dict[str, tuple[str, str]] = {}
     rows: dict[tuple[str, str, str], dict] = {}
-    for e in events:
-        if e.hlo_op not in cache:
-            cache[e.hlo_op] = op_label(hlo.get(e.hlo_op), labels, param_labels)
-        phase, label = cache[e.hlo_op]
+    for e, phase, label in _labeled(events, hlo, labels, param_labels):
         row = rows.setdefault((e.kernel, phase, label), {"kernel": e.kernel, "op": label, "phase": phase,
                                                          "hlo_op": e.hlo_op, "seconds": 0.0, "events": 0})
         row["seconds"] += e.seconds
