@@ -138,7 +138,7 @@ def main():
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
     variants = _variants()
     if args.variants:
-        variants = {k: v for k, v in variants.items() if k in args.variants.split(",") or k == "grouped"}
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",") or k in ("grouped", "default")}
     result = {"device": dev.device_kind, "jax": jax.__version__}
     result["ptx_ok"] = check_ptx()
     result["errors"] = check(variants)

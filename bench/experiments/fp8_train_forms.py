@@ -1,0 +1,120 @@
+"""One fp8 linear's forward and backward as a train step runs it (x [m, k] bf16 activations after a producer, w [k, n]
+fp32 master weight, cotangent g): bf16, per_tensor and delayed scaling, and delayed scaling without its fallback to
+the current amax for an empty history ("history only": the cast then need not wait on x's own reduction).
+
+    python -m bench.experiments.fp8_train_forms
+
+Measured (session 32, one H100, jax 0.11.2; fwd+bwd ms at m = 16,384 tokens):
+
+| shape (k -> n) | bf16 | fp8 per_tensor | fp8 delayed (select) | delayed, history only |
+|---|---|---|---|---|
+| 2048 -> 8192 (MLP up) | 1.690 | 1.444 | 1.233 | 1.217 |
+| 8192 -> 2048 (MLP down) | 1.822 | 1.799 | 1.414 | 1.416 |
+| 2048 -> 2048 (q) | 0.474 | 0.552 | 0.425 | 0.424 |
+
+So the select costs nothing measurable, and per_tensor's product is 1.17-1.30x slower than delayed's. A fourth form
+put every operand contiguous along K ("TN", cuBLASLt's fp8 layout: w.T in the forward, x.T and g.T in the weight
+gradient, each transposed behind an optimization barrier): bitwise the same gradients and within 1 % of per_tensor's
+time at all three shapes, i.e. XLA already lays the operands out for cuBLAS itself; not kept. In the whole
+Llama-1B step (`bench.e2e`, same device call) delayed(16) took 262.5 ms against bf16's 273.9 (1.04x) and 194 s to
+compile the step (bf16: 22 s): the products' gain does not reach the step.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+
+from bench.timing import time_jax
+from tessera.lower.reference import fp8
+
+SHAPES = [("llama-1b mlp up b8x2048", 16384, 2048, 8192), ("llama-1b mlp down b8x2048", 16384, 8192, 2048),
+          ("llama-1b q b8x2048", 16384, 2048, 2048)]
+
+
+def _patched(fn, **patches):
+    """fn with reference/fp8.py's functions replaced while it traces (the forward and its VJP both: `step` traces
+    the whole forward-and-backward inside fn's call)."""
+    def traced(*args):
+        old = {k: getattr(fp8, k) for k in patches}
+        for k, v in patches.items():
+            setattr(fp8, k, v)
+        try:
+            return fn(*args)
+        finally:
+            for k, v in old.items():
+                setattr(fp8, k, v)
+
+    traced.patches = patches
+    return traced
+
+
+def step(fn):
+    """The jitted forward and backward of fn after a producer (SwiGLU's silu, which a cast that needs no reduction
+    can fuse into), at cotangent g: (dx, dw)."""
+    def grads(x, w, g):
+        return jax.vjp(lambda x, w: fn(jax.nn.silu(x), w), x, w)[1](g)
+
+    return jax.jit(_patched(grads, **getattr(fn, "patches", {})))
+
+
+def _history_only(x, row, dtype, amax=None):
+    # delayed scaling without the current-amax fallback for an empty history: the scale no longer waits on x's
+    # own reduction, so XLA may fuse the cast into x's producer (the amax is still measured, for the history)
+    s = fp8._pow2_scale(jnp.max(row), dtype)
+    big = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
+
+
+def _delayed(history_only: bool):
+    hist = jnp.zeros((3, 16), jnp.float32).at[:, 1].set(jnp.asarray([5.0, 0.15, 6e-3]))  # about the inputs' amaxes
+
+    def product(x, w):
+        return fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, preferred_element_type=jnp.bfloat16,
+                          scaling="delayed(16)", history=hist)
+
+    return _patched(product, quantize_delayed=_history_only) if history_only else product
+
+
+def per_tensor(x, w):
+    return fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, preferred_element_type=jnp.bfloat16)
+
+
+def forms():
+    return {
+        "bf16": lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16),
+        "fp8 per_tensor": per_tensor,
+        "fp8 delayed (select)": _delayed(False),
+        "fp8 delayed, history only": _delayed(True),
+    }
+
+
+def main() -> None:
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    for name, m, k, n in SHAPES:
+        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k ** -0.5
+        g = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16) * 1e-3
+        work = 3 * 2.0 * m * k * n
+        got = {}
+        for label, fn in forms().items():
+            run = step(fn)
+            got[label] = run(x, w, g)
+            ms = time_jax(run, x, w, g)
+            hlo = run.lower(x, w, g).compile().as_text()
+            kinds = sorted(set(t for pair in re.findall(r'custom_call_target="([^"]+)"|kind=k(\w+)', hlo)
+                               for t in pair if t))
+            gemms = len(re.findall(r"__cublas\$lt\$matmul|__cublas\$gemm|gemm_fusion", hlo))
+            print(f"  {name:<26} {label:<22} {ms:7.3f} ms {work / ms / 1e9:7.1f} TFLOP/s  gemm calls {gemms} "
+                  f"{kinds}", flush=True)
+        ref = got["fp8 per_tensor"]
+        for label, (dx, dw) in got.items():
+            err = [float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+                   for a, b in ((dx, ref[0]), (dw, ref[1]))]
+            print(f"  {name:<26} {label:<22} vs per_tensor: dx {err[0]:.1e} dw {err[1]:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
