@@ -21,6 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.experiments.mxfp4_gemv_mma import MmaConfig, dispatching_tile  # noqa: E402
 from tessera.lower.kernels import moe_route, mxfp4_gemv  # noqa: E402
 from tessera.lower.reference import moe  # noqa: E402
 
@@ -82,11 +83,10 @@ def _route_reference(blocks, bias, top_k, config=None):
 
 
 def _tensor_cores(block_n: int, weights_first: bool = False, num_warps: int = 4):
-    # pair_dot's default config on the tensor-core route (GemvConfig.mma)
+    # pair_dot's config on the tensor-core route (mxfp4_gemv_mma.py), its tile installed beside it
     def config(r, k, n, *, interpret=False):
-        return mxfp4_gemv.GemvConfig(block_n=block_n, num_warps=num_warps, mma=True,
-                                     mma_weights_first=weights_first, interpret=interpret)
-    return config
+        return MmaConfig(block_n=block_n, num_warps=num_warps, weights_first=weights_first, interpret=interpret)
+    return [(mxfp4_gemv, "pair_config", config), (mxfp4_gemv, "_gemv_tile", dispatching_tile)]
 
 
 def _gemv_fewer_splits(lhs, rhs, experts, cfg, out_dtype):
@@ -113,10 +113,10 @@ VARIANTS = {
     "ablate: no router": [(moe, "route", _no_router)],
     "gemv 264 programs": [(mxfp4_gemv, "gemv", _gemv_fewer_splits)],
     "routing: reference": [(moe_route, "route_blocks", _route_reference)],
-    "gemv mma n256": [(mxfp4_gemv, "pair_config", _tensor_cores(256))],
-    "gemv mma n512": [(mxfp4_gemv, "pair_config", _tensor_cores(512))],
-    "gemv mma n256 wf": [(mxfp4_gemv, "pair_config", _tensor_cores(256, True))],
-    "gemv mma n512 wf": [(mxfp4_gemv, "pair_config", _tensor_cores(512, True))],
+    "gemv mma n256": _tensor_cores(256),
+    "gemv mma n512": _tensor_cores(512),
+    "gemv mma n256 wf": _tensor_cores(256, True),
+    "gemv mma n512 wf": _tensor_cores(512, True),
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv)],
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
 }

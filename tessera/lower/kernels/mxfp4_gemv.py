@@ -67,8 +67,6 @@ class GemvConfig:
     dequant: str = "e4m3"
     programs: int = 396  # splits=0: K splits until about this many programs (3 an SM of an H100 / H200)
     fma: bool = True  # products summed by fused multiply-adds (`fma`); False: a multiply and an add each
-    mma: bool = False  # the products on the tensor cores (`_mma_tile`; e4m3 only): see `_mma_tile`
-    mma_weights_first: bool = False  # mma: the weights the dot's left operand ([block_n, 16] by x's [16, 16])
     interpret: bool = False
 
     def __post_init__(self):
@@ -82,8 +80,6 @@ class GemvConfig:
             raise ValueError(f"splits ({self.splits}) and ahead ({self.ahead}) must be >= 0")
         if self.dequant not in ("e4m3", "pair"):
             raise ValueError(f"dequant {self.dequant!r} is not one of e4m3, pair")
-        if self.mma and (self.dequant != "e4m3" or self.groups != 1):
-            raise ValueError("mma takes dequant e4m3 and one scale group a step")
 
 
 def pair_config(r: int, k: int, n: int, *, interpret: bool = False) -> GemvConfig:
@@ -136,19 +132,6 @@ _E4M3_LO = _E4M3_PTX.format(place=_PLACE_LO.format(x="$4"))
 _E4M3_HI = _E4M3_PTX.format(place=_PLACE_HI.format(x="$4"))
 E4M3_SHIFT = 64.0  # the E4M3 values are the E2M1 values times 2^-6
 
-# The same placement, the values left in fp16 two a register (the tensor-core route's operand, `_mma_tile`).
-_E4M3_F16 = """{{
-.reg .b32 m, s, q;
-.reg .b16 p0, p1;
-{place}
-or.b32 q, m, s;
-mov.b32 {{p0, p1}}, q;
-cvt.rn.f16x2.e4m3x2 $0, p0;
-cvt.rn.f16x2.e4m3x2 $1, p1;
-}}"""
-_E4M3_F16_LO = _E4M3_F16.format(place=_PLACE_LO.format(x="$2"))
-_E4M3_F16_HI = _E4M3_F16.format(place=_PLACE_HI.format(x="$2"))
-
 # One code byte b -> its low nibble's value in the low fp16 half and its high nibble's in the high half,
 # each the fp16 bit pattern s000 0mmm 0000 0000 (the E2M1 value times 2^-14, the code 0.5 a subnormal:
 # fp16 -> fp32 conversion keeps it, exact). b * 0x200200 puts b's bits 0-2 at 9-11 and its bits 4-6 at
@@ -185,18 +168,6 @@ def nibbles_e4m3(codes, *, ptx: bool):
             for asm in (_E4M3_LO, _E4M3_HI))
     c = codes.astype(jnp.int32)
     return tuple(_e2m1_to_f32(nib) * (FP16_SHIFT / E4M3_SHIFT) for nib in (c & 15, c >> 4))
-
-
-def nibbles_f16(codes, *, ptx: bool):
-    """uint8 code bytes -> (low-nibble, high-nibble) values times 2^-6 in fp16 (`_E4M3_F16`: every such value is
-    a normal fp16, exact), off the GPU from jnp ops."""
-    if ptx:
-        out = jax.ShapeDtypeStruct(codes.shape, jnp.float16)
-        return tuple(pltriton.elementwise_inline_asm(asm, args=[codes], pack=4, constraints="=r,=r,r",
-                                                     result_shape_dtypes=[out])[0]
-                     for asm in (_E4M3_F16_LO, _E4M3_F16_HI))
-    c = codes.astype(jnp.int32)
-    return tuple((_e2m1_to_f32(nib) * (FP16_SHIFT / E4M3_SHIFT)).astype(jnp.float16) for nib in (c & 15, c >> 4))
 
 
 def _nibbles_f32(codes, cfg: GemvConfig):
@@ -278,9 +249,6 @@ def _span(ex_ref, r, ni, s, bn: int, cfg: GemvConfig, k: int, n: int, steps_per_
 def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
                k: int, n: int, steps_per_split: int, count: int):
     """`_gemv_kernel`'s program for N tile `ni` of matrix `which`."""
-    if cfg.mma:
-        return _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which, cfg=cfg, rows=rows, k=k,
-                         n=n, steps_per_split=steps_per_split, count=count)
     bn, gq = cfg.block_n, cfg.groups
     c, col_ok, kh, code_base, scale_base, x_base, lo, hi = _span(ex_ref, r, ni, s, bn, cfg, k, n, steps_per_split)
 
@@ -313,73 +281,6 @@ def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: 
 
     acc = _steps(load, step, lo, hi, jnp.zeros((bn,), jnp.float32), ahead=cfg.ahead)
     out = (acc * _nibble_shift(cfg)).astype(out_ref.dtype)
-    pltriton.store(out_ref.at[((s * count + which) * rows + r) * n + c], out, mask=col_ok)
-
-
-def _pow2_exponent(v):
-    """floor(log2(v)) for fp32 v > 0 normal, from its exponent bits (-127 for 0 and subnormals)."""
-    return ((lax.bitcast_convert_type(v, jnp.int32) >> 23) & 0xFF) - 127
-
-
-def _pow2(e):
-    """2^e in fp32 for int32 e in [-126, 127], from its bits."""
-    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
-
-def _mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
-              k: int, n: int, steps_per_split: int, count: int):
-    """`_gemv_tile` with the products on the tensor cores: a scale group's 16 code rows are two [16, block_n]
-    fp16 operands (low nibbles: the even K rows, high nibbles: the odd ones), each one instruction for two
-    values (`_E4M3_F16`), where the FMA route converts each value on to fp32 and multiplies it there (~10
-    instructions a code byte in all, issue-bound at about half the copy bandwidth: the module docstring). x
-    is the other operand, in row 0 of a [16, 16] fp16 tile (the rest zeros): x times 2^t, t the power of two
-    that brings the pair's largest |x| into [2^14, 2^15), so every x within 2^-28 of that largest is exact in
-    fp16 (bf16's 8 bits fit fp16's 11) and the products are exact in the fp32 accumulator; smaller x round to
-    fp16's subnormals. The group's products, summed by the dot, are scaled by the group's scale row and summed
-    over the groups in K order (fp32), then times 2^-t. `mma_weights_first` puts the weights on the left
-    ([block_n, 16] tiles, x in column 0 of the right): the same sums with block_n as the dot's M, the shape
-    Hopper's warpgroup products take. Unmeasured on a GPU (session 31): not the default.
-    """
-    bn = cfg.block_n
-    c, col_ok, kh, code_base, scale_base, x_base, lo, hi = _span(ex_ref, r, ni, s, bn, cfg, k, n, steps_per_split)
-    # the pair's x scale from all of its row (every program of the pair reads it: 4 bytes a code row)
-    every = jnp.arange(1 << max(0, kh - 1).bit_length(), dtype=jnp.int32)
-    xe_all, xo_all = _x_pair(pltriton.load(xw_ref.at[x_base + jnp.minimum(every, kh - 1)], mask=every < kh,
-                                           other=0))
-    amax = jnp.maximum(jnp.max(jnp.abs(xe_all)), jnp.max(jnp.abs(xo_all)))
-    t = jnp.clip(14 - _pow2_exponent(amax), -126, 126)
-    up, down = _pow2(t), _pow2(-t)
-    i16 = jnp.arange(16, dtype=jnp.int32)
-    wf = cfg.mma_weights_first  # tiles [block_n, 16] (weights left), else [16, block_n] (x left)
-
-    def load(kk, live):
-        j = kk * 16 + i16  # the step's code rows
-        ok = live & (j < kh)
-        at, mask = ((c[:, None], j[None, :]), col_ok[:, None] & ok[None, :]) if wf else \
-            ((c[None, :], j[:, None]), ok[:, None] & col_ok[None, :])
-        codes = pltriton.load(codes_ref.at[(code_base + at[1]) * n + at[0]], mask=mask, other=0)
-        xs = pltriton.load(xw_ref.at[x_base + jnp.minimum(j, kh - 1)], mask=ok, other=0)
-        g_ok = live & (kk < k // 32)
-        scales = pltriton.load(scales_ref.at[(scale_base + kk) * n + c], mask=col_ok & g_ok, other=0)
-        return codes, xs, scales
-
-    def step(tiles, acc):
-        codes, xs, scales = tiles
-        w_lo, w_hi = nibbles_f16(codes, ptx=not cfg.interpret)
-        x_e, x_o = _x_pair(xs)
-        def tile(v):  # x times 2^t in fp16, in column 0 (weights first) or row 0 of a [16, 16] tile of zeros
-            h = (v * up).astype(jnp.float16)
-            at = (i16[None, :] == 0, h[:, None]) if wf else (i16[:, None] == 0, h[None, :])
-            return jnp.where(*at, 0).astype(jnp.float16)
-
-        if wf:  # part [bn, 16], columns 1-15 zero
-            part = pltriton.dot(w_lo, tile(x_e)) + pltriton.dot(w_hi, tile(x_o))
-            return acc + _scale_f32(scales)[:, None] * part
-        part = pltriton.dot(tile(x_e), w_lo) + pltriton.dot(tile(x_o), w_hi)  # [16, bn] fp32, rows 1-15 zero
-        return acc + _scale_f32(scales)[None, :] * part
-
-    acc = _steps(load, step, lo, hi, jnp.zeros((bn, 16) if wf else (16, bn), jnp.float32), ahead=cfg.ahead)
-    out = (jnp.sum(acc, axis=1 if wf else 0) * (E4M3_SHIFT * down)).astype(out_ref.dtype)  # x's row or column
     pltriton.store(out_ref.at[((s * count + which) * rows + r) * n + c], out, mask=col_ok)
 
 

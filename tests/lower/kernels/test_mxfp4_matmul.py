@@ -128,11 +128,6 @@ PAIR_CASES = [  # experts, K, N, config, out dtype, d lhs
     # route; one K split, so the kernel stores bf16 itself
     ([2, 0, 2], 96, 32, GemvConfig(block_n=32, groups=2, splits=1, ahead=0, dequant="pair", interpret=True),
      jnp.bfloat16, False),
-    # the tensor-core route: two K splits over three steps (the last split's second step masked), N off the tile
-    ([3, 0, 3, 1, 3], 96, 48, GemvConfig(block_n=32, splits=2, mma=True, interpret=True), jnp.float32, False),
-    # the same with the weights as the dot's left operand, one split, loads in the step, bf16 stored by the kernel
-    ([2, 0, 2], 96, 48, GemvConfig(block_n=32, splits=1, ahead=0, mma=True, mma_weights_first=True, interpret=True),
-     jnp.bfloat16, False),
     # the grouped kernel, each row its own run: split K, a masked last step, N off the tile
     ([1, 3, 1], 96, 48, Mxfp4Config(block_m=16, block_n=32, block_k=64, splits=2, interpret=True), jnp.float32,
      False),
@@ -157,24 +152,6 @@ def test_interpret_pair_dot(experts, k, n, cfg, dtype, grad):
     if grad:
         assert dlhs.dtype == lhs.dtype
         assert_close(dlhs, np.einsum("rn,rkn->rk", np.asarray(ct, np.float64), w), 1e-2, "dlhs")
-
-
-def test_interpret_tensor_core_route_scales_x_into_fp16():
-    """The tensor-core route carries x in fp16 scaled by a power of two from the pair's largest |x|: a zero row
-    gives zeros, rows at 2^40 and 2^-60 (outside fp16's range unscaled) and a row whose values span 2^40 match
-    the reference to fp32's rounding."""
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((4, 96)).astype(np.float32)
-    x[0], x[1], x[2], x[3, ::3] = 0.0, x[1] * 2.0 ** 40, x[2] * 2.0 ** -60, x[3, ::3] * 2.0 ** -40
-    lhs = jnp.asarray(x, jnp.bfloat16)
-    _, rhs, _ = _inputs(7, 4, 96, 48, [0] * 4)
-    ex = jnp.asarray([3, 0, 2, 1], jnp.int32)
-    cfg = GemvConfig(block_n=32, splits=2, mma=True, interpret=True)
-    got = np.asarray(jax.jit(lambda a: pair_dot(a, rhs, ex, preferred_element_type=jnp.float32, config=cfg))(lhs))
-    want = np.einsum("rk,rkn->rn", np.asarray(lhs.astype(jnp.float32), np.float64), _weights(rhs, [3, 0, 2, 1]))
-    assert not got[0].any()
-    for row in range(1, 4):
-        assert_close(got[row], want[row], 1e-5, f"row {row}")
 
 
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=32, splits=2, interpret=True),
@@ -205,7 +182,7 @@ def test_gemv_config_and_splits(monkeypatch):
     """Bad configs are refused; splits=0 splits K until ~3 programs an SM, never into empty splits; the
     default converts through E4M3 from compute capability 8.9 on, through fp16 pairs below."""
     for bad in (dict(block_n=96), dict(block_n=16), dict(groups=3), dict(dequant="f16"), dict(dequant="fp8"),
-                dict(splits=-1), dict(mma=True, dequant="pair"), dict(mma=True, groups=2)):
+                dict(splits=-1)):
         with pytest.raises(ValueError):
             GemvConfig(**bad)
     assert gemv_splits(4, 2880, 2880, GemvConfig(block_n=256)) == 9  # 9 wanted (4 x 12 x 9 >= 396): 10 steps a split
@@ -297,23 +274,6 @@ def test_gpu_pair_dot_default_matches_reference(r, g, n):
     got = jax.jit(lambda a, b, e: pair_dot(a, b, e, preferred_element_type=jnp.float32))(lhs, rhs, ex)
     assert_close(got, want, 1e-5, "fp32 out")
     assert_close(jax.jit(pair_dot)(lhs, rhs, ex), want, 1e-2, "bf16 out")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("r,n,block_n,weights_first", [(4, 5760, 256, False), (1, 2880, 512, False),
-                                                       (5, 200, 128, False), (4, 2880, 256, True)])
-def test_gpu_pair_dot_tensor_core_route_matches_reference(r, n, block_n, weights_first):
-    """On a GPU: the tensor-core route (`GemvConfig(mma=True)`, not the default), x or the weights on the dot's
-    left, against the reference's pair_dot, unsorted experts with a repeat, fp32 out."""
-    rng = np.random.default_rng(r * n)
-    lhs, rhs, _ = _inputs(r + n, r, 2880, n, [0] * 32)
-    experts = rng.integers(0, 32, r).astype(np.int32)
-    experts[-1] = experts[0]
-    ex = jnp.asarray(experts)
-    cfg = GemvConfig(block_n=block_n, num_warps=4, mma=True, mma_weights_first=weights_first)
-    want = ref.pair_dot(lhs.astype(jnp.float32), rhs, ex, preferred_element_type=jnp.float32)
-    got = jax.jit(lambda a: pair_dot(a, rhs, ex, preferred_element_type=jnp.float32, config=cfg))(lhs)
-    assert_close(got, want, 1e-5, "fp32 out")
 
 
 @pytest.mark.gpu
@@ -486,23 +446,6 @@ def test_e4m3_ptx_is_bitwise_the_reference_on_an_emulator():
             got = np.stack([out[f"${i}"] for i in range(4)])
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(np.asarray(via_jnp).view(np.uint32), want)
-
-
-def test_e4m3_f16_ptx_is_bitwise_the_reference_on_an_emulator():
-    """`_E4M3_F16_LO` / `_HI` (the tensor-core route: four code bytes -> four fp16 values of one nibble, times
-    2^-6, two a register, in element order): the E2M1 values exactly for every byte in every position; the
-    jnp route the interpreter takes gives the same bits."""
-    from tessera.lower.kernels.mxfp4_gemv import _E4M3_F16_HI, _E4M3_F16_LO, E4M3_SHIFT, nibbles_f16
-
-    table = (np.asarray(ref.E2M1, np.float32) / np.float32(E4M3_SHIFT)).astype(np.float16).view(np.uint16)
-    for rolled, word in _every_byte_in_every_position(6):
-        jnp_lo, jnp_hi = nibbles_f16(jnp.asarray(rolled.astype(np.uint8)), ptx=False)
-        for asm, nib, via_jnp in ((_E4M3_F16_LO, rolled & 15, jnp_lo), (_E4M3_F16_HI, rolled >> 4, jnp_hi)):
-            out = _run_ptx(asm, {"$2": word})
-            want = table[nib].astype(np.uint32)  # [4 positions, 256]
-            np.testing.assert_array_equal(out["$0"], want[0] | want[1] << 16)
-            np.testing.assert_array_equal(out["$1"], want[2] | want[3] << 16)
-            np.testing.assert_array_equal(np.asarray(via_jnp).view(np.uint16), table[nib])
 
 
 def test_fma_ptx_rounds_once_on_an_emulator():
