@@ -122,12 +122,11 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
     is fp32 or fp64 already; so too a model trained on collocation points (one objective, no canonical
     shards). Several microbatches: one microbatch's gradient plus the fp32 accumulator.
-    Deterministic mode (`deterministic.gradient_buffers`; on a mesh per element of the whole parameter): with a
-    power-of-two canonical shard count, the shard's gradient and level 0's partial sum (narrow where the shard loop
-    gets the parameter cast once: `precast`, tessera/lower/precast.py) and log2(shards a device) fp32 levels of
-    the running tree sum (llama_tiny, C = 8 on one device: 13.27 MiB of compiled temporaries against 18.21 with
-    every shard's gradient held, 1.25 MiB a gradient), plus on a mesh the ordered sum's two; otherwise an fp32
-    gradient per canonical shard of the device plus the reduction's. (Measured on one H200 with the sum held apart from the update, as it is computed to keep
+    Deterministic mode (`deterministic.gradient_buffers`; on a mesh per element of the whole parameter): an fp32
+    gradient per canonical shard of the device, plus the reduction's fp32 ones (their tree sum on one device; on
+    dp=8, llama_tiny at d_model 256 compiled to 29.4 MB of temporaries, four whole gradients); for a parameter the
+    shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the narrow copy and a narrow
+    gradient per shard. (Measured on one H200 with the sum held apart from the update, as it is computed to keep
     the update's arithmetic the same on every mesh: Llama-1B 42.7 GiB against this model's 43.4, 20b-layers 54.6
     against 58.3.)"""
     held = array_bits(dtype) / 8

@@ -78,17 +78,14 @@ def _power_of_two(n: int) -> bool:
 
 
 def gradient_buffers(c: int, devices: int) -> tuple[int, float]:
-    """The gradients a device holds in the train step, in whole gradients: (those typed as the shard loop's
-    parameters, fp32 ones). When C is a power of two, a device's C / n = 2^L shards are summed as they come
-    (`opaque_fold`): the shard's own and level 0's partial as the loop's parameters, the L wider levels (the last the
-    sum; one widened copy when L = 0) in fp32, and on a mesh `ordered_sum`'s all-to-all pieces and gathered sum.
-    Otherwise every shard's own gradient and the reduction's: their tree sum on one device; on a mesh every shard's
-    gathered and their sum. What `tessera plan` counts (`Deterministic.train_step` is the program)."""
+    """The gradients a device holds in the train step, in whole gradients: (its canonical shards' own, typed as the
+    shard loop's parameters; fp32 ones of the reduction: the tree sum on one device; on a mesh, when C is a power
+    of two, `ordered_sum`'s all-to-all buffers and its gathered sum, otherwise every shard's gathered and their
+    sum). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
     shards = max(1, c // devices)
-    if _power_of_two(c):
-        levels = max(1, shards.bit_length() - 1)
-        return 2, float(levels if devices == 1 else levels + 2)
-    return shards, 1.0 if devices == 1 else c + 1.0
+    if devices == 1:
+        return shards, 1.0
+    return shards, 3.0 if _power_of_two(c) else c + 1.0
 
 
 def _entries(spec: P):
@@ -149,47 +146,6 @@ def opaque_map(fn, xs, n: int):
     return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, init)
 
 
-def opaque_fold(fn, xs, n: int, widths: dict):
-    """(stacked, summed): fn(x) = (a, g) over the leading axis of xs as `opaque_map` runs it, the a's stacked [n, ...]
-    and the g's (a dict of arrays, n a power of two) summed in `tree_sum`'s tree, each widened to `widths[key]`: the
-    very adds of `tree_sum(stack(g's).astype(width))`, made as the g's arrive. Arrival i is combined like a binary
-    counter: with t the trailing one bits of i, it is added to the partial sums of levels 0 .. t - 1 (each earlier
-    partial on the left) and becomes level t's; the last arrival leaves the whole sum at level log2(n). A device
-    holds log2(n) + 1 partials (level 0 as fn returns it, narrow where the shard loop's parameters are) where
-    stacking held n gradients (`gradient_buffers`). The combining runs in the branches of a `lax.switch` on t: a
-    computation of its own, so no add is fused with the arithmetic that made the g's (which then compiles as it
-    does stacked)."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"opaque_fold sums a power of two of arrivals, not {n}")
-    levels = n.bit_length()  # log2(n) + 1
-    first = jax.tree.map(lambda a: a[0], xs)
-    fn = jax.jit(fn)
-    stacked_shape, leaf_shape = jax.eval_shape(fn, first)
-    xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0), xs)  # as opaque_map
-    stacked = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), stacked_shape)
-    partials = tuple({k: jnp.zeros(s.shape, s.dtype if level == 0 else widths[k]) for k, s in leaf_shape.items()}
-                     for level in range(levels))
-
-    def carry(t):  # arrival with t trailing ones: the sum of the last 2^t arrivals becomes level t's partial
-        def branch(parts, leaf):
-            v = leaf if t == 0 else {k: g.astype(widths[k]) for k, g in leaf.items()}
-            for level in range(t):  # p[0] + leaf (the latest pair), then p[1] + that, ...: tree_sum's pairs
-                v = {k: parts[level][k].astype(widths[k]) + v[k] for k in v}
-            return tuple(v if level == t else p for level, p in enumerate(parts))
-        return branch
-
-    def body(i, acc):
-        out, parts = acc
-        a, g = fn(jax.tree.map(lambda arr: jax.lax.dynamic_index_in_dim(arr, i, keepdims=False), xs))
-        out = jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), out, a)
-        t = jax.lax.population_count(i ^ (i + 1)) - 1  # trailing ones of i
-        return out, jax.lax.switch(t, [carry(level) for level in range(levels)], parts, g)
-
-    out, parts = jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, (stacked, partials))
-    total = {k: v.astype(widths[k]) for k, v in parts[-1].items()}
-    return out, total
-
-
 def fenced(fn, *args):
     """fn(*args) as a computation of its own: the branch of a conditional whose predicate XLA cannot know, so
     nothing outside is fused with what fn computes, and fn's arithmetic (where XLA:CPU contracts a product and a
@@ -217,14 +173,6 @@ def _blockwise(opt_state) -> bool:
     whose update takes dot products over whole parameters and re-evaluates the loss."""
     lbfgs = lambda t: isinstance(t, optax.ScaleByLBFGSState)  # noqa: E731
     return not any(lbfgs(t) for t in jax.tree.leaves(opt_state, is_leaf=lbfgs))
-
-
-def _split_shard(out, history):
-    """A shard's (or the stacked shards') `value_and_grad` output -> ((loss sums, counts, terms, amaxes), the
-    parameters' gradients): the histories' cotangents (fp8 amaxes, combined by max) set apart from the sums."""
-    (sums, (counts, terms)), grads = out
-    grads, amaxes = fp8_delayed.split(grads, history)
-    return (sums, counts, terms, amaxes), grads
 
 
 def _per_spec(fn, specs, tree):
@@ -368,17 +316,10 @@ class Deterministic:
 
             grad_fn = jax.value_and_grad(scaled, has_aux=True)
             inputs = self._precast(lambda p, sh: scaled(p, sh)[0], fp8_delayed.merged(full, history), batch, c)
-            widths = {k: v.dtype for k, v in full.items()}
-            if _power_of_two(c):  # this device's shards are one aligned subtree: summed as they come
-                local = jax.tree.map(lambda a: a.reshape((c // self.devices, -1) + a.shape[1:]), batch)
-                (sums, counts, terms, amaxes), grads = opaque_fold(
-                    lambda sh: _split_shard(grad_fn(inputs, sh), history), local, c // self.devices, widths)
-                grads = {k: ordered_sum(g, self.axes) for k, g in grads.items()} if self.axes else grads
-            else:
-                (sums, counts, terms, amaxes), grads = _split_shard(
-                    self._local_shards(lambda sh: grad_fn(inputs, sh), batch, c), history)
-                grads = self._summed_grads(grads, widths, c)
+            (sums, (counts, terms)), grads = self._local_shards(lambda sh: grad_fn(inputs, sh), batch, c)
+            grads, amaxes = fp8_delayed.split(grads, history)
             sums, counts, terms, amaxes = self._gathered((sums, counts, terms, amaxes))
+            grads = self._summed_grads(grads, {k: v.dtype for k, v in full.items()}, c)
             if blockwise:
                 return self._block_update(params, opt, grads, sums, counts, terms, amaxes, ls, c)
 
@@ -465,9 +406,9 @@ class Deterministic:
         inputs = fp8_delayed.merged(diff, history)
         grad_fn = jax.value_and_grad(scaled, has_aux=True)
         local = layerwise.interleaved(batch, self.axes, n, m)
-        # the iterations' block sums tree-summed as they come: the levels above the devices
-        (sums, counts, terms, amaxes), grads = opaque_fold(lambda sh: _split_shard(grad_fn(inputs, sh), history),
-                                                           local, m, {k: params[k].dtype for k in params})
+        (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
+        grads, amaxes = fp8_delayed.split(grads, history)
+        grads = {k: tree_sum(g.astype(params[k].dtype)) for k, g in grads.items()}  # the levels above the devices
         gathered = self._gathered((sums, counts, terms, amaxes))
         sums, counts, terms, amaxes = jax.tree.map(lambda a: layerwise.canonical_order(a, n, m), gathered)
         return grads, sums, counts, terms, amaxes

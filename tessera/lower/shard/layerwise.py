@@ -195,14 +195,13 @@ def planned_bytes(held: list[dict], m: int) -> dict[str, float]:
     device runs. Parameters: the narrow copies of the blocks, those gathered once per shard whole, and three times
     the largest layer gathered at its use (the gathered layer and its gather's buffers, its cotangent, the
     all-to-all's pieces: the backward gathers a layer again rather than keeping it, under every remat policy).
-    Gradients: the iteration's summed blocks, and the partial sums of the iterations' tree (`opaque_fold`: log2(m) + 1
-    of them, the last the sum)."""
+    Gradients: each iteration's summed blocks and their tree sum."""
     params = grads = 0.0
     for p in held:
         params += p["block"] * p["narrow"]
         if not p["at_use"]:
             params += p["numel"] * (p["narrow"] or p["wide"])
-        grads += (2 + m.bit_length() - 1) * p["block"] * p["wide"]
+        grads += (m + 1) * p["block"] * p["wide"]
     layer = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
     single = max((p["numel"] * 4.0 for p in held if p["at_use"] and p["layers"] == 1), default=0.0)
     return {"params": params + 3 * max(layer, single), "gradients": grads}

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from tessera.lower.interpret import stacked_layers
@@ -58,31 +56,5 @@ def test_the_plan_counts_gathered_layers_and_gradient_blocks():
     held = [{"numel": 800, "block": 100, "wide": 4, "narrow": 2, "at_use": True, "layers": 8},
             {"numel": 80, "block": 10, "wide": 4, "narrow": 0, "at_use": False, "layers": 1}]
     got = layerwise.planned_bytes(held, m=2)
-    assert got["gradients"] == 3 * (100 * 4 + 10 * 4)  # the iteration's blocks, level 0's partial, their sum
-    # eight iterations: the iteration's blocks and four levels of the running tree sum, where all eight were held
-    assert layerwise.planned_bytes(held, m=8)["gradients"] == 5 * (100 * 4 + 10 * 4)
+    assert got["gradients"] == 3 * (100 * 4 + 10 * 4)  # each iteration's blocks and their sum
     assert got["params"] == 100 * 2 + 80 * 4 + 3 * (800 * 4 / 8)  # narrow blocks, the tied whole, a layer
-
-
-@pytest.mark.parametrize("n", [1, 2, 8])
-def test_the_running_tree_sum_makes_tree_sums_adds(n):
-    """`opaque_fold` sums the shards' gradients as they arrive, bitwise `tree_sum` of them all widened (bf16 leaves
-    of mixed magnitudes, so any other order of the adds would round differently), and stacks the rest."""
-    from tessera.lower.shard.deterministic import gradient_buffers, opaque_fold, tree_sum
-
-    rng = np.random.default_rng(n)
-    xs = jnp.asarray(rng.standard_normal((n, 512)) * 10.0 ** rng.integers(-3, 4, (n, 1)), jnp.bfloat16)
-
-    def shard(x):
-        return x.sum(), {"w": x * 3, "b": x[:8] * x[:8]}
-
-    stacked, summed = jax.jit(lambda xs: opaque_fold(shard, xs, n, {"w": jnp.float32, "b": jnp.float32}))(xs)
-    loss, leaves = jax.vmap(shard)(xs)
-    np.testing.assert_array_equal(stacked, loss)
-    for k, g in leaves.items():
-        want = tree_sum(g.astype(jnp.float32))
-        assert summed[k].dtype == jnp.float32
-        np.testing.assert_array_equal(np.asarray(summed[k]).view(np.uint32), np.asarray(want).view(np.uint32))
-    assert gradient_buffers(8 * n, 8) == (2, max(1, n.bit_length() - 1) + 2.0)  # levels + ordered_sum's two
-    with pytest.raises(ValueError, match="power of two"):
-        opaque_fold(shard, xs[:1].repeat(3, 0), 3, {"w": jnp.float32, "b": jnp.float32})
