@@ -28,8 +28,14 @@ bit with "whole" and with "fenced x1", one device as it would run fenced pieces)
 So the pieces chained by hand give the whole model's gradients bitwise, and fenced pieces give one device's fenced
 bits whatever the stage cut, once every stage's layer scan runs at least two steps (a loop of one step is inlined
 and fused with its surroundings, as the shard loop's was: `opaque_map`). The fenced head's loss value differed from
-"whole" (gpt_oss_tiny 16 layers) but not between fenced cuts. Not yet tried: the stages on devices of a mesh
-(`ppermute` between them) and the shards' gradients summed in the canonical tree across ticks.
+"whole" (gpt_oss_tiny 16 layers) but not between fenced cuts.
+
+"mesh pp=S" (`on_mesh`, with `--xla_force_host_platform_device_count` >= S): stage s's layers on device s of a `pp`
+mesh, activations and cotangents passed by `ppermute`. Against "fenced x1", same flags, 4 host devices: loss and all
+gradients bitwise equal for llama_tiny (2 layers, pp=2; 8 layers, pp=4) and gpt_oss_tiny (8 layers, pp=2; 16, pp=4);
+gpt_oss_tiny at 4 layers, pp=2 (one scan step a stage) differs in `sinks` (1.2e-7), as in one process. Not yet
+tried: a tick schedule (GPipe or 1F1B over the canonical shards, not every stage re-running at every hop as this
+probe does) and the shards' gradients folded in the canonical tree across ticks.
 """
 
 from __future__ import annotations
@@ -107,6 +113,59 @@ def chained(prog, stages: int, fence: bool):
     return value_and_grad
 
 
+def on_mesh(prog, stages: int, devices):
+    """(params, tokens, targets) -> (loss, grads): the fenced pieces with stage s's layers on device s of a `pp` mesh,
+    activations and their cotangents passed by `ppermute`. A correctness probe, not a schedule: every device runs
+    its layers at each of the S forward (and backward) hops, on its input as it stands, and the run that counts is the
+    last, when every device holds its true input (exact values: `ppermute` and `where` move bits, they add nothing).
+    Gradients: the layers' from each device's block, the embedding's from stage 0, the head's from stage S - 1."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    embed, runs, head_loss = pieces(prog, stages)
+    layers_here = runs[0]  # on a device, the params' stacked dim holds its own layers only: its run 0
+    f = lambda g: (lambda *a: fenced(g, *a))  # noqa: E731
+    mesh = Mesh(np.asarray(devices[:stages]), ("pp",))
+    stacked = {path for path in prog.graph.params if path.startswith(split_body(prog.graph.body)[1].scope_name + "/")}
+    up = [(j, j + 1) for j in range(stages - 1)]
+    down = [(j + 1, j) for j in range(stages - 1)]
+
+    def local(p, tokens, targets):
+        stage = jax.lax.axis_index("pp")
+        h = f(embed)(p, tokens)
+        x = h
+        for s in range(stages - 1):  # hop s: stage s's output reaches stage s + 1
+            sent = jax.lax.ppermute(f(layers_here)(p, x), "pp", up)
+            x = jnp.where(stage == s + 1, sent, x)
+        y, pull_l = jax.vjp(f(layers_here), p, x)
+        loss, pull_h = jax.vjp(f(lambda q, y: head_loss(q, y, targets)), p, y)
+        gp_h, gy = pull_h(jnp.ones_like(loss))
+        g = gy
+        for s in reversed(range(1, stages)):  # hop: stage s's input cotangent reaches stage s - 1
+            sent = jax.lax.ppermute(pull_l(g)[1], "pp", down)
+            g = jnp.where(stage == s - 1, sent, g)
+        gp_l, gx = pull_l(g)
+        _, pull_e = jax.vjp(f(embed), p, tokens)
+        gp_e = pull_e(gx)[0]
+        last, first = stage == stages - 1, stage == 0
+        one = lambda v, here: jax.lax.psum(jnp.where(here, v, jnp.zeros_like(v)), "pp")  # noqa: E731 (a device's)
+        grads = {}
+        for k in p:
+            if k in stacked:
+                grads[k] = jax.lax.all_gather(gp_l[k].astype(jnp.float32), "pp", axis=0, tiled=True)
+            else:
+                grads[k] = (one(gp_e[k].astype(jnp.float32), first) + one(gp_h[k].astype(jnp.float32), last)
+                            + one(gp_l[k].astype(jnp.float32), last))  # a piece's use: one device's bits
+        return one(loss, last), grads
+
+    def value_and_grad(p, tokens, targets):
+        specs = {k: (P("pp") if k in stacked else P()) for k in p}
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=(P(), {k: P() for k in p}),
+                           check_vma=False)
+        return fn(p, tokens, targets)
+
+    return value_and_grad
+
+
 def whole(prog):
     def loss(p, tokens, targets):
         return jnp.sum(token_cross_entropy(prog.logits(p, tokens, "train"), targets))
@@ -133,6 +192,8 @@ def main(argv=None) -> int:
     ways = {"whole": whole(prog), "chained": chained(prog, 1, False),
             f"staged x{args.stages}": chained(prog, args.stages, False),
             f"fenced x{args.stages}": chained(prog, args.stages, True), "fenced x1": chained(prog, 1, True)}
+    if len(jax.devices()) >= args.stages > 1:  # XLA_FLAGS=--xla_force_host_platform_device_count=N on the CPU
+        ways[f"mesh pp={args.stages}"] = on_mesh(prog, args.stages, jax.devices())
     out = {name: jax.jit(fn)(params, tokens, targets) for name, fn in ways.items()}
     for against in ("whole", "fenced x1"):  # one device as it runs today, and as it would run fenced pieces
         ref_loss, ref = out[against]
