@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.experiments.running_tree_sum import opaque_fold
+from bench.experiments.running_tree_sum import opaque_fold, opaque_fold_in_place
 from tessera.lower.shard.deterministic import tree_sum
 
 
+@pytest.mark.parametrize("fold", [opaque_fold, opaque_fold_in_place])
 @pytest.mark.parametrize("n", [1, 2, 8, 16])
-def test_the_running_tree_sum_makes_tree_sums_adds(n):
+def test_the_running_tree_sum_makes_tree_sums_adds(n, fold):
     """bf16 leaves of mixed magnitudes (any other order of the adds would round differently), summed widened, the
     rest stacked; a count that is not a power of two is refused."""
     rng = np.random.default_rng(n)
@@ -21,7 +22,7 @@ def test_the_running_tree_sum_makes_tree_sums_adds(n):
     def shard(x):
         return x.sum(), {"w": x * 3, "b": x[:8] * x[:8]}
 
-    stacked, summed = jax.jit(lambda xs: opaque_fold(shard, xs, n, {"w": jnp.float32, "b": jnp.float32}))(xs)
+    stacked, summed = jax.jit(lambda xs: fold(shard, xs, n, {"w": jnp.float32, "b": jnp.float32}))(xs)
     loss, leaves = jax.vmap(shard)(xs)
     np.testing.assert_array_equal(stacked, loss)
     for k, g in leaves.items():
@@ -29,4 +30,4 @@ def test_the_running_tree_sum_makes_tree_sums_adds(n):
         assert summed[k].dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(summed[k]).view(np.uint32), np.asarray(want).view(np.uint32))
     with pytest.raises(ValueError, match="power of two"):
-        opaque_fold(shard, xs[:1].repeat(3, 0), 3, {"w": jnp.float32, "b": jnp.float32})
+        fold(shard, xs[:1].repeat(3, 0), 3, {"w": jnp.float32, "b": jnp.float32})
