@@ -65,6 +65,12 @@ from tessera.lower.shard.deterministic import fenced
 from tessera.lower.shard.pipeline import split_body
 
 
+def stacked_paths(prog) -> set[str]:
+    """The parameters stacked along the repeat's layers (its scope's)."""
+    rep = split_body(prog.graph.body)[1]
+    return {path for path in prog.graph.params if path.startswith(rep.scope_name + "/")}
+
+
 def pieces(prog, stages: int):
     """(embed, [layers of each stage], head_loss): the model's pre ops, its repeat cut in `stages` runs of layers
     (each taking the params with the stacked ones sliced to its layers), and its post ops with the summed loss."""
@@ -75,7 +81,7 @@ def pieces(prog, stages: int):
     rep_local = dataclasses.replace(rep, attrs={**rep.attrs, "n": n})
     pre_region = Region(list(body.args), list(pre), list(rep.values))
     post_region = Region(list(rep.results), list(post), list(body.outputs))
-    stacked = {path for path, t in prog.graph.params.items() if path.startswith(rep.scope_name + "/")}
+    stacked = stacked_paths(prog)
 
     def embed(p, tokens):
         return eval_region(pre_region, [tokens], p, ctx)[0][0]
@@ -136,7 +142,7 @@ def on_mesh(prog, stages: int, devices):
     layers_here = runs[0]  # on a device, the params' stacked dim holds its own layers only: its run 0
     f = lambda g: (lambda *a: fenced(g, *a))  # noqa: E731
     mesh = Mesh(np.asarray(devices[:stages]), ("pp",))
-    stacked = {path for path in prog.graph.params if path.startswith(split_body(prog.graph.body)[1].scope_name + "/")}
+    stacked = stacked_paths(prog)
     up = [(j, j + 1) for j in range(stages - 1)]
     down = [(j + 1, j) for j in range(stages - 1)]
 
@@ -310,8 +316,7 @@ def ticks_value_and_grad(prog, stages: int, m: int, devices=None):
 
     from tessera.lower.shard.deterministic import tree_sum
 
-    rep = split_body(prog.graph.body)[1]
-    stacked = {path for path in prog.graph.params if path.startswith(rep.scope_name + "/")}
+    stacked = stacked_paths(prog)
     local = ticks(prog, stages, m)
 
     def finish(losses, e_sum, lh_sum):
