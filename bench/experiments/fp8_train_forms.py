@@ -4,7 +4,9 @@ the current amax for an empty history ("history only": the cast then need not wa
 
     python -m bench.experiments.fp8_train_forms
 
-Measured (session 32, one H100, jax 0.11.2; fwd+bwd ms at m = 16,384 tokens):
+First measured (session 32, one H100, jax 0.11.2; fwd+bwd ms at m = 16,384 tokens) with the history a constant of
+the program, which was wrong: XLA folded the select on the history's max and dropped the amaxes the history records
+(their cotangent was discarded), so both delayed forms ran as "scale known, no reduction":
 
 | shape (k -> n) | bf16 | fp8 per_tensor | fp8 delayed (select) | delayed, history only |
 |---|---|---|---|---|
@@ -12,12 +14,13 @@ Measured (session 32, one H100, jax 0.11.2; fwd+bwd ms at m = 16,384 tokens):
 | 8192 -> 2048 (MLP down) | 1.822 | 1.799 | 1.414 | 1.416 |
 | 2048 -> 2048 (q) | 0.474 | 0.552 | 0.425 | 0.424 |
 
-So the select costs nothing measurable, and per_tensor's product is 1.17-1.30x slower than delayed's. A fourth form
-put every operand contiguous along K ("TN", cuBLASLt's fp8 layout: w.T in the forward, x.T and g.T in the weight
-gradient, each transposed behind an optimization barrier): bitwise the same gradients and within 1 % of per_tensor's
-time at all three shapes, i.e. XLA already lays the operands out for cuBLAS itself; not kept. In the whole
-Llama-1B step (`bench.e2e`, same device call) delayed(16) took 262.5 ms against bf16's 273.9 (1.04x) and 194 s to
-compile the step (bf16: 22 s): the products' gain does not reach the step.
+What it does show: a product whose operands' scales need no reduction of the operand first ran 1.17-1.30x faster
+than per_tensor's. In the Llama-1B step (`bench.e2e`, same device call) delayed(16), whose select on a runtime
+history keeps that reduction ahead of every cast, took 262.5 ms against bf16's 273.9 (1.04x), compile 194 s (bf16: 22
+s). The history is now an input and its cotangent an output (`step`): to be measured again. A fourth form put every
+operand contiguous along K ("TN", cuBLASLt's fp8 layout, each transposed behind an optimization barrier): bitwise
+the same gradients and within 1 % of per_tensor's time at all three shapes (XLA lays the operands out itself); not
+kept.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ def _patched(fn, **patches):
 
 
 def step(fn):
-    """The jitted forward and backward of fn after a producer (SwiGLU's silu, which a cast that needs no reduction
-    can fuse into), at cotangent g: (dx, dw)."""
-    def grads(x, w, g):
-        return jax.vjp(lambda x, w: fn(jax.nn.silu(x), w), x, w)[1](g)
+    """The jitted forward and backward of fn(x, w, history) after a producer (SwiGLU's silu, which a cast that needs no
+    reduction can fuse into), at cotangent g: (dx, dw, d history). The history is an input, as in a train step (a
+    constant one let XLA fold the scale's select and drop the amaxes the history records: session 32's first
+    measurement of these forms was wrong for that reason), and its cotangent, the step's amaxes, is an output."""
+    def grads(x, w, history, g):
+        return jax.vjp(lambda x, w, h: fn(jax.nn.silu(x), w, h), x, w, history)[1](g)
 
     return jax.jit(_patched(grads, **getattr(fn, "patches", {})))
 
@@ -69,22 +74,21 @@ def _history_only(x, row, dtype, amax=None):
 
 
 def _delayed(history_only: bool):
-    hist = jnp.zeros((3, 16), jnp.float32).at[:, 1].set(jnp.asarray([5.0, 0.15, 6e-3]))  # about the inputs' amaxes
-
-    def product(x, w):
+    def product(x, w, history):
         return fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, preferred_element_type=jnp.bfloat16,
-                          scaling="delayed(16)", history=hist)
+                          scaling="delayed(16)", history=history)
 
     return _patched(product, quantize_delayed=_history_only) if history_only else product
 
 
-def per_tensor(x, w):
+def per_tensor(x, w, history):
+    del history
     return fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, preferred_element_type=jnp.bfloat16)
 
 
 def forms():
     return {
-        "bf16": lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16),
+        "bf16": lambda x, w, h: jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16),
         "fp8 per_tensor": per_tensor,
         "fp8 delayed (select)": _delayed(False),
         "fp8 delayed, history only": _delayed(True),
@@ -98,12 +102,13 @@ def main() -> None:
         w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k ** -0.5
         g = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16) * 1e-3
         work = 3 * 2.0 * m * k * n
+        history = jnp.zeros((3, 16), jnp.float32).at[:, 1].set(jnp.asarray([5.0, 0.15, 6e-3]))  # about the inputs'
         got = {}
         for label, fn in forms().items():
             run = step(fn)
-            got[label] = run(x, w, g)
-            ms = time_jax(run, x, w, g)
-            hlo = run.lower(x, w, g).compile().as_text()
+            got[label] = run(x, w, history, g)[:2]
+            ms = time_jax(run, x, w, history, g)
+            hlo = run.lower(x, w, history, g).compile().as_text()
             kinds = sorted(set(t for pair in re.findall(r'custom_call_target="([^"]+)"|kind=k(\w+)', hlo)
                                for t in pair if t))
             gemms = len(re.findall(r"__cublas\$lt\$matmul|__cublas\$gemm|gemm_fusion", hlo))
