@@ -1,0 +1,101 @@
+"""A train step's time with lowering variants patched in, one process, one after another (the state of one variant
+is freed before the next compiles: two Llama-1B train states do not fit one card).
+
+    python -m bench.experiments.train_variants [--spec specs/bench/llama_1b_train.yaml] [--set KEY=VALUE ...]
+        [--only base,...] [--steps 5]
+
+Each variant replaces functions of the lowering while a fresh Program traces its train step (its first call), and is
+timed as `tessera run`'s bench task times `train_step` (median of `--steps` calls after two warm-up calls). The
+variants:
+- "base": as built;
+- "delayed, history only": delayed fp8 scaling from the amax history alone (an empty history: scale 1, Transformer
+  Engine's initial scale), where the built form falls back to the current amax while the history is empty, a select
+  that keeps each operand's amax reduction ahead of its cast (bench/experiments/fp8_train_forms.py). Needs a spec
+  under `fp8_e4m3 @scale(delayed(H))`, e.g. `--set 'numerics.default=fp8_e4m3 @scale(delayed(16)) @accum(fp32)'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from tessera.run.main import configure_allocator
+
+configure_allocator()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tessera.lower.reference import fp8  # noqa: E402
+
+
+def _history_only(x, row, dtype, amax=None):
+    del amax  # measured for the record by the caller, no longer waited on
+    s = fp8._pow2_scale(jnp.max(row), dtype)
+    big = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
+
+
+VARIANTS = {
+    "base": [],
+    "delayed, history only": [(fp8, "quantize_delayed", _history_only)],
+}
+
+
+@contextlib.contextmanager
+def patched(patches):
+    old = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    try:
+        for m, name, fn in patches:
+            setattr(m, name, fn)
+        yield
+    finally:
+        for m, name, fn in old:
+            setattr(m, name, fn)
+
+
+def main(argv=None) -> int:
+    from tessera.lower import program
+    from tessera.lower.program import compile_experiment
+    from tessera.run.optim import build_optimizer, current_lr
+    from tessera.run.tasks.bench import time_calls
+    from tessera.spec import load_experiment
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="specs/bench/llama_1b_train.yaml")
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    exp = load_experiment(args.spec, args.set)
+    b, s = int(exp.task.batch), int(exp.task.seq_len)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.spec} {args.set}, batch {b} x {s}", flush=True)
+    tokens = np.random.default_rng(0).integers(0, compile_experiment(exp).vocab, (b, s), dtype=np.int32)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": np.ones((b, s), np.float32)}
+    times = {}
+    for name in names:
+        with patched(VARIANTS[name]):
+            program._PROGRAMS.clear()  # a Program of its own: programs are cached on the spec's hash
+            prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)  # as `tessera run`
+            holder = [prog.init_train_state(prog.init(0))]
+
+            def step(prog=prog, holder=holder):
+                holder[0], m = prog.train_step(holder[0], batch)
+                return m["loss"]
+
+            t = time_calls(step, 2, args.steps)
+        loss = float(step())
+        del holder[:]  # the state freed before the next variant compiles
+        times[name] = t["median_s"]
+        print(f"{name:<24} {t['median_s'] * 1e3:8.2f} ms a step (spread {t['min_s'] * 1e3:.2f}-{t['max_s'] * 1e3:.2f}), "
+              f"compile {t['compile_s']:.1f} s, loss after {args.steps + 4} steps {loss:.4f}", flush=True)
+    first = times[names[0]]
+    for name in names:
+        print(f"{name:<24} {first / times[name]:5.3f}x {names[0]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
