@@ -22,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.experiments.mxfp4_gemv_mma import MmaConfig, dispatching_tile  # noqa: E402
+from tessera.lower import ops_nn  # noqa: E402
 from tessera.lower.kernels import moe_route, mxfp4_gemv  # noqa: E402
 from tessera.lower.reference import moe  # noqa: E402
 
@@ -75,6 +76,35 @@ def _finish(logits, router_bias, top_k):
 
 
 _gemv = mxfp4_gemv.gemv
+_cast, _project = ops_nn._cast, ops_nn._project
+_held: list[dict] = []  # the attention's cast params, from `_cast_seen` to `_project_qkv`
+
+
+def _cast_seen(params, dtype, *args, **kw):
+    out = _cast(params, dtype, *args, **kw)
+    if "q" in out and "k" in out and "v" in out:
+        _held[:] = [out]
+    return out
+
+
+def _project_qkv(ctx, x, w, b, name):
+    # q, k and v as one product over their weights side by side ([E, (H + 2 Hkv) D], concatenated in the program:
+    # XLA may hoist that out of the token loop, holding a second copy of the three), split after; the rest as built
+    p = _held[0] if _held else None
+    if p is None or name not in ("q", "k", "v") or not all(hasattr(p[n], "reshape") for n in ("q", "k", "v")):
+        return _project(ctx, x, w, b, name)
+    if name == "q":
+        e = x.shape[-1]
+        ws = [p[n].astype(x.dtype).reshape(e, -1) for n in ("q", "k", "v")]
+        y = jnp.einsum("bse,ef->bsf", x, jnp.concatenate(ws, axis=1), preferred_element_type=jnp.float32)
+        cuts = np.cumsum([w_.shape[1] for w_ in ws])[:-1]
+        store = ops_nn.stored_dtype(x.dtype, ctx.accum_dtype)
+        for n, part in zip(("q", "k", "v"), jnp.split(y, cuts, axis=-1)):  # then as `_project`: stored, + bias
+            out = part.reshape(x.shape[:2] + p[n].shape[1:]).astype(store)
+            if p.get(f"{n}_bias") is not None:
+                out = ops_nn._plus_bias(out, p[f"{n}_bias"])
+            p[f"#{n}"] = out.astype(x.dtype)
+    return p[f"#{name}"]
 
 
 def _route_reference(blocks, bias, top_k, config=None):
@@ -117,6 +147,7 @@ VARIANTS = {
     "gemv mma n512": _tensor_cores(512),
     "gemv mma n256 wf": _tensor_cores(256, True),
     "gemv mma n512 wf": _tensor_cores(512, True),
+    "qkv one product": [(ops_nn, "_cast", _cast_seen), (ops_nn, "_project", _project_qkv)],
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv)],
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
 }
