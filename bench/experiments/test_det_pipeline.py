@@ -16,16 +16,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("spec,stages,shards,layers,equal", [
-    ("specs/llama_tiny.yaml", 2, 4, 2, True),
-    ("specs/gpt_oss_tiny.yaml", 2, 4, 8, True),
-    ("specs/gpt_oss_tiny.yaml", 2, 2, 4, False),  # one scan step a stage: `sinks` off in the last bit
+@pytest.mark.parametrize("spec,stages,shards,layers,fence,equal", [
+    ("specs/llama_tiny.yaml", 2, 4, 2, "all", True),
+    ("specs/gpt_oss_tiny.yaml", 2, 4, 8, "all", True),
+    ("specs/gpt_oss_tiny.yaml", 2, 4, 8, "ends", True),  # the layers' runs unfenced
+    ("specs/gpt_oss_tiny.yaml", 2, 2, 4, "all", False),  # one scan step a stage: `sinks` off in the last bit
 ])
-def test_the_tick_schedule_on_a_pp_mesh_is_one_devices_bits(spec, stages, shards, layers, equal):
+def test_the_tick_schedule_on_a_pp_mesh_is_one_devices_bits(spec, stages, shards, layers, fence, equal):
     env = dict(os.environ, PJRT_NPROC="256", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_disable_hlo_passes=tree_reduction_rewriter --xla_force_host_platform_device_count=4")
     out = subprocess.run([sys.executable, "-m", "bench.experiments.det_pipeline", "--ticks", "--spec", spec,
-                          "--stages", str(stages), "--shards", str(shards), "--set", f"model.args.layers={layers}"],
+                          "--stages", str(stages), "--shards", str(shards), "--set", f"model.args.layers={layers}",
+                          "--fence", fence],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(ln for ln in out.stdout.splitlines() if "vs pp mesh" in ln)
