@@ -47,8 +47,10 @@ tree-summed) the last bits differed (<= 8e-7), but that reference ran each shard
 `Deterministic` runs it on one device (one jitted program, an opaque loop, `tree_sum`) the one-stage schedule is
 bitwise equal for gpt_oss_tiny (8 layers) and differs only in llama_tiny's tied `embed/table`, whose two uses the
 schedule folds in two trees; with `--tied-order` (one device folding each shard's whole gradient, the table's uses
-summed first) it is bitwise equal there too. So the schedule need not change one device's numbers: a pp mesh must
-then bring each shard's head-side table gradient to stage 0 before the fold.
+summed first) it is bitwise equal there too. So the schedule need not change one device's numbers. On a pp mesh
+`--tied-order` sends each shard's head-side table gradient from the last stage to stage 0 (`ppermute`, a ring of S
+shards' on stage 0) to be summed before stage 0's fold: the pp mesh, the one-stage schedule and today's loop then
+agree bit for bit (llama_tiny pp=2 and pp=4 with 8 layers; gpt_oss_tiny 8 layers pp=2).
 
 `--fence ends` leaves the layers' runs unfenced (fences on the embedding and the head only): a fenced piece holding
 the per-layer gathers' collectives crashed XLA:CPU on a pp mesh (docs/parallel.md), and with the ends alone fenced
@@ -80,6 +82,15 @@ def stacked_paths(prog) -> set[str]:
     """The parameters stacked along the repeat's layers (its scope's)."""
     rep = split_body(prog.graph.body)[1]
     return {path for path in prog.graph.params if path.startswith(rep.scope_name + "/")}
+
+
+def piece_params(prog) -> tuple[set[str], set[str]]:
+    """(the params the pre ops read, the params the post ops read): a tied table is in both."""
+    from tessera.ir.types import ParamRef
+
+    pre, _, post = split_body(prog.graph.body)
+    reads = lambda ops: {o.path for op in ops for o in op.operands if isinstance(o, ParamRef)}  # noqa: E731
+    return reads(pre), reads(post)
 
 
 def pieces(prog, stages: int):
@@ -281,6 +292,8 @@ def ticks(prog, stages: int, m: int):
     tree as shard j arrives (an idle tick folds nothing), and the two trees' sums are added at the end (a tied table:
     the embedding's use plus the head's, on one device as on a mesh)."""
     embed, runs, head_loss = pieces(prog, stages)
+    pre_reads, post_reads = piece_params(prog)
+    tied = sorted(pre_reads & post_reads) if TIED_ORDER else []
     layers_here = runs[0]
     f, fl = _fences(True)
     levels = m.bit_length()
@@ -300,7 +313,7 @@ def ticks(prog, stages: int, m: int):
             return y, f(lambda q, y: head_loss(q, y, targets[j]))(q, y)
 
         def tick(carry, t):
-            recv_f, recv_b, stash, parts, losses = carry
+            recv_f, recv_b, stash, parts, losses, tstash = carry
             m_f, m_b = t - stage, t - 2 * (stages - 1) + stage
             ok_f, ok_b = (m_f >= 0) & (m_f < m), (m_b >= 0) & (m_b < m)
             m_f, m_b = jnp.clip(m_f, 0, m - 1), jnp.clip(m_b, 0, m - 1)
@@ -316,9 +329,19 @@ def ticks(prog, stages: int, m: int):
             # those outside the repeat); one piece uses each parameter but a tied table (embedding and head)
             e_parts, l_parts = parts
             leaf = lambda g: {q: v.astype(jnp.float32) for q, v in g.items()}  # noqa: E731
-            if stages == 1 and TIED_ORDER:  # one leaf a shard: a tied table's two uses summed first, in that order
-                a, b = (g_layers_head, g_embed) if TIED_ORDER == "head+embed" else (g_embed, g_layers_head)
-                both = {q: leaf(a)[q] + leaf(b)[q] for q in a}
+            if TIED_ORDER:  # one leaf a shard: a tied table's two uses summed first, in that order
+                head_side = leaf(g_layers_head)
+                embed_side = leaf(g_embed) if stages == 1 else {q: jnp.where(first, v, 0.0) for q, v in
+                                                                leaf(g_embed).items()}
+                if stages > 1:  # the last stage's share of the tied table, for stage 0's fold of the same shard
+                    sent = {q: jax.lax.ppermute(head_side[q], "pp", [(stages - 1, 0)]) for q in tied}
+                    j_last = jnp.clip(t - (stages - 1), 0, m - 1)  # the shard the last stage's B ran this tick
+                    tstash = {q: tstash[q].at[j_last % stages].set(jnp.where(first, sent[q], tstash[q][j_last % stages]))
+                              for q in tied}
+                    head_side = {q: (jnp.where(first, tstash[q][m_b % stages], 0.0) if q in tied else v)
+                                 for q, v in head_side.items()}
+                a, b = (head_side, embed_side) if TIED_ORDER == "head+embed" else (embed_side, head_side)
+                both = {q: a[q] + b[q] for q in a}
                 l_parts = jax.lax.cond(ok_b, lambda x: _fold(x, both, m_b), lambda x: x, l_parts)
             else:
                 e_parts = jax.lax.cond(ok_b & first, lambda a: _fold(a, leaf(g_embed), m_b), lambda a: a, e_parts)
@@ -326,11 +349,12 @@ def ticks(prog, stages: int, m: int):
             losses = losses.at[m_b].set(jnp.where(ok_b & last, loss, losses[m_b]))
             if stages > 1:
                 recv_f, recv_b = jax.lax.ppermute(y, "pp", up), jax.lax.ppermute(gx, "pp", down)
-            return (recv_f, recv_b, stash, (e_parts, l_parts), losses), None
+            return (recv_f, recv_b, stash, (e_parts, l_parts), losses, tstash), None
 
+        tstash0 = {q: jnp.zeros((stages,) + p[q].shape, jnp.float32) for q in tied}
         init = (jnp.zeros_like(h0), jnp.zeros_like(h0), jnp.zeros((k,) + h0.shape, h0.dtype),
-                (zero_parts, zero_parts), jnp.zeros((m,), jnp.float32))
-        (_, _, _, parts, losses), _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * (stages - 1)))
+                (zero_parts, zero_parts), jnp.zeros((m,), jnp.float32), tstash0)
+        (_, _, _, parts, losses, _), _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * (stages - 1)))
         e_sum, lh_sum = parts[0][-1], parts[1][-1]
         if stages > 1:
             e_sum = {q: jax.lax.psum(jnp.where(first, v, 0.0), "pp") for q, v in e_sum.items()}
@@ -347,6 +371,7 @@ def ticks_value_and_grad(prog, stages: int, m: int, devices=None):
     from tessera.lower.shard.deterministic import tree_sum
 
     stacked = stacked_paths(prog)
+    pre_reads = piece_params(prog)[0]
     local = ticks(prog, stages, m)
 
     def finish(losses, e_sum, lh_sum):
@@ -363,8 +388,11 @@ def ticks_value_and_grad(prog, stages: int, m: int, devices=None):
         def body(p, tokens, targets):
             losses, e_sum, lh_sum = local(p, tokens, targets)
             stage = jax.lax.axis_index("pp")
+            # a parameter outside the layers from the stage whose tree holds it: with --tied-order stage 0's for
+            # those the pre ops read (the tied table's two uses were summed there), else the last stage's
+            home = lambda q: 0 if TIED_ORDER and q in pre_reads else stages - 1  # noqa: E731
             whole = {q: (jax.lax.all_gather(v, "pp", axis=0, tiled=True) if q in stacked
-                         else jax.lax.psum(jnp.where(stage == stages - 1, v, 0.0), "pp")) for q, v in lh_sum.items()}
+                         else jax.lax.psum(jnp.where(stage == home(q), v, 0.0), "pp")) for q, v in lh_sum.items()}
             # the embedding's tree (stage 0's, psum'd in `ticks`) holds the layers' zeros, a block's worth
             e_whole = {q: (jax.lax.all_gather(v, "pp", axis=0, tiled=True) if q in stacked else v)
                        for q, v in e_sum.items()}

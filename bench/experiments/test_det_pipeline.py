@@ -16,15 +16,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_one_device_with_the_tied_uses_summed_first_is_todays_loop():
+def test_with_the_tied_uses_summed_first_a_pp_mesh_and_one_device_are_todays_loop():
+    """Each shard's two uses of llama_tiny's tied table summed before the fold (on the mesh the last stage's share
+    sent to stage 0): the pp=2 mesh, the one-stage schedule and today's shard loop, all the same bits."""
     env = dict(os.environ, PJRT_NPROC="256", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_disable_hlo_passes=tree_reduction_rewriter --xla_force_host_platform_device_count=4")
     out = subprocess.run([sys.executable, "-m", "bench.experiments.det_pipeline", "--ticks", "--fence", "ends",
                           "--tied-order", "head+embed", "--spec", "specs/llama_tiny.yaml", "--shards", "4"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    today = next(ln for ln in out.stdout.splitlines() if "today's loop" in ln)
-    assert "loss =, 0 of" in today, today
+    for against in ("pp mesh", "today's loop"):
+        line = next(ln for ln in out.stdout.splitlines() if f"vs {against}" in ln)
+        assert "loss =, 0 of" in line, line
 
 
 @pytest.mark.parametrize("spec,stages,shards,layers,fence,equal", [
