@@ -10,7 +10,6 @@ so every variant runs in one process on the same weights, interleaved (`--rounds
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 from tessera.run.main import configure_allocator
@@ -21,6 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.experiments.lowering_variants import patched  # noqa: E402
 from bench.experiments.mxfp4_gemv_mma import MmaConfig, dispatching_tile  # noqa: E402
 from tessera.lower import ops_nn  # noqa: E402
 from tessera.lower.kernels import moe_route, mxfp4_gemv  # noqa: E402
@@ -151,18 +151,6 @@ VARIANTS = {
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv)],
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
 }
-
-
-@contextlib.contextmanager
-def patched(patches):
-    old = [(m, name, getattr(m, name)) for m, name, _ in patches]
-    try:
-        for m, name, fn in patches:
-            setattr(m, name, fn)
-        yield
-    finally:
-        for m, name, fn in old:
-            setattr(m, name, fn)
 
 
 def main(argv=None) -> int:

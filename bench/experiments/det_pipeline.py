@@ -222,9 +222,32 @@ def whole(prog):
     return jax.value_and_grad(loss)
 
 
-def main(argv=None) -> int:
+def _setup(spec: str, sets: list, shape: tuple[int, ...]):
+    """(program, params, tokens, targets) of the spec: seeded random ids of `shape`, the last dim the sequence."""
     from tessera.lower.program import compile_experiment
     from tessera.spec import load_experiment
+
+    exp = load_experiment(spec, sets)
+    prog = compile_experiment(exp)
+    rng = np.random.default_rng(0)
+    vocab = int(prog.graph.params[next(k for k in prog.graph.params if "embed" in k)].type.dims[0].size)
+    shape = shape + (int(exp.task.seq_len),)
+    ids = lambda: jnp.asarray(rng.integers(0, vocab, shape), jnp.int32)  # noqa: E731
+    return prog, prog.init(0), ids(), ids()
+
+
+def _differences(got, ref) -> str:
+    """How (loss, grads) `got` differs from `ref`, bit for bit: the loss, how many gradients, the worst one."""
+    (loss, grads), (ref_loss, ref) = got, ref
+    differ = [k for k in ref if not np.array_equal(np.asarray(grads[k]).view(np.uint32),
+                                                   np.asarray(ref[k].astype(jnp.float32)).view(np.uint32))]
+    worst = max((float(jnp.max(jnp.abs(grads[k] - ref[k]))) / float(jnp.max(jnp.abs(ref[k])) + 1e-30)
+                 for k in differ), default=0.0)
+    return (f"loss {'=' if loss == ref_loss else '!='}, {len(differ)} of {len(ref)} gradients differ "
+            f"(worst {worst:.1e}) {differ[:3]}")
+
+
+def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="specs/llama_tiny.yaml")
@@ -234,14 +257,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global FENCE_LAYERS
     FENCE_LAYERS = args.fence == "all"
-    exp = load_experiment(args.spec, args.set)
-    prog = compile_experiment(exp)
-    params = prog.init(0)
-    b, s = 2, int(exp.task.seq_len)
-    rng = np.random.default_rng(0)
-    vocab = int(prog.graph.params[next(k for k in prog.graph.params if "embed" in k)].type.dims[0].size)
-    tokens = jnp.asarray(rng.integers(0, vocab, (b, s)), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, vocab, (b, s)), jnp.int32)
+    prog, params, tokens, targets = _setup(args.spec, args.set, (2,))
     ways = {"whole": whole(prog), "chained": chained(prog, 1, False),
             f"staged x{args.stages}": chained(prog, args.stages, False),
             f"fenced x{args.stages}": chained(prog, args.stages, True), "fenced x1": chained(prog, 1, True)}
@@ -249,16 +265,9 @@ def main(argv=None) -> int:
         ways[f"mesh pp={args.stages}"] = on_mesh(prog, args.stages, jax.devices())
     out = {name: jax.jit(fn)(params, tokens, targets) for name, fn in ways.items()}
     for against in ("whole", "fenced x1"):  # one device as it runs today, and as it would run fenced pieces
-        ref_loss, ref = out[against]
-        for name, (loss, grads) in out.items():
-            if name == against:
-                continue
-            differ = [k for k in ref if not np.array_equal(np.asarray(grads[k]).view(np.uint32),
-                                                           np.asarray(ref[k].astype(jnp.float32)).view(np.uint32))]
-            worst = max((float(jnp.max(jnp.abs(grads[k] - ref[k]))) / float(jnp.max(jnp.abs(ref[k])) + 1e-30)
-                         for k in differ), default=0.0)
-            print(f"{name:<12} vs {against:<9}: loss {'=' if loss == ref_loss else '!='}, {len(differ)} of {len(ref)} "
-                  f"gradients differ (worst {worst:.1e}) {differ[:3]}", flush=True)
+        for name, got in out.items():
+            if name != against:
+                print(f"{name:<12} vs {against:<9}: {_differences(got, out[against])}", flush=True)
     return 0
 
 
@@ -407,8 +416,7 @@ def ticks_value_and_grad(prog, stages: int, m: int, devices=None):
 
 def main_ticks(argv=None) -> int:
     """--ticks: the schedule over --shards canonical shards on one device against a pp mesh, bit for bit."""
-    from tessera.lower.program import compile_experiment
-    from tessera.spec import load_experiment
+    from tessera.lower.shard.deterministic import opaque_map, tree_sum
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ticks", action="store_true")
@@ -421,33 +429,18 @@ def main_ticks(argv=None) -> int:
     args = ap.parse_args(argv)
     global FENCE_LAYERS, TIED_ORDER
     FENCE_LAYERS, TIED_ORDER = args.fence == "all", args.tied_order
-    exp = load_experiment(args.spec, args.set)
-    prog = compile_experiment(exp)
-    params = prog.init(0)
-    rng = np.random.default_rng(0)
-    vocab = int(prog.graph.params[next(k for k in prog.graph.params if "embed" in k)].type.dims[0].size)
-    shape = (args.shards, 1, int(exp.task.seq_len))
-    tokens = jnp.asarray(rng.integers(0, vocab, shape), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, vocab, shape), jnp.int32)
+    prog, params, tokens, targets = _setup(args.spec, args.set, (args.shards, 1))
     one = jax.jit(ticks_value_and_grad(prog, 1, args.shards))(params, tokens, targets)
     mesh = jax.jit(ticks_value_and_grad(prog, args.stages, args.shards, jax.devices()))(params, tokens, targets)
     # and the shards' gradients as today's shard loop sums them (`Deterministic` on one device, in one program):
     # each shard's whole-model gradient in an opaque loop, stacked, tree-summed
-    from tessera.lower.shard.deterministic import opaque_map, tree_sum
-
     def loop(p, tokens, targets):
         losses, grads = opaque_map(lambda sh: whole(prog)(p, sh[0], sh[1]), (tokens, targets), args.shards)
         return tree_sum(losses), {q: tree_sum(g.astype(jnp.float32)) for q, g in grads.items()}
 
     today = jax.jit(loop)(params, tokens, targets)
-    for name, (loss, grads) in (("pp mesh", mesh), ("today's loop", today)):
-        ref_loss, ref = one
-        differ = [q for q in ref if not np.array_equal(np.asarray(grads[q]).view(np.uint32),
-                                                       np.asarray(ref[q]).view(np.uint32))]
-        worst = max((float(jnp.max(jnp.abs(grads[q] - ref[q]))) / float(jnp.max(jnp.abs(ref[q])) + 1e-30)
-                     for q in differ), default=0.0)
-        print(f"ticks x1 vs {name:<12}: loss {'=' if loss == ref_loss else '!='}, {len(differ)} of {len(ref)} "
-              f"gradients differ (worst {worst:.1e}) {differ[:3]}", flush=True)
+    for name, got in (("pp mesh", mesh), ("today's loop", today)):
+        print(f"ticks x1 vs {name:<12}: {_differences(got, one)}", flush=True)
     return 0
 
 

@@ -30,6 +30,7 @@ import re
 import jax
 import jax.numpy as jnp
 
+from bench.experiments.lowering_variants import history_only, patched
 from bench.timing import time_jax
 from tessera.lower.reference import fp8
 
@@ -41,14 +42,8 @@ def _patched(fn, **patches):
     """fn with reference/fp8.py's functions replaced while it traces (the forward and its VJP both: `step` traces
     the whole forward-and-backward inside fn's call)."""
     def traced(*args):
-        old = {k: getattr(fp8, k) for k in patches}
-        for k, v in patches.items():
-            setattr(fp8, k, v)
-        try:
+        with patched([(fp8, k, v) for k, v in patches.items()]):
             return fn(*args)
-        finally:
-            for k, v in old.items():
-                setattr(fp8, k, v)
 
     traced.patches = patches
     return traced
@@ -65,20 +60,12 @@ def step(fn):
     return jax.jit(_patched(grads, **getattr(fn, "patches", {})))
 
 
-def _history_only(x, row, dtype, amax=None):
-    # delayed scaling without the current-amax fallback for an empty history: the scale no longer waits on x's
-    # own reduction, so XLA may fuse the cast into x's producer (the amax is still measured, for the history)
-    s = fp8._pow2_scale(jnp.max(row), dtype)
-    big = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
-
-
-def _delayed(history_only: bool):
+def _delayed(scale_from_history: bool):
     def product(x, w, history):
         return fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, preferred_element_type=jnp.bfloat16,
                           scaling="delayed(16)", history=history)
 
-    return _patched(product, quantize_delayed=_history_only) if history_only else product
+    return _patched(product, quantize_delayed=history_only) if scale_from_history else product
 
 
 def per_tensor(x, w, history):

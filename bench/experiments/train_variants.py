@@ -17,42 +17,22 @@ variants:
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 from tessera.run.main import configure_allocator
 
 configure_allocator()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.experiments.lowering_variants import history_only, patched  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
-
-
-def _history_only(x, row, dtype, amax=None):
-    del amax  # measured for the record by the caller, no longer waited on
-    s = fp8._pow2_scale(jnp.max(row), dtype)
-    big = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
 
 
 VARIANTS = {
     "base": [],
-    "delayed, history only": [(fp8, "quantize_delayed", _history_only)],
+    "delayed, history only": [(fp8, "quantize_delayed", history_only)],
 }
-
-
-@contextlib.contextmanager
-def patched(patches):
-    old = [(m, name, getattr(m, name)) for m, name, _ in patches]
-    try:
-        for m, name, fn in patches:
-            setattr(m, name, fn)
-        yield
-    finally:
-        for m, name, fn in old:
-            setattr(m, name, fn)
 
 
 def main(argv=None) -> int:
