@@ -1,6 +1,7 @@
 """One fp8 linear's forward and backward as a train step runs it (x [m, k] bf16 activations after a producer, w [k, n]
 fp32 master weight, cotangent g): bf16, per_tensor and delayed scaling, and delayed scaling without its fallback to
-the current amax for an empty history ("history only": the cast then need not wait on x's own reduction).
+the current amax for an empty history ("history only": the cast then need not wait on x's own reduction). Since
+session 33 the built form ("fp8 delayed") falls back for the gradient only; "select" is the form built before.
 
     python -m bench.experiments.fp8_train_forms
 
@@ -30,7 +31,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from bench.experiments.lowering_variants import history_only, patched
+from bench.experiments.lowering_variants import every_operand_falls_back, history_only, patched
 from bench.timing import time_jax
 from tessera.lower.reference import fp8
 
@@ -60,12 +61,13 @@ def step(fn):
     return jax.jit(_patched(grads, **getattr(fn, "patches", {})))
 
 
-def _delayed(scale_from_history: bool):
+def _delayed(quantize_delayed=None):
+    """The built delayed product, or with `quantize_delayed` patched in (lowering_variants)."""
     def product(x, w, history):
         return fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, preferred_element_type=jnp.bfloat16,
                           scaling="delayed(16)", history=history)
 
-    return _patched(product, quantize_delayed=history_only) if scale_from_history else product
+    return product if quantize_delayed is None else _patched(product, quantize_delayed=quantize_delayed)
 
 
 def per_tensor(x, w, history):
@@ -77,8 +79,9 @@ def forms():
     return {
         "bf16": lambda x, w, h: jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16),
         "fp8 per_tensor": per_tensor,
-        "fp8 delayed (select)": _delayed(False),
-        "fp8 delayed, history only": _delayed(True),
+        "fp8 delayed (select)": _delayed(every_operand_falls_back),
+        "fp8 delayed": _delayed(),
+        "fp8 delayed, history only": _delayed(history_only),
     }
 
 

@@ -2,11 +2,13 @@
 
 Every weight whose product runs in fp8 (`tessera.ir.passes.numerics.fp8_weights`: linear, attention's q/k/v/o, the
 MLP's gate/up/down, the experts' grouped gate/up/down) keeps an amax history: fp32 [*stacked, 3, H], its rows the
-product's activation, weight and output gradient, column 0 the newest step, zeros where no step has been recorded.
-A stacked weight ([layers, ...]) has one history per layer ([layers, 3, H]), sliced by the repeat's scan as the
-weight is. The products (tessera/lower/reference/fp8.py: `_delayed`, `_ragged_delayed`) scale each operand by the
-power of two from its row's max, or by its current amax where the row holds only zeros (the first step, so step 1
-is per_tensor's bit for bit).
+product's activation, weight and output gradient, column 0 the newest step, zeros where no step has been recorded
+but for the weight row, which starts from the initial weight's amax (`seeded`). A stacked weight ([layers, ...]) has
+one history per layer ([layers, 3, H]), sliced by the repeat's scan as the weight is. The products
+(tessera/lower/reference/fp8.py: `_delayed`, `_ragged_delayed`, `quantize_delayed`) scale each operand by the power
+of two from its row's max alone, so no cast waits on its operand's own reduction; a row of zeros only (the first
+step) scales an input by 1 and a gradient by its current amax (at 1 it would underflow e5m2). Step 1 thus scales
+weights and gradients as per_tensor does and inputs by 1.
 
 The histories are train state: `carrying` wraps the optimizer, and its state `DelayedScalingState(history,
 inner)` holds them beside the wrapped optimizer's own state, so a checkpoint saves them and a resumed run goes on
@@ -56,18 +58,29 @@ def history_length(scaling: str | None) -> int | None:
 
 def carrying(inner: optax.GradientTransformation, weights: dict[str, int], length: int
              ) -> optax.GradientTransformationExtraArgs:
-    """`inner` whose state also holds an all-zero amax history [*leading, 3, length] for each weight path in
-    `weights` ({path: number of leading stacked dims}, `fp8_weights`); updates pass through to `inner`."""
+    """`inner` whose state also holds an amax history [*leading, 3, length] for each weight path in `weights`
+    ({path: number of leading stacked dims}, `fp8_weights`): zeros but for the weight row's newest column, the
+    initial weight's amax (per stacked layer), so a first step scales each weight as per_tensor would; updates pass
+    through to `inner`."""
     def init_fn(params):
-        history = {path + HISTORY: jnp.zeros(tuple(params[path].shape[:lead]) + (len(OPERANDS), length), jnp.float32)
-                   for path, lead in weights.items()}
-        return DelayedScalingState(history, inner.init(params))
+        return DelayedScalingState({path + HISTORY: seeded(params[path], lead, length)
+                                    for path, lead in weights.items()}, inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         new_updates, new_inner = inner.update(updates, state.inner, params, **extra)
         return new_updates, DelayedScalingState(state.history, new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def seeded(weight: jax.Array, lead: int, length: int) -> jax.Array:
+    """A history fp32 [*weight.shape[:lead], 3, length] of zeros with `weight`'s amax (over all but its `lead`
+    stacked dims) as the weight row's newest entry. The fp32 amax and the amax of its bf16 rounding give the same
+    power-of-two scale: a scale's boundaries, max_fp8 / 2^k (1.75 · 2^j for e4m3 and e5m2), are bf16 numbers, so
+    rounding never carries an amax across one."""
+    amax = jnp.max(jnp.abs(weight.astype(jnp.float32)), axis=tuple(range(lead, weight.ndim)))
+    history = jnp.zeros(tuple(weight.shape[:lead]) + (len(OPERANDS), length), jnp.float32)
+    return history.at[..., OPERANDS.index("weight"), 0].set(amax)
 
 
 def history_of(opt_state) -> dict[str, jax.Array] | None:

@@ -1,8 +1,8 @@
 """Delayed fp8 scaling (`numerics.default: fp8_e4m3 @scale(delayed(H))`, tessera/lower/fp8_delayed.py and
 reference/fp8.py): each product's operands are scaled from an amax history of the previous H steps, checked against
-a numpy model of the history on exactly representable operands (so every check is an equality); the first step is
-per_tensor's bit for bit; the histories are train state that records each step's amaxes, is checkpointed and
-resumes bit-identically; a tiny Llama trains within 0.5 % of bf16; what would not run as written is refused."""
+a numpy model of the history on exactly representable operands (so every check is an equality); on the first step
+inputs scale by 1 and weights and gradients by their amaxes, as per_tensor's; the histories are train state that records each step's amaxes, is checkpointed and
+resumes bit-identically; a tiny Llama trains within 1 % of bf16; what would not run as written is refused."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
 # ---- the products against a numpy model of the history -------------------------------------------------------------
 
-def _scale(row: np.ndarray, current: float, fmt) -> float:
-    """The scale delayed scaling applies: per_tensor's power of two from the row's max, or (an all-zero row) from
-    the current amax."""
-    amax = row.max() if row.max() > 0 else current
+def _scale(row: np.ndarray, current: float | None, fmt) -> float:
+    """The scale delayed scaling applies: per_tensor's power of two from the row's max; an all-zero row: from the
+    current amax where the operand falls back to it (the gradient), else 1."""
+    amax = row.max() if row.max() > 0 else (current or 0.0)
     return 2.0 ** np.floor(np.log2(float(ml_dtypes.finfo(fmt).max) / amax)) if amax > 0 else 1.0
 
 
@@ -53,8 +53,9 @@ EXPONENTS = [(0, -6, 0), (3, -6, 2), (-2, -4, -1), (1, -7, 4), (1, -7, -3), (-3,
 
 
 def test_delayed_products_branch_on_no_conditional():
-    """The first-step fallback (no history yet: the current amax) is a select, not a conditional: a dense and a
-    grouped product and their gradients lower to HLO with none (XLA:GPU's conditionals cost a step a readback)."""
+    """The gradient's first-step fallback (no history yet: the current amax) is a select, not a conditional: a dense
+    and a grouped product and their gradients lower to HLO with none (XLA:GPU's conditionals cost a step a
+    readback)."""
     sizes = jnp.asarray([2, 2], jnp.int32)
 
     def f(x, w, r, hd, hg):
@@ -70,7 +71,8 @@ def test_delayed_products_branch_on_no_conditional():
 
 def test_each_steps_scales_come_from_the_previous_steps_amaxes():
     """Six steps of a dense and a grouped product with H = 2: y, dx, dw and the recorded amaxes equal the numpy model
-    (scales from the max over the last two steps' amaxes, the current amax on the first step), bit for bit."""
+    (scales from the max over the last two steps' amaxes; on the first step 1 for x and w, the current amax for g),
+    bit for bit."""
     rng, h = np.random.default_rng(0), 2
     hist_np = {"dense": np.zeros((3, h)), "grouped": np.zeros((3, h))}
     hist = {k: jnp.zeros((3, h), jnp.float32) for k in hist_np}
@@ -92,8 +94,7 @@ def test_each_steps_scales_come_from_the_previous_steps_amaxes():
         y, (dx, dw, dh), yl, (dl, dr, dhl) = step(*f32(x, w, g, lhs, rhs, gl), hist["dense"], hist["grouped"])
 
         hd = hist_np["dense"]
-        sx, sw, sg = _scale(hd[0], np.abs(x).max(), E4M3), _scale(hd[1], np.abs(w).max(), E4M3), \
-            _scale(hd[2], np.abs(g).max(), E5M2)
+        sx, sw, sg = _scale(hd[0], None, E4M3), _scale(hd[1], None, E4M3), _scale(hd[2], np.abs(g).max(), E5M2)
         xq, wq, gq = _q(x, sx, E4M3), _q(w, sw, E4M3), _q(g, sg, E5M2)
         np.testing.assert_array_equal(np.asarray(y), xq @ wq / (sx * sw))
         np.testing.assert_array_equal(np.asarray(dx), gq @ wq.T / (sg * sw))
@@ -102,12 +103,11 @@ def test_each_steps_scales_come_from_the_previous_steps_amaxes():
         np.testing.assert_array_equal(np.asarray(dh), np.pad(np.array(seen)[:, None], ((0, 0), (0, h - 1))))
         per_tensor = fp8.einsum("mk,kn->mn", *f32(x, w), accum=jnp.float32)
         differs += not np.array_equal(np.asarray(per_tensor), np.asarray(y))
-        if t == 0:  # no history yet: the current amax, as per_tensor
-            np.testing.assert_array_equal(np.asarray(per_tensor), np.asarray(y))
+        if t == 0:  # no history yet: x and w at scale 1 (where per_tensor's are 2^4 and 2^11: the operands are exact
+            assert sx == sw == 1.0 and sg == 2.0 ** 13  # on both grids), g at its current amax's
 
         hg = hist_np["grouped"]
-        sl, sr, sgl = _scale(hg[0], np.abs(lhs).max(), E4M3), _scale(hg[1], np.abs(rhs).max(), E4M3), \
-            _scale(hg[2], np.abs(gl).max(), E5M2)
+        sl, sr, sgl = _scale(hg[0], None, E4M3), _scale(hg[1], None, E4M3), _scale(hg[2], np.abs(gl).max(), E5M2)
         lq, rq, glq = _q(lhs, sl, E4M3), _q(rhs, sr, E4M3), _q(gl, sgl, E5M2)
         want, want_dl, want_dr = np.zeros((8, 4)), np.zeros((8, 8)), np.zeros(rhs.shape)
         bf16 = lambda v: v.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
@@ -150,8 +150,10 @@ def test_the_histories_wrap_loss_scaling_and_the_learning_rate_reads_through():
     assert {k: v.shape for k, v in fp8_delayed.history_of(state).items()} == \
         {"layers/w" + fp8_delayed.HISTORY: (2, 3, 4), "w" + fp8_delayed.HISTORY: (3, 4)}
     assert float(loss_scale.state_of(state).scale) == 8.0 and float(current_lr(state)) == 0.5
+    first = fp8_delayed.history_of(state)
+    assert float(first["w" + fp8_delayed.HISTORY][1, 0]) == 1.0 and float(jnp.abs(first["w" + fp8_delayed.HISTORY]).sum()) == 1.0
     _, state = opt.update(jax.tree.map(jnp.ones_like, params), state, params)
-    assert not any(h.any() for h in fp8_delayed.history_of(state).values())  # the optimizer leaves them: the step
+    assert _equal(fp8_delayed.history_of(state), first)  # the optimizer leaves them: the step
     assert int(loss_scale.state_of(state).good) == 1  # pushes them
 
 
@@ -201,12 +203,33 @@ def _equal(a, b) -> bool:
     return jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b))
 
 
-def test_step_one_is_per_tensor_bit_for_bit(runs):
-    _, delayed, d_loss = runs["delayed"]
-    _, per_tensor, p_loss = runs["per_tensor"]
-    assert d_loss[0] == p_loss[0]
-    assert _equal(delayed[1].params, per_tensor[1].params)
-    assert _equal(fp8_delayed.inner_state(delayed[1].opt_state), per_tensor[1].opt_state)  # Adam's moments too
+E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # an amax whose scale is 1
+
+
+def _column0(history: dict, rows: dict) -> dict:
+    """`history` with column 0 of the given rows ({row index: values [*stacked]}) replaced and every other entry 0."""
+    out = {}
+    for k, h in history.items():
+        new = np.zeros_like(h)
+        for r, v in rows.items():
+            new[..., r, 0] = v(k) if callable(v) else v
+        out[k] = new
+    return out
+
+
+def test_step_one_scales_inputs_by_one_and_weights_as_per_tensor(runs):
+    """The initial histories hold each weight's amax per layer (the weight row's newest entry) and nothing else; step
+    1 is the step from histories holding e4m3's max for the inputs (scale 1) and those amaxes, bit for bit, and not
+    per_tensor's step (whose inputs scale by their own amaxes); its loss is per_tensor's within 1e-3."""
+    prog, delayed, d_loss = runs["delayed"]
+    per_tensor_loss = runs["per_tensor"][2][0]
+    first = fp8_delayed.history_of(delayed[0].opt_state)
+    amax = lambda k: np.abs(np.asarray(delayed[0].params[k[:-len(fp8_delayed.HISTORY)]])).reshape(2, -1).max(axis=1)  # noqa: E731
+    for k, h in first.items():
+        np.testing.assert_array_equal(h, _column0({k: h}, {1: amax})[k])
+    after, loss = _step(prog, delayed[0], _column0(first, {0: E4M3_MAX, 1: amax}))
+    assert loss == d_loss[0] and _equal(after.params, delayed[1].params)
+    assert d_loss[0] != per_tensor_loss and abs(d_loss[0] - per_tensor_loss) < 1e-3 * per_tensor_loss
 
 
 def test_the_histories_record_each_steps_amaxes(runs):
@@ -215,12 +238,13 @@ def test_the_histories_record_each_steps_amaxes(runs):
                "layers/mlp/gate", "layers/mlp/up", "layers/mlp/down"]
     first = fp8_delayed.history_of(states[0].opt_state)
     assert sorted(first) == sorted(w + fp8_delayed.HISTORY for w in weights)
-    assert all(h.shape == (2, 3, 16) and h.dtype == np.float32 and not h.any() for h in first.values())
+    assert all(h.shape == (2, 3, 16) and h.dtype == np.float32 for h in first.values())
     for t in range(1, STEPS + 1):
         before, after = fp8_delayed.history_of(states[t - 1].opt_state), fp8_delayed.history_of(states[t].opt_state)
         for key, h in after.items():
             np.testing.assert_array_equal(h[..., 1:], before[key][..., :-1])  # one step older
-            assert np.all(h[..., 0] > 0) and np.all(h[..., t:] == 0)
+            assert np.all(h[..., 0] > 0) and np.all(h[:, (0, 2), t:] == 0) and np.all(h[:, 1, t + 1:] == 0)
+            np.testing.assert_array_equal(h[:, 1, t], first[key][:, 1, 0])  # the initial weights' amaxes, t steps old
             # the weight's amax, per layer: the bf16 weight the product read (params before the step)
             w = np.asarray(jnp.asarray(states[t - 1].params[key[:-len(fp8_delayed.HISTORY)]], jnp.bfloat16), np.float32)
             np.testing.assert_array_equal(h[:, 1, 0], np.abs(w).reshape(2, -1).max(axis=1))
@@ -241,7 +265,8 @@ def _step(prog, state, history=None):
 def test_the_step_scales_by_the_max_of_the_histories_it_carries(runs):
     """From step 3's state: only each history row's max matters (the rows' maxes alone in column 0 give the same
     step, bit for bit); histories 64 times smaller (scales 64 times larger: the products saturate) do not; and
-    all-zero histories make the step per_tensor's (the per_tensor program's step from the same parameters)."""
+    all-zero histories scale inputs and weights by 1 (as rows holding e4m3's max do) and gradients otherwise (by
+    their current amaxes: zeroing the gradient rows too changes the step)."""
     prog, states, losses = runs["delayed"]
     state, history = states[3], fp8_delayed.history_of(states[3].opt_state)
     maxes = {k: np.pad(h.max(axis=-1, keepdims=True), [(0, 0)] * (h.ndim - 1) + [(0, h.shape[-1] - 1)])
@@ -251,15 +276,18 @@ def test_the_step_scales_by_the_max_of_the_histories_it_carries(runs):
     _, loss = _step(prog, state, {k: h / 64 for k, h in history.items()})
     assert abs(loss - losses[3]) > 1e-2
     after, loss = _step(prog, state, {k: np.zeros_like(h) for k, h in history.items()})
-    per_tensor = runs["per_tensor"][0]
-    other, other_loss = _step(per_tensor, states[3]._replace(opt_state=state.opt_state.inner))
+    other, other_loss = _step(prog, state, _column0(history, {0: E4M3_MAX, 1: E4M3_MAX}))
     assert loss == other_loss and _equal(after.params, other.params)
+    grads, _ = _step(prog, state, _column0(history, {0: E4M3_MAX, 1: E4M3_MAX, 2: lambda k: history[k][:, 2].max(-1)}))
+    assert not _equal(after.params, grads.params)
 
 
 def test_a_tiny_llama_trains_with_delayed_scaling_close_to_bf16(runs):
     delayed, bf16 = runs["delayed"][2], runs["bf16"][2]
     assert delayed[-1] < delayed[0] - 0.2  # it trains
-    np.testing.assert_allclose(delayed, bf16, rtol=5e-3)
+    # within 0.6 %: step 1's inputs at scale 1 (where per_tensor's first step kept them within 0.4 %) lose the
+    # precision of their values below e4m3's smallest normal, 2^-6; issue 35's bound on the 1B shape is 1 %
+    np.testing.assert_allclose(delayed, bf16, rtol=1e-2)
     assert not np.array_equal(delayed, bf16)  # and the products did run in fp8
 
 

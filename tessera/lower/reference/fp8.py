@@ -141,20 +141,23 @@ def _amax(x):
     return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
-def quantize_delayed(x, row, dtype, amax=None):
-    """(x_q, s): x quantised to `dtype` with the power of two from max(row) (an amax history's row), saturating; an
-    all-zero row (no history yet) uses x's current amax (`quantize`). `amax` is x's current amax where the caller
-    has it (it records it in the history anyway): the fallback then costs a select, not a reduction of its own.
+def quantize_delayed(x, row, dtype, fallback=None):
+    """(x_q, s): x quantised to `dtype` with the power of two from max(row) (an amax history's row), saturating. A
+    row of zeros only (no step recorded yet) scales by `fallback`'s power of two where given (the gradient's current
+    amax, which its product measures anyway for the history), else by 1 (Transformer Engine's initial scale).
 
-    A select, not a `lax.cond` (two per product and one per gradient): with the conditionals, delayed(16) took
-    273.9 ms a step of the Llama-1B shape on one H100 and 184 s to compile (session 31), per_tensor, which reduces
-    every operand as this select's fallback does, 250.2 ms (XLA:GPU's conditional reads its predicate back to
-    the host). With the select: 262.5 ms against bf16's 273.9 in one device call (session 32). The select still
-    makes every scale wait on the operand's own amax, so the cast cannot fuse into the operand's producer; scaling
-    from the history alone is the form to measure next (bench/experiments/train_variants.py)."""
+    The scale depends on the history alone wherever it can: then nothing reduces over x before its cast, and XLA
+    fuses the cast into x's producer (the amax for the history is measured in the same pass). On one H100 (jax 0.11.2,
+    the Llama-1B shape, batch 8 x 2048, delayed(16); session 33, one device call): every operand falling back to its
+    current amax through a select took 264.0 ms a step (a `lax.cond` instead: 273.9 in session 31, whose conditional
+    reads its predicate back to the host), inputs and weights from the history alone 249.9, all three 244.7. The
+    gradient keeps its fallback: at scale 1 a step-1 gradient underflows e5m2 (smallest subnormal 2^-16; a mean
+    loss's gradients over 16k tokens lie far below), and after 9 steps learning one batch the loss was 2.75 against
+    0.26-0.29 with it. The weights' rows start from the initial weights' amaxes (`fp8_delayed.carrying`), so a
+    step-1 weight scales as per_tensor's; a step-1 input scales by 1."""
     past = jnp.max(row)
-    now = _amax(x) if amax is None else amax
-    s = _pow2_scale(jnp.where((past > 0) & jnp.isfinite(past), past, now), dtype)
+    known = (past > 0) & jnp.isfinite(past)
+    s = _pow2_scale(past if fallback is None else jnp.where(known, past, fallback), dtype)
     big = float(jnp.finfo(dtype).max)
     return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
 
@@ -171,7 +174,7 @@ def _delayed(spec, x, w, history, accum, out_dtype):
 
 def _delayed_fwd(spec, x, w, history, accum, out_dtype):
     seen = jnp.stack([_amax(x), _amax(w)])
-    (xq, sx), (wq, sw) = quantize_delayed(x, history[0], E4M3, seen[0]), quantize_delayed(w, history[1], E4M3, seen[1])
+    (xq, sx), (wq, sw) = quantize_delayed(x, history[0], E4M3), quantize_delayed(w, history[1], E4M3)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
     return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
 
@@ -231,8 +234,7 @@ def _ragged_delayed(lhs, rhs, group_sizes, history, accum, out_dtype):
 
 def _ragged_delayed_fwd(lhs, rhs, group_sizes, history, accum, out_dtype):
     seen = jnp.stack([_amax(lhs), _amax(rhs)])
-    (lq, sl), (rq, sr) = (quantize_delayed(lhs, history[0], E4M3, seen[0]),
-                          quantize_delayed(rhs, history[1], E4M3, seen[1]))
+    (lq, sl), (rq, sr) = quantize_delayed(lhs, history[0], E4M3), quantize_delayed(rhs, history[1], E4M3)
     out = (_ragged(lq, rq, group_sizes, accum) / (sl * sr)).astype(out_dtype)
     return out, (lq, sl, rq, sr, group_sizes, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype), history, seen)
 
