@@ -18,6 +18,7 @@ import yaml
 
 from tessera.diagnostics import RunError, TesseraError
 from tessera.run.checkpoint import check_compatible
+from tessera.run.compiletime import CACHE_VAR, cache_counts, configure_compilation_cache
 from tessera.run.context import RunContext
 from tessera.run.manifest import MANIFEST, Manifest, load_manifest
 from tessera.run.metrics import MetricsLog
@@ -153,8 +154,20 @@ def prepare(exp, say) -> tuple[Any, dict, dict | None]:
     allocator, line = describe_allocator(allocator)
     if line:
         say(line)
+    cache = configure_compilation_cache()
+    if cache["set_by"] == "tessera":
+        say(f"compiled programs are kept in {cache['dir']} for the next run (set {CACHE_VAR}=off to stop, "
+            f"or to a directory to move them)")
     exp, mesh_choice = resolve_mesh(exp, say)
     return exp, allocator, mesh_choice
+
+
+def cache_record(before: dict) -> dict:
+    """The manifest's `compilation_cache`: where compiled programs are kept (`dir`, null when off; `set_by`) and
+    how many this run loaded from there (`hits`) and the compile seconds that saved (`saved_s`)."""
+    now = cache_counts()
+    return {**configure_compilation_cache.record, "hits": now["hits"] - before["hits"],
+            "saved_s": round(now["saved_s"] - before["saved_s"], 3)}
 
 
 def default_compile(exp):
@@ -233,10 +246,13 @@ def exclusive(run_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recorded(manifest: Manifest) -> Iterator[None]:
-    """Record how the block ends in the manifest; a runtime out-of-memory becomes a plain RunError."""
+def recorded(manifest: Manifest, cached: dict | None = None) -> Iterator[None]:
+    """Record how the block ends in the manifest; a runtime out-of-memory becomes a plain RunError. `cached`:
+    `cache_counts()` before the block, to record the programs it loaded from the persistent cache."""
     try:
         yield
+        if cached is not None:
+            manifest.update(compilation_cache=cache_record(cached))
         if manifest.record["status"] == "running":
             manifest.finish("completed")
     except (TesseraError, RunError) as exc:
@@ -280,8 +296,9 @@ def _run_in(run_dir: Path, resuming: bool, exp, weights, overrides, spec_file, c
     manifest = _start_manifest(run_dir, exp, overrides, spec_file, weights, resuming)
     manifest.update(allocator=allocator, mesh_choice=mesh_choice)
     metrics = MetricsLog(run_dir, tensorboard=tensorboard)
+    cached = cache_counts()
     try:
-        with recorded(manifest):
+        with recorded(manifest, cached):
             prog = (compile_fn or default_compile)(exp)
             report = getattr(prog, "parallel_report", None)  # test doubles may not distribute
             numerics = getattr(prog, "numerics_report", None)

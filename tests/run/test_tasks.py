@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from runfake import FakeExperiment, FakeProgram
@@ -61,6 +63,9 @@ def test_forward_writes_logits(run_fake, tmp_path):
     again = run_fake(spec, out=tmp_path / "g")
     assert np.array_equal(np.load(tmp_path / "g" / "out" / "l.npy"), logits)
     assert again.metrics == result.metrics
+    cache = again.manifest["compilation_cache"]  # the suite's cache, set in tests/conftest.py: the person's
+    assert cache["set_by"] == "user" and cache["dir"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert isinstance(cache["hits"], int) and cache["hits"] >= 0 and cache["saved_s"] >= 0.0
 
 
 def test_bench_reports_phases(run_fake):

@@ -1,0 +1,54 @@
+"""`tessera run` keeps compiled programs on disk (tessera/run/compiletime.py: `configure_compilation_cache`): a second
+process loads what the first compiled, with the same bits; the person's own setting or `off` wins. Each case runs in
+a fresh process (jax decides once per process whether to use the cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.cpu_env import cpu_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp
+jax.jit(lambda x: x + 1)(1.0)  # something compiled before the cache is set, as `tessera run` loads a spec first
+from tessera.run.compiletime import cache_counts, configure_compilation_cache
+record = configure_compilation_cache()
+before = cache_counts()
+x = jnp.linspace(0.0, 3.0, 64)
+y = jax.jit(lambda x: jnp.sin(x) * jnp.exp(-x) + jnp.cumsum(x) / 7.0)(x)
+hits = cache_counts()["hits"] - before["hits"]
+print(json.dumps({**record, "hits": hits, "y": [float(v) for v in y]}))
+"""
+
+
+def _run(tmp_path, **env) -> dict:
+    base = {k: v for k, v in cpu_env().items() if k not in ("JAX_COMPILATION_CACHE_DIR", "TESSERA_COMPILATION_CACHE")}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env={**base, "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+                                                            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env},
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_what_the_first_compiled(tmp_path):
+    first, second = _run(tmp_path), _run(tmp_path)
+    where = str(tmp_path / "xdg" / "tessera" / "jax")
+    assert first["set_by"] == second["set_by"] == "tessera" and first["dir"] == second["dir"] == where
+    assert first["hits"] == 0 and second["hits"] >= 1 and os.listdir(where)
+    assert first["y"] == second["y"]
+
+
+def test_the_persons_setting_wins(tmp_path):
+    theirs = tmp_path / "theirs"
+    got = _run(tmp_path, JAX_COMPILATION_CACHE_DIR=str(theirs))
+    assert (got["set_by"], got["dir"]) == ("user", str(theirs)) and os.listdir(theirs)
+    moved = _run(tmp_path, TESSERA_COMPILATION_CACHE=str(tmp_path / "moved"))
+    assert (moved["set_by"], moved["dir"]) == ("user", str(tmp_path / "moved")) and os.listdir(tmp_path / "moved")
+    off = _run(tmp_path, TESSERA_COMPILATION_CACHE="off")
+    assert (off["set_by"], off["dir"], off["hits"]) == ("user", None, 0) and not (tmp_path / "xdg").exists()
