@@ -37,7 +37,7 @@ from tessera.ir.check import MAX_CANONICAL, canonical_problems, canonical_shards
 from tessera.lower import fp8_delayed, loss_scale, precast
 from tessera.lower.interpret import stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
-from tessera.lower.shard import layerwise
+from tessera.lower.shard import det_pipeline, layerwise
 from tessera.lower.shard.collectives import block_index
 
 def check_canonical(options, batch: int, devices: int) -> None:
@@ -297,14 +297,20 @@ class Deterministic:
         ospecs = state_specs(state.opt_state, specs)
         blockwise = _blockwise(state.opt_state)
         per_layer = blockwise and self._per_layer(c)
+        pipelined = None
         if per_layer:
             tokens = batch["tokens"]
             narrow = self.precast_types(tokens.shape[0], tokens.shape[1])
+            pipelined = self.pipeline_layout(c)
 
         def body(params, opt_state, batch):
             opt = opt_state if blockwise else _per_spec(gather_full, ospecs, opt_state)
             ls = loss_scale.state_of(opt)  # None unless the loss is scaled (lower/loss_scale.py)
             history = fp8_delayed.history_of(opt)  # delayed fp8 scaling's amax histories (lower/fp8_delayed.py)
+            if pipelined is not None:  # pp splits the layers' compute (tessera/lower/shard/det_pipeline.py)
+                grads, sums, counts, terms, amaxes = det_pipeline.pipelined_grads(self, pipelined, params, batch, c,
+                                                                                  ls, narrow)
+                return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
             if per_layer:
                 grads, sums, counts, terms, amaxes = self._per_layer_grads(params, history, batch, c, ls, narrow)
                 return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
@@ -356,6 +362,21 @@ class Deterministic:
                            check_vma=False)
         params, opt_state, metrics = fn(state.params, state.opt_state, batch)
         return type(state)(state.step + 1, params, opt_state), metrics
+
+    def pipeline_layout(self, c: int):
+        """The pp layout (det_pipeline.Layout) where the train step splits the layers' compute over pp stages, else
+        None (pp, if any, then acts as a data axis; `pipeline_reason` says why)."""
+        return det_pipeline.plan(self.prog, self.mesh, self.param_specs, c)[0]
+
+    def pipeline_record(self, c: int) -> dict | None:
+        """On a pp mesh, what the manifest records of the train step's pipeline: {stages, split_compute: whether
+        the stages split the layers' compute, why_not: else the reason pp acts as a data axis}; None without pp."""
+        stages = dict(self.mesh.shape).get(det_pipeline.PP, 1)
+        if stages <= 1:
+            return None
+        reason = "" if self._per_layer(c) else "C not a power of two, or a model with loss entries"
+        reason = reason or det_pipeline.plan(self.prog, self.mesh, self.param_specs, c)[1]
+        return {"stages": stages, "split_compute": not reason, "why_not": reason or None}
 
     def _per_layer(self, c: int) -> bool:
         """Whether the step gathers the parameters per layer (`per_layer`), on every mesh of that C and on one

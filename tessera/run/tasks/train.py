@@ -239,6 +239,7 @@ def run(ctx: RunContext) -> int:
                             checkpoint_dir=str(tr.ckpts.directory))
         if isinstance(tr.source, SyntheticSource):
             ctx.manifest.update(chance_loss=tr.source.chance_loss())
+        _say_pipeline(ctx)
         with Interrupt() as ctx.interrupt, Progress(tr.steps, start, stream=ctx.stream) as progress:
             finished = tr.loop(start, progress)  # Ctrl-C only sets a flag here: the loop checkpoints, then stops
         if not finished:
@@ -255,6 +256,26 @@ def run(ctx: RunContext) -> int:
         return 0
     finally:
         tr.ckpts.close()
+
+
+def _say_pipeline(ctx: RunContext) -> None:
+    """Deterministic training on a pp mesh: say (and record as `pipeline`) whether the stages split the layers'
+    compute (tessera/lower/shard/det_pipeline.py) or pp acts as a data axis, and why."""
+    prog = ctx.prog
+    if not getattr(prog, "deterministic", False) or getattr(prog, "plan", None) is None or prog.graph.losses:
+        return
+    from tessera.ir.check import canonical_shards
+
+    c = canonical_shards(int(ctx.exp.task.batch), prog.options.canonical_shards)
+    record = prog.deterministic_executor().pipeline_record(c)
+    if record is None:
+        return
+    ctx.manifest.update(pipeline=record)
+    if record["split_compute"]:
+        ctx.say(f"deterministic pp: the layers' compute split over {record['stages']} stages (1F1B over the "
+                f"{c} canonical shards)")
+    else:
+        ctx.say(f"deterministic pp: pp acts as a data axis (every device runs every layer): {record['why_not']}")
 
 
 def _throughput(exp) -> tuple[tuple[str, str], int]:

@@ -1,0 +1,273 @@
+"""Deterministic mode on a `pp` mesh: the layers' compute split over pipeline stages, one device's bits kept.
+
+Without this, deterministic mode runs pp as a data axis: every device gathers every layer for every canonical
+shard. Here stage s holds layers [s·L/S, (s+1)·L/S) (the stacked parameters' `layers` dim split over pp, as stored)
+and every canonical shard flows through the stages; the mesh's other axes stay data axes over the shards, as in
+`Deterministic._per_layer_grads` (docs/parallel.md, "Design for deterministic mode at scale"). With n_d data devices
+and C canonical shards, each pp group of devices runs m = C / n_d shards, data device d the shards j·n_d + d.
+
+The schedule is the 1F1B lockstep of tessera/lower/shard/pipeline_1f1b.py over the m shards: at tick t stage s runs
+the forward of shard t − s (its input stashed) and the backward of shard t − 2(S − 1) + s, recomputing the stage from
+the stash. Every stage runs the same program (idle ticks compute on a clamped shard, their results never stored).
+The model is cut in three pieces (bench/experiments/det_pipeline.py found the cut that keeps the bits):
+- the pre ops (the embedding) and the post ops with the loss (the head) each `fenced`, on whole parameters gathered
+  over the data axes outside the fence (collectives inside a conditional crashed XLA:CPU);
+- the stage's run of the repeat, unfenced, its parameters gathered over the data axes where each layer reads them
+  (`layerwise.gather_at_use`, whose VJP sums the data devices' block gradients in device order).
+Each shard's gradients are reduced over the data devices as they come (the subtree of n_d leaves that one device's
+`tree_sum` builds first), stored in the shard's slot, and the m slots tree-summed at the end: the adds of one
+device's tree over the C shards. A table tied between the embedding and the head (Llama's) gets its two uses summed
+per shard before that reduction, as one device's autodiff sums them (head side first): the last stage sends each
+shard's head-side cotangent to stage 0 (`ppermute`), which holds S of them. Each non-stacked parameter's gradient
+comes from the one stage that computes it (stage 0: the embedding's and a tied table's; the last: the head's), its
+bits copied to every stage (an integer psum of one device's bits and zeros: exact, -0.0 kept).
+
+What it needs (`plan` says why not, and the step then runs pp as a data axis): a language model whose body is
+pre ops | one stacked `repeat` | post ops, C a power of two, every stacked parameter split over pp along its layers
+dim and read by one op, no other parameter split over pp, no delayed fp8 scaling, and stages of at least two steps of
+the layers' scan (a loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in
+its last bit). Then a pp mesh gives one device's loss and gradients bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from tessera.ir.types import ParamRef, Region
+from tessera.lower.interpret import eval_region, eval_repeat, period
+from tessera.lower.reference.losses import token_cross_entropy
+from tessera.lower.shard import layerwise
+from tessera.lower.shard.collectives import block_index
+
+PP = "pp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a program's parameters sit on a pp mesh for the pipelined deterministic step."""
+
+    stages: int
+    data_axes: tuple[str, ...]   # the mesh's axes > 1 but pp, in mesh order
+    stacked: frozenset[str]      # the repeat's parameters, their layers dim split over pp
+    pre_reads: frozenset[str]    # the parameters the pre ops read
+    post_reads: frozenset[str]   # the parameters the post ops read (a tied table is in both)
+
+
+def _split_body(body: Region):
+    at = [i for i, op in enumerate(body.ops) if op.name == "repeat"]
+    if len(at) != 1:
+        return None
+    return body.ops[:at[0]], body.ops[at[0]], body.ops[at[0] + 1:]
+
+
+def plan(prog, mesh, param_specs: dict, c: int) -> tuple[Layout | None, str]:
+    """(the layout, "") where the pipelined step applies to `prog` on `mesh` with C = c canonical shards, else (None,
+    why not)."""
+    from tessera.lower import fp8_delayed
+
+    stages = dict(mesh.shape).get(PP, 1)
+    if stages <= 1:
+        return None, "no pp axis"
+    graph = prog.graph
+    if graph.losses:
+        return None, "a model with loss entries"
+    if fp8_delayed.history_length(graph.attrs.get("fp8")) is not None:
+        return None, "delayed fp8 scaling (its histories are not split over stages yet)"
+    parts = _split_body(graph.body)
+    if parts is None:
+        return None, "the model body has not exactly one `repeat`"
+    pre, rep, post = parts
+    if rep.attrs.get("axis") is None or rep.attrs.get("grad") == "last":
+        return None, "the `repeat` is not a stack of layers differentiated through"
+    n = rep.attrs["n"]
+    if n % stages:
+        return None, f"{n} layers do not split into {stages} stages"
+    steps = (n // stages) // period(rep.region, n) if (n // stages) % period(rep.region, n) == 0 else 0
+    if steps < 2:
+        return None, (f"stages of {n // stages} layer(s) run the layers' scan {steps or 'a partial'} step(s); the "
+                      "pipelined step needs at least two")
+    data_axes = tuple(a for a, size in mesh.shape.items() if size > 1 and a != PP)
+    n_d = math.prod(dict(mesh.shape)[a] for a in data_axes)
+    if c % n_d or (c // n_d) & (c // n_d - 1) or n_d & (n_d - 1):
+        return None, f"C = {c} over {n_d} data devices is not a power of two per device"
+    from tessera.lower.interpret import stacked_layers
+
+    stacked = set(stacked_layers(graph.body, prog.param_shapes()))
+    for path, spec in param_specs.items():
+        entries = tuple(spec)
+        uses_pp = [i for i, e in enumerate(entries) if e is not None and PP in ((e,) if isinstance(e, str) else e)]
+        if path in stacked and (uses_pp != [0] or entries[0] != PP):
+            return None, f"`{path}` is not split over pp along its layers dim alone"
+        if path not in stacked and uses_pp:
+            return None, f"`{path}`, outside the layers, is split over pp"
+    no_pp = {k: (P(None, *tuple(s)[1:]) if k in stacked else s) for k, s in param_specs.items()}
+    at_use = layerwise.use_plan(graph, no_pp, {k: n for k in stacked})
+    if stacked - at_use:
+        return None, f"`{sorted(stacked - at_use)[0]}` is read by more than one op"
+    reads = lambda ops: frozenset(o.path for op in ops for o in op.operands if isinstance(o, ParamRef))  # noqa: E731
+    return Layout(stages, data_axes, frozenset(stacked), reads(pre), reads(post)), ""
+
+
+def _uint(x):
+    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+    return bits, bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
+
+
+def from_stage(x, here):
+    """On every stage, x's bits from the stage where `here` holds (one contributor, summed as integers: exact)."""
+    bits, wide = _uint(x)
+    summed = jax.lax.psum(jnp.where(here, wide, jnp.zeros_like(wide)), PP)
+    return jax.lax.bitcast_convert_type(summed.astype(bits.dtype), x.dtype)
+
+
+def block_sum(g, spec: P, axes: tuple[str, ...], sizes: dict[str, int], wide_dtype):
+    """This device's block of the data devices' whole cotangents g, widened and summed in device order (the VJP of
+    `layerwise.gather_at_use`, for a parameter gathered outside the pieces)."""
+    g = g.astype(wide_dtype)
+    if not axes:
+        return g
+    pieces = jax.lax.all_to_all(layerwise.blocks_of_all(g, spec, axes, sizes), axes, 0, 0)
+    from tessera.lower.shard.deterministic import tree_sum
+
+    return tree_sum(pieces)
+
+
+def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, narrow: dict):
+    """`Deterministic._per_layer_grads`' results (this device's gradient blocks summed over all C shards; per-shard
+    loss sums and counts in canonical order; no terms; no amaxes) by the 1F1B schedule over the pp stages. Inside
+    the train step's shard_map."""
+    from tessera.lower import precast
+    from tessera.lower.shard.deterministic import fenced, gather_full, tree_sum
+
+    prog, specs, sizes = det.prog, det.param_specs, dict(det.mesh.shape)
+    S, D = layout.stages, layout.data_axes
+    n_d = math.prod(sizes[a] for a in D)
+    m = c // n_d
+    stage = jax.lax.axis_index(PP)
+    first, last = stage == 0, stage == S - 1
+    stacked = layout.stacked
+    ends = [k for k in params if k not in stacked]
+    tied = sorted(layout.pre_reads & layout.post_reads)
+    cast = precast.cast(params, narrow)
+
+    # the pieces (bench/experiments/det_pipeline.py): pre ops | the stage's layers | post ops + the token loss
+    pre, rep, post = _split_body(prog.graph.body)
+    body = prog.graph.body
+    local_n = rep.attrs["n"] // S
+    rep_local = dataclasses.replace(rep, attrs={**rep.attrs, "n": local_n})
+    pre_region = Region(list(body.args), list(pre), list(rep.values))
+    post_region = Region(list(rep.results), list(post), list(body.outputs))
+    hooks = None
+    if D:
+        def gather(k, held):
+            return layerwise.gather_at_use(held, specs[k], len(det.whole_shapes[k]), D, sizes)
+
+        hooks = {k: (lambda held, k=k: gather(k, held)) for k in stacked}
+    ctx = prog.lower_ctx(mode="train", param_use=hooks,
+                         layer_remat=layerwise.saveable_but_gathers if hooks else None)
+
+    def embed(p, tokens):
+        return eval_region(pre_region, [tokens], p, ctx)[0][0]
+
+    def layers(blocks, x):  # blocks: held blocks on a mesh with data axes, else the parameters as read
+        held = {k: layerwise.Held(v, cast[k] if k in narrow else None) for k, v in blocks.items()} if D else blocks
+        return eval_repeat(rep_local, [x], held, ctx, None, prog.options.remat)[0][0]
+
+    def head(p, y, targets, mask):
+        (logits,), _ = eval_region(post_region, [y], p, ctx)
+        per_token = token_cross_entropy(logits, targets)
+        w = jnp.ones_like(per_token) if mask is None else mask.astype(per_token.dtype)
+        return jnp.sum(per_token * w), jnp.sum(w)
+
+    # this data device's shards of the batch: j·n_d + d for j < m, [m, rows, ...] per leaf
+    d = block_index(D) if D else 0
+    every = tuple(a for a, size in sizes.items() if size > 1)
+
+    def mine(a):
+        whole = jax.lax.all_gather(a, every, axis=0, tiled=True)
+        return jax.lax.dynamic_index_in_dim(whole.reshape((m, n_d, -1) + a.shape[1:]), d, axis=1, keepdims=False)
+
+    shards = {k: mine(v) for k, v in batch.items() if v is not None}
+    tokens, targets, mask = shards["tokens"], shards["targets"], shards.get("mask")
+
+    whole_ends = {k: gather_full(cast[k] if k in narrow else params[k], specs[k]) for k in ends}
+    # differentiated at the held blocks through the gathers' VJPs; without data axes at the narrow copies, as one
+    # device's step is (widened at the store)
+    layer_blocks = {k: (params[k] if D else cast[k]) for k in stacked}
+    wide = {k: params[k].dtype for k in params}
+    up = [(j, j + 1) for j in range(S - 1)]
+    down = [(j + 1, j) for j in range(S - 1)]
+    k_slots = min(m, 2 * S - 1)
+    scale = jnp.ones((), jnp.float32) if ls is None else ls.scale
+
+    def pick(a, j):
+        return jax.lax.dynamic_index_in_dim(a, j, keepdims=False)
+
+    def tick(carry, t):
+        recv_f, recv_b, stash, acc, sums, counts, ring = carry
+        f, b = t - stage, t - 2 * (S - 1) + stage
+        ok_f, ok_b = (f >= 0) & (f < m), (b >= 0) & (b < m)
+        f, b = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
+        # forward of shard f: its input (the embedding on stage 0) stashed, the stage's output sent up
+        x_in = jnp.where(first, fenced(embed, whole_ends, pick(tokens, f)), recv_f)
+        slot = f % k_slots
+        stash = stash.at[slot].set(jnp.where(ok_f, x_in, stash[slot]))
+        y = layers(layer_blocks, x_in)
+
+        # backward of shard b, recomputed from its stashed input; the loss's cotangent (the loss scale) on the
+        # last stage, the next stage's input cotangent elsewhere
+        def stage_fn(blocks, p_ends, x):
+            out = layers(blocks, x)
+            s, cnt = fenced(head, p_ends, out, pick(targets, b), None if mask is None else pick(mask, b))
+            return out, s, cnt
+
+        (_, s, cnt), pull = jax.vjp(stage_fn, layer_blocks, whole_ends, stash[b % k_slots])
+        gy = jnp.where(last, jnp.zeros_like(recv_b), recv_b)
+        g_blocks, g_head, gx = pull((gy, jnp.where(last, scale, 0.0).astype(s.dtype), jnp.zeros_like(cnt)))
+        _, pull_e = jax.vjp(lambda p: fenced(embed, p, pick(tokens, b)), whole_ends)
+        (g_embed,) = pull_e(gx)
+
+        # a tied table: the last stage's head-side cotangent of the shard whose backward it ran this tick, kept on
+        # stage 0 until that shard's backward reaches it, then the two uses summed (head side first)
+        if tied and S > 1:
+            j_last = jnp.clip(t - (S - 1), 0, m - 1)
+            sent = {k: jax.lax.ppermute(g_head[k], PP, [(S - 1, 0)]) for k in tied}
+            ring = {k: ring[k].at[j_last % S].set(jnp.where(first, sent[k], ring[k][j_last % S])) for k in tied}
+            head_side = {k: ring[k][b % S] for k in tied}
+        else:
+            head_side = {k: g_head[k] for k in tied}
+        leaf = dict(g_blocks)
+        for k in ends:
+            g = head_side[k] + g_embed[k] if k in tied else (g_embed[k] if k in layout.pre_reads else g_head[k])
+            leaf[k] = block_sum(g, specs[k], D, sizes, wide[k])
+        acc = {k: acc[k].at[b].set(jnp.where(ok_b, leaf[k].astype(wide[k]), acc[k][b])) for k in acc}
+        s = s * scale if ls is not None else s  # the scaled loss, as `Deterministic._per_layer_grads` returns it
+        sums = sums.at[b].set(jnp.where(ok_b, s.astype(sums.dtype), sums[b]))
+        counts = counts.at[b].set(jnp.where(ok_b, cnt.astype(counts.dtype), counts[b]))
+        if S > 1:
+            recv_f, recv_b = jax.lax.ppermute(y, PP, up), jax.lax.ppermute(gx, PP, down)
+        return (recv_f, recv_b, stash, acc, sums, counts, ring), None
+
+    x0 = jax.eval_shape(embed, whole_ends, pick(tokens, 0))
+    zeros = jnp.zeros(x0.shape, x0.dtype)
+    loss_shape = jax.eval_shape(lambda: head(whole_ends, zeros, pick(targets, 0),
+                                             None if mask is None else pick(mask, 0)))
+    acc0 = {k: jnp.zeros((m,) + params[k].shape, wide[k]) for k in params}
+    ring0 = {k: jnp.zeros((S,) + whole_ends[k].shape, whole_ends[k].dtype) for k in tied} if S > 1 else {}
+    init = (zeros, zeros, jnp.zeros((k_slots,) + x0.shape, x0.dtype), acc0,
+            jnp.zeros((m,), loss_shape[0].dtype), jnp.zeros((m,), loss_shape[1].dtype), ring0)
+    (_, _, _, acc, sums, counts, _), _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * (S - 1)))
+
+    grads = {k: tree_sum(a) for k, a in acc.items()}
+    home = {k: first if k in layout.pre_reads else last for k in ends}  # a tied table: stage 0's sum
+    grads = {k: (g if k in stacked else from_stage(g, home[k])) for k, g in grads.items()}
+    sums, counts = from_stage(sums, last), from_stage(counts, last)
+    if D:
+        sums, counts = (layerwise.canonical_order(jax.lax.all_gather(a, D, axis=0, tiled=True), n_d, m)
+                        for a in (sums, counts))
+    return grads, sums, counts, {}, None
