@@ -33,7 +33,10 @@ MESHES = {
 # tp=4,dp=2 here in both modes. Fast mode on the meshes the other files train on is not repeated here (each
 # costs ~20 s of CPU): ep=4 by itself (ep=4,dp=2, batch over ep) and with a capacity in test_expert_dispatch.py,
 # pp=2,tp=2,dp=2 (GPipe, the default schedule) against 1F1B and one device in test_pipeline_1f1b.py.
-DET_MESHES = {"gpt_oss": ("fsdp=2,tp=2,ep=2", "pp=2,tp=2,dp=2", "fsdp=2,tp=2"), "llama": ("tp=4,dp=2",)}
+# pp=2,tp=2,dp=2 runs both ways in deterministic mode: llama's 4 layers as 2 stages of 2 (the layers' compute split
+# over pp: tessera/lower/shard/det_pipeline.py), gpt_oss's as pp acting as a data axis (its layers' scan runs one step
+# a stage at this size, too few for the pipelined step).
+DET_MESHES = {"gpt_oss": ("fsdp=2,tp=2,ep=2", "pp=2,tp=2,dp=2", "fsdp=2,tp=2"), "llama": ("tp=4,dp=2", "pp=2,tp=2,dp=2")}
 FAST_MESHES = {"gpt_oss": ("sp+tp=2,dp=4", "fsdp=2,tp=2,ep=2"), "llama": ("tp=4,dp=2",)}
 STEPS = 2
 
@@ -94,6 +97,17 @@ def test_deterministic_is_bit_identical(results, model, mesh):
     assert got["deterministic"] is True
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert got["checksum"] == ref["checksum"]
+
+
+def test_deterministic_pp_splits_the_layers_where_the_stages_allow(results):
+    """llama's 4 layers in 2 stages of 2 scan steps: the pipelined step (bit-identical above); gpt_oss's period-2
+    layers give stages of one scan step: pp acts as a data axis, and the record says why."""
+    llama, gpt_oss = results[("llama", "train", True, "pp=2,tp=2,dp=2")], results[("gpt_oss", "train", True,
+                                                                                    "pp=2,tp=2,dp=2")]
+    assert llama["pipeline"] == {"stages": 2, "split_compute": True, "why_not": None}
+    assert gpt_oss["pipeline"]["split_compute"] is False
+    assert gpt_oss["pipeline"]["why_not"].startswith("stages of 2 layer(s) run the layers' scan 1 step(s)")
+    assert results[("llama", "train", True, "1 device")]["pipeline"] is None
 
 
 def test_sixteen_canonical_shards_on_sixteen_devices_are_bit_identical_to_one_device(results):
