@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -180,13 +181,28 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
     from jax.sharding import PartitionSpec as P
 
     from tessera.lower.interpret import stacked_layers
-    from tessera.lower.shard import layerwise
+    from tessera.lower.shard import det_pipeline, layerwise
 
     held_types = _held(exp, graph)
-    stacked = stacked_layers(graph.body, {p: types.SimpleNamespace(shape=tuple(d.size for d in t.dims))
-                                          for p, t in held_types.items()})
+    stacked_shapes = {p: types.SimpleNamespace(shape=tuple(d.size for d in t.dims)) for p, t in held_types.items()}
+    stacked = stacked_layers(graph.body, stacked_shapes)
     specs = {p: P(*[layout.split(t).get(d.name) for d in t.dims]) for p, t in held_types.items()}
     at_use = layerwise.use_plan(graph, specs, stacked)
+    c = _canonical(exp)
+    m = c // exp.mesh.size
+    # on a pp mesh whose stages split the layers (tessera/lower/shard/det_pipeline.py): each stage's layers gathered
+    # where they are read; a device group's m = C / (data devices) shards' gradient blocks, their tree sum, a tick's
+    # gradient and the select that stores it in its slot (m + 3 blocks: llama_tiny at d_model 256, 8 layers, pp=2 x
+    # dp=4 compiled to 131.0 MB a device, counted 127.7); stage 0's ring of a tied table's head-side cotangents (pp
+    # of them, whole). Not counted: the stash of min(m, 2 pp - 1) stage inputs (one shard's activations each).
+    pipe = det_pipeline.plan(graph, stacked_shapes, layout.mesh, specs, c)[0]
+    ring = 0.0
+    if pipe is not None:
+        at_use |= pipe.stacked
+        m = c // math.prod(layout.mesh[a] for a in pipe.data_axes) + 2  # planned_bytes counts m + 1
+        ring = pipe.stages * sum(held_types[p].numel() * (narrow[p].itemsize if p in narrow else
+                                                          array_bits(held_types[p].dtype) / 8)
+                                 for p in pipe.pre_reads & pipe.post_reads)
     params = opt = 0.0
     rows = []
     for path, t in held_types.items():
@@ -196,8 +212,8 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         rows.append({"numel": t.numel(), "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})
-    extra = layerwise.planned_bytes(rows, _canonical(exp) // exp.mesh.size)
-    return {"params": params + extra["params"], "gradients": extra["gradients"],
+    extra = layerwise.planned_bytes(rows, m)
+    return {"params": params + extra["params"], "gradients": extra["gradients"] + ring,
             "optimizer": opt + delayed_history_bytes(graph)}
 
 

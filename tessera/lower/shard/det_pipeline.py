@@ -65,15 +65,15 @@ def _split_body(body: Region):
     return body.ops[:at[0]], body.ops[at[0]], body.ops[at[0] + 1:]
 
 
-def plan(prog, mesh, param_specs: dict, c: int) -> tuple[Layout | None, str]:
-    """(the layout, "") where the pipelined step applies to `prog` on `mesh` with C = c canonical shards, else (None,
-    why not)."""
+def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tuple[Layout | None, str]:
+    """(the layout, "") where the pipelined step applies to a program of `graph` (its parameters' held `shapes`:
+    anything with a `.shape`) on a mesh of `mesh_shape` ({axis: size}) with C = c canonical shards, else (None, why
+    not). `tessera plan` asks it too, of the graph alone."""
     from tessera.lower import fp8_delayed
 
-    stages = dict(mesh.shape).get(PP, 1)
+    stages = mesh_shape.get(PP, 1)
     if stages <= 1:
         return None, "no pp axis"
-    graph = prog.graph
     if graph.losses:
         return None, "a model with loss entries"
     if fp8_delayed.history_length(graph.attrs.get("fp8")) is not None:
@@ -91,17 +91,18 @@ def plan(prog, mesh, param_specs: dict, c: int) -> tuple[Layout | None, str]:
     if steps < 2:
         return None, (f"stages of {n // stages} layer(s) run the layers' scan {steps or 'a partial'} step(s); the "
                       "pipelined step needs at least two")
-    data_axes = tuple(a for a, size in mesh.shape.items() if size > 1 and a != PP)
-    n_d = math.prod(dict(mesh.shape)[a] for a in data_axes)
+    data_axes = tuple(a for a, size in mesh_shape.items() if size > 1 and a != PP)
+    n_d = math.prod(mesh_shape[a] for a in data_axes)
     if c % n_d or (c // n_d) & (c // n_d - 1) or n_d & (n_d - 1):
         return None, f"C = {c} over {n_d} data devices is not a power of two per device"
     from tessera.lower.interpret import stacked_layers
 
-    stacked = set(stacked_layers(graph.body, prog.param_shapes()))
+    stacked = set(stacked_layers(graph.body, shapes))
+    axes_of = lambda e: () if e is None else ((e,) if isinstance(e, str) else tuple(e))  # noqa: E731
     for path, spec in param_specs.items():
         entries = tuple(spec)
-        uses_pp = [i for i, e in enumerate(entries) if e is not None and PP in ((e,) if isinstance(e, str) else e)]
-        if path in stacked and (uses_pp != [0] or entries[0] != PP):
+        uses_pp = [i for i, e in enumerate(entries) if PP in axes_of(e)]
+        if path in stacked and (uses_pp != [0] or axes_of(entries[0]) != (PP,)):
             return None, f"`{path}` is not split over pp along its layers dim alone"
         if path not in stacked and uses_pp:
             return None, f"`{path}`, outside the layers, is split over pp"

@@ -366,7 +366,10 @@ class Deterministic:
     def pipeline_layout(self, c: int):
         """The pp layout (det_pipeline.Layout) where the train step splits the layers' compute over pp stages, else
         None (pp, if any, then acts as a data axis; `pipeline_reason` says why)."""
-        return det_pipeline.plan(self.prog, self.mesh, self.param_specs, c)[0]
+        return self._pipeline_plan(c)[0]
+
+    def _pipeline_plan(self, c: int):
+        return det_pipeline.plan(self.prog.graph, self.prog.param_shapes(), dict(self.mesh.shape), self.param_specs, c)
 
     def pipeline_record(self, c: int) -> dict | None:
         """On a pp mesh, what the manifest records of the train step's pipeline: {stages, split_compute: whether
@@ -375,7 +378,7 @@ class Deterministic:
         if stages <= 1:
             return None
         reason = "" if self._per_layer(c) else "C not a power of two, or a model with loss entries"
-        reason = reason or det_pipeline.plan(self.prog, self.mesh, self.param_specs, c)[1]
+        reason = reason or self._pipeline_plan(c)[1]
         return {"stages": stages, "split_compute": not reason, "why_not": reason or None}
 
     def _per_layer(self, c: int) -> bool:
