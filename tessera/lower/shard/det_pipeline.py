@@ -8,7 +8,9 @@ and C canonical shards, each pp group of devices runs m = C / n_d shards, data d
 
 The schedule is the 1F1B lockstep of tessera/lower/shard/pipeline_1f1b.py over the m shards: at tick t stage s runs
 the forward of shard t − s (its input stashed) and the backward of shard t − 2(S − 1) + s, recomputing the stage from
-the stash. Every stage runs the same program (idle ticks compute on a clamped shard, their results never stored).
+the stash. Every stage runs the same program (idle ticks compute on a clamped shard, their results never stored);
+the embedding runs on stage 0 and the head on the last stage only (`fenced(..., when=stage)`: a conditional whose
+VJP skips the backward too).
 The model is cut in three pieces (bench/experiments/det_pipeline.py found the cut that keeps the bits):
 - the pre ops (the embedding) and the post ops with the loss (the head) each `fenced`, on whole parameters gathered
   over the data axes outside the fence (collectives inside a conditional crashed XLA:CPU);
@@ -214,23 +216,22 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
         f, b = t - stage, t - 2 * (S - 1) + stage
         ok_f, ok_b = (f >= 0) & (f < m), (b >= 0) & (b < m)
         f, b = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
-        # forward of shard f: its input (the embedding on stage 0) stashed, the stage's output sent up
-        x_in = jnp.where(first, fenced(embed, whole_ends, pick(tokens, f)), recv_f)
+        # forward of shard f: its input (the embedding, on stage 0 only) stashed, the stage's output sent up
+        x_in = jnp.where(first, fenced(embed, whole_ends, pick(tokens, f), when=first), recv_f)
         slot = f % k_slots
         stash = stash.at[slot].set(jnp.where(ok_f, x_in, stash[slot]))
         y = layers(layer_blocks, x_in)
 
-        # backward of shard b, recomputed from its stashed input; the loss's cotangent (the loss scale) on the
-        # last stage, the next stage's input cotangent elsewhere
-        def stage_fn(blocks, p_ends, x):
-            out = layers(blocks, x)
-            s, cnt = fenced(head, p_ends, out, pick(targets, b), None if mask is None else pick(mask, b))
-            return out, s, cnt
-
-        (_, s, cnt), pull = jax.vjp(stage_fn, layer_blocks, whole_ends, stash[b % k_slots])
-        gy = jnp.where(last, jnp.zeros_like(recv_b), recv_b)
-        g_blocks, g_head, gx = pull((gy, jnp.where(last, scale, 0.0).astype(s.dtype), jnp.zeros_like(cnt)))
-        _, pull_e = jax.vjp(lambda p: fenced(embed, p, pick(tokens, b)), whole_ends)
+        # backward of shard b, the stage recomputed from its stashed input. Its output's cotangent is the head's
+        # (on the last stage, from the loss's cotangent: the loss scale) or the next stage's input cotangent, one or
+        # the other (a select, as one device's layers get the head's alone); the head and the embedding run on
+        # their own stages only
+        y_b, pull_l = jax.vjp(layers, layer_blocks, stash[b % k_slots])
+        tgt, msk = pick(targets, b), None if mask is None else pick(mask, b)
+        (s, cnt), pull_h = jax.vjp(lambda p, yy: fenced(head, p, yy, tgt, msk, when=last), whole_ends, y_b)
+        g_head, g_y = pull_h((jnp.where(last, scale, 0.0).astype(s.dtype), jnp.zeros_like(cnt)))
+        g_blocks, gx = pull_l(jnp.where(last, g_y, recv_b))
+        _, pull_e = jax.vjp(lambda p: fenced(embed, p, pick(tokens, b), when=first), whole_ends)
         (g_embed,) = pull_e(gx)
 
         # a tied table: the last stage's head-side cotangent of the shard whose backward it ran this tick, kept on
