@@ -121,8 +121,9 @@ def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str 
 #     s_x = 2^floor(log2(max_e4m3 / max h[0]))      x_q = e4m3(clip(x · s_x, ±max_e4m3))   (saturating)
 #
 # and likewise w (row 1, e4m3) and, in the backward pass, g (row 2, e5m2). A row whose max is 0 — an empty history
-# (the first step) or one of all-zero tensors — carries no range: the operand is scaled by its current amax, as
-# per_tensor does it (so the first step is per_tensor's, bit for bit). The step's own amaxes |x|, |w|, |g| are
+# (the first step) or one of all-zero tensors — carries no range: x is scaled by 1, g by its current amax
+# (`quantize_delayed`), and w's row starts from the initial weight's amax (fp8_delayed.seeded), so a first step
+# scales weights and gradients as per_tensor does and inputs by 1. The step's own amaxes |x|, |w|, |g| are
 # measured beside the product and handed back as the "gradient" of `h`: zeros but column 0 = [amax x, amax w,
 # amax g] (Flax's fp8 ops do the same). The train step (tessera/lower/fp8_delayed.py) takes that cotangent — the
 # max over canonical shards and microbatches, not the sum — and pushes it into the history it keeps in the

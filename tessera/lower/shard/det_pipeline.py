@@ -26,8 +26,8 @@ bits copied to every stage (an integer psum of one device's bits and zeros: exac
 
 What it needs (`plan` says why not, and the step then runs pp as a data axis): a language model whose body is
 pre ops | one stacked `repeat` | post ops, C a power of two, every stacked parameter split over pp along its layers
-dim and read by one op, no other parameter split over pp, no delayed fp8 scaling, and stages of at least two steps of
-the layers' scan (a loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in
+dim and read by one op, no other parameter split over pp, no fp8 compute, and stages of at least two steps of the
+layers' scan (a loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in
 its last bit). Then a pp mesh gives one device's loss and gradients bit for bit.
 """
 
@@ -71,15 +71,14 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     """(the layout, "") where the pipelined step applies to a program of `graph` (its parameters' held `shapes`:
     anything with a `.shape`) on a mesh of `mesh_shape` ({axis: size}) with C = c canonical shards, else (None, why
     not). `tessera plan` asks it too, of the graph alone."""
-    from tessera.lower import fp8_delayed
-
     stages = mesh_shape.get(PP, 1)
     if stages <= 1:
         return None, "no pp axis"
     if graph.losses:
         return None, "a model with loss entries"
-    if fp8_delayed.history_length(graph.attrs.get("fp8")) is not None:
-        return None, "delayed fp8 scaling (its histories are not split over stages yet)"
+    if graph.attrs.get("fp8"):
+        return None, ("fp8 compute: llama_tiny's fp8 products through the stages ended a step off one device's "
+                      "parameters (per_tensor scaling included), not yet understood")
     parts = _split_body(graph.body)
     if parts is None:
         return None, "the model body has not exactly one `repeat`"

@@ -77,11 +77,21 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
     return use(held.wide, held.narrow)
 
 
+_FP8 = frozenset(jnp.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+
 def saveable_but_gathers(prim, *_, **params) -> bool:
     """The remat policy (`jax.checkpoint`) of a layer whose parameters are gathered where they are read
     (`gather_at_use`), where the spec asks for no remat: every value saved but the gathered parameters (a custom_vjp
-    whose forward sums over devices), which the backward gathers again. Deterministic mode hands it to the
-    lowering as LowerCtx.layer_remat beside its gathers."""
+    whose forward sums over devices), which the backward gathers again, and fp8 values, recomputed. Deterministic
+    mode hands it to the lowering as LowerCtx.layer_remat beside its gathers.
+
+    fp8: jax rounds each value a policy saves with `reduce_precision` at its type's exponent and mantissa widths,
+    whose IEEE semantics reserve the top exponent for inf, so an e4m3fn value from 256 to 448 (e4m3fn has no inf
+    and uses that exponent for numbers) became inf, then NaN as e4m3fn: a quantised operand's largest values, and
+    with them the loss, were NaN in every fp8 deterministic step on a mesh (session 33)."""
+    if prim.name == "convert_element_type" and jnp.dtype(params.get("new_dtype", jnp.float32)) in _FP8:
+        return False
     jaxpr = params.get("call_jaxpr", params.get("fun_jaxpr"))  # the primal's jaxpr, named either way by jax version
     if not prim.name.startswith("custom_vjp_call") or jaxpr is None:
         return True

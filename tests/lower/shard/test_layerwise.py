@@ -58,3 +58,27 @@ def test_the_plan_counts_gathered_layers_and_gradient_blocks():
     got = layerwise.planned_bytes(held, m=2)
     assert got["gradients"] == 3 * (100 * 4 + 10 * 4)  # each iteration's blocks and their sum
     assert got["params"] == 100 * 2 + 80 * 4 + 3 * (800 * 4 / 8)  # narrow blocks, the tied whole, a layer
+
+
+def test_the_remat_policy_recomputes_fp8_values_it_would_otherwise_turn_to_nan():
+    """`saveable_but_gathers` saves every value but gathered parameters, and fp8 ones: jax rounds a saved value with
+    IEEE `reduce_precision` at its type's widths, which made e4m3fn values of 256-448 NaN (every fp8 deterministic
+    step on a mesh had a NaN loss). An fp8 product under the policy: loss and gradients bitwise those without remat,
+    where `everything_saveable` gives NaN."""
+    import jax
+    import jax.numpy as jnp
+
+    from tessera.lower.reference import fp8
+    from tessera.lower.shard.layerwise import saveable_but_gathers
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 4)) * 0.1
+
+    def f(w, x):
+        return jnp.sum(fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32) ** 2)
+
+    want = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(w, x)
+    got = jax.jit(jax.value_and_grad(jax.checkpoint(f, policy=saveable_but_gathers), argnums=(0, 1)))(w, x)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
+    nan = jax.jit(jax.value_and_grad(jax.checkpoint(f, policy=jax.checkpoint_policies.everything_saveable)))(w, x)
+    assert jnp.isnan(nan[0])  # the jax behaviour the policy works around; if this fails, jax fixed it
