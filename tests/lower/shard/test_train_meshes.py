@@ -64,6 +64,17 @@ def _gen_jobs(spec: str) -> list[dict]:
 WIDE = {"parallel.canonical_shards": 16, "task.batch": 16}
 
 
+# fp8 compute with delayed scaling, deterministic, on a mesh: its loss was NaN until the per-layer step's remat policy
+# stopped saving fp8 values (tessera/lower/shard/layerwise.py `saveable_but_gathers`)
+FP8 = {"numerics.default": "fp8_e4m3 @scale(delayed(4)) @accum(fp32)"}
+
+
+def _fp8_jobs() -> list[dict]:
+    return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"fp8 {name}", "det": True,
+             "overrides": {"parallel.deterministic": True, **FP8, **mesh}}
+            for name, mesh in (("1 device", {}), ("fsdp=4,dp=2", {"mesh.fsdp": 4, "mesh.dp": 2}))]
+
+
 def _wide_jobs() -> list[dict]:
     return [{"kind": "train", "spec": LLAMA, "steps": STEPS, "name": f"C=16 {name}", "det": True,
              "overrides": {"parallel.deterministic": True, **WIDE, **mesh}}
@@ -77,7 +88,7 @@ def results():
              + _train_jobs(LLAMA, DET_MESHES["llama"], True),  # ~100 s of CPU each
              "fast": _train_jobs(LLAMA, FAST_MESHES["llama"], False)
              + _train_jobs(GPT_OSS, FAST_MESHES["gpt_oss"], False) + _gen_jobs(GPT_OSS),
-             "wide": _wide_jobs()}
+             "wide": _wide_jobs() + _fp8_jobs()}
     procs = {model: start_jobs(jobs, devices=16 if model == "wide" else 8) for model, jobs in plans.items()}
     out = {}
     for model, proc in procs.items():
@@ -108,6 +119,13 @@ def test_deterministic_pp_splits_the_layers_where_the_stages_allow(results):
     assert gpt_oss["pipeline"]["split_compute"] is False
     assert gpt_oss["pipeline"]["why_not"].startswith("stages of 2 layer(s) run the layers' scan 1 step(s)")
     assert results[("llama", "train", True, "1 device")]["pipeline"] is None
+
+
+def test_fp8_delayed_scaling_on_a_mesh_is_bit_identical_to_one_device(results):
+    ref, got = results[("llama", "train", True, "fp8 1 device")], results[("llama", "train", True, "fp8 fsdp=4,dp=2")]
+    assert all(np.isfinite(ref["losses"])) and ref["losses"][0] != ref["losses"][-1]
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]  # the amax histories included
 
 
 def test_sixteen_canonical_shards_on_sixteen_devices_are_bit_identical_to_one_device(results):
