@@ -77,8 +77,8 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     if graph.losses:
         return None, "a model with loss entries"
     if graph.attrs.get("fp8"):
-        return None, ("fp8 compute: llama_tiny's fp8 products through the stages ended a step off one device's "
-                      "parameters (per_tensor scaling included), not yet understood")
+        return None, ("fp8 compute: through the stages, llama_tiny under fp8 per_tensor scaling ended its second step "
+                      "with one element of its tied embedding table off one device's, not yet understood")
     parts = _split_body(graph.body)
     if parts is None:
         return None, "the model body has not exactly one `repeat`"
