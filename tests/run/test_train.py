@@ -256,3 +256,21 @@ def test_tokens_per_s_times_the_training_steps_not_the_evaluation(run_fake, monk
     result = run_fake(train_spec(steps=20, eval_every=20, log_every=20))
     assert "eval_loss" in result.metrics[-1]
     assert result.manifest["tokens_per_s"] > 1e6  # the steps' own time: the clock did not move for them
+
+
+def test_a_diverging_deterministic_run_names_the_tensor_without_a_traceback(tmp_path):
+    """Deterministic mode's loss (opaque loops over the canonical shards) is not differentiable from outside, so
+    the diagnosis once ended a divergent run in a Python traceback; it now names the first parameter whose update
+    went non-finite, from one more step."""
+    from tessera.run.main import run_experiment
+    from tessera.spec import load_experiment
+
+    root = Path(__file__).resolve().parents[2]
+    exp = load_experiment(str(root / "specs" / "llama_tiny.yaml"), overrides={
+        "task.steps": 4, "task.optimizer.lr": 1e8, "task.schedule.warmup_steps": 0, "task.log_every": 1,
+        "task.eval_every": 0, "task.batch": 4, "task.seq_len": 16, "checkpoint.every": 0})
+    assert exp.parallel.deterministic
+    with pytest.raises(RunError) as err:
+        run_experiment(exp, out=tmp_path / "run", tensorboard=False)
+    msg = str(err.value)
+    assert "became nan at step 2" in msg and "first non-finite tensor: the update of `" in msg, msg

@@ -147,7 +147,14 @@ class Trainer:
         bad = first_nonfinite(params)
         if bad is not None:
             return f"parameter `{bad}`"
-        grads = jax.grad(self.prog.loss)(params, self.source.batch(step - 1))
+        batch = self.source.batch(step - 1)
+        try:
+            grads = jax.grad(self.prog.loss)(params, batch)
+        except ValueError:  # a loss JAX cannot differentiate from outside (deterministic mode's opaque loops on a
+            # mesh): the step itself, whose update carries a non-finite gradient into the parameters
+            bad = first_nonfinite(_params(self.prog.train_step(state, batch)[0]))
+            return (f"the update of `{bad}` (its gradient, or the optimizer's state)" if bad is not None
+                    else "loss (parameters finite; the step's gradients could not be inspected one by one)")
         bad = first_nonfinite(grads)
         return f"gradient of `{bad}`" if bad is not None else "loss (parameters and gradients are finite)"
 
