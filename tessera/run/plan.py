@@ -173,20 +173,41 @@ def _per_layer(exp, graph) -> bool:
     return per_layer(graph, _canonical(exp)) and not _gathers_optimizer_state(exp)
 
 
-def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:
-    """`param_memory` of the per-layer deterministic step on a mesh: each device's blocks, its optimizer state's,
-    and what layerwise.planned_bytes counts (gathered parameters, gradient blocks)."""
+def _shapes_and_specs(held_types: dict, layout: cost.Layout) -> tuple[dict, dict]:
+    """({path: an object with the held `.shape`}, {path: its PartitionSpec on the layout's mesh})."""
     import types
 
     from jax.sharding import PartitionSpec as P
 
+    shapes = {p: types.SimpleNamespace(shape=tuple(d.size for d in t.dims)) for p, t in held_types.items()}
+    return shapes, {p: P(*[layout.split(t).get(d.name) for d in t.dims]) for p, t in held_types.items()}
+
+
+def pipeline_record(exp, graph, layout: cost.Layout) -> dict | None:
+    """Deterministic training on a pp mesh: {stages, split_compute, why_not}, as `tessera run` records it
+    (`Deterministic.pipeline_record`): whether the stages split the layers' compute or pp acts as a data axis."""
+    from tessera.lower.shard import det_pipeline
+
+    stages = layout.mesh.get(det_pipeline.PP, 1)
+    if stages <= 1 or not exp.parallel.deterministic or not _trains(exp) or graph.losses:
+        return None
+    if not _per_layer(exp, graph):
+        why = "C not a power of two, or an optimizer that is not elementwise"
+    else:
+        shapes, specs = _shapes_and_specs(_held(exp, graph), layout)
+        why = det_pipeline.plan(graph, shapes, layout.mesh, specs, _canonical(exp))[1]
+    return {"stages": stages, "split_compute": not why, "why_not": why or None}
+
+
+def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:
+    """`param_memory` of the per-layer deterministic step on a mesh: each device's blocks, its optimizer state's,
+    and what layerwise.planned_bytes counts (gathered parameters, gradient blocks)."""
     from tessera.lower.interpret import stacked_layers
     from tessera.lower.shard import det_pipeline, layerwise
 
     held_types = _held(exp, graph)
-    stacked_shapes = {p: types.SimpleNamespace(shape=tuple(d.size for d in t.dims)) for p, t in held_types.items()}
+    stacked_shapes, specs = _shapes_and_specs(held_types, layout)
     stacked = stacked_layers(graph.body, stacked_shapes)
-    specs = {p: P(*[layout.split(t).get(d.name) for d in t.dims]) for p, t in held_types.items()}
     at_use = layerwise.use_plan(graph, specs, stacked)
     c = _canonical(exp)
     m = c // exp.mesh.size
@@ -405,6 +426,7 @@ def build_plan(exp, device: str | None = None) -> dict:
                          "step": timing["step"]} for r in comms],
         "compile": {"status": "skipped", "note": "not requested"},
         "numerics": resolved_policy(graph, exp.numerics),
+        **({"pipeline": pipe} if (pipe := pipeline_record(exp, graph, layout)) else {}),
     }
 
 
@@ -450,6 +472,10 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     shapes = plan["shapes"]
     if plan.get("mesh_choice"):
         mesh = f"auto: {mesh}; {plan['mesh_choice']['reason']}"
+    if plan.get("pipeline"):
+        pipe = plan["pipeline"]
+        mesh += (f"; deterministic pp splits the layers over {pipe['stages']} stages" if pipe["split_compute"] else
+                 f"; deterministic pp acts as a data axis ({pipe['why_not']})")
     head = [("model", f"{plan['model']} ({plan['spec']}), task {plan['task']}"),
             ("mesh", f"{mesh} ({plan['devices']} device{'s' if plan['devices'] != 1 else ''})"),
             ("shapes", f"batch {shapes['batch']}, seq {shapes['seq']}, microbatches {shapes['microbatches']}, "

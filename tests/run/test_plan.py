@@ -249,7 +249,7 @@ def test_deterministic_pp_is_planned_as_compiled():
     the compiled step's bytes per device, its gradient slots included."""
     plan = _plan_llama_on("mesh.pp=2", "mesh.dp=4", "model.args.layers=8", "parallel.remat=dots")
     c, mem = plan["compile"], plan["memory_per_device"]
-    assert c["status"] == "ok"
+    assert c["status"] == "ok" and plan["pipeline"] == {"stages": 2, "split_compute": True, "why_not": None}
     assert abs(mem["total"] / c["compiler_bytes"]["total"] - 1) < 0.10, (mem, c["compiler_bytes"])
 
 

@@ -373,13 +373,15 @@ class Deterministic:
     def _pipeline_plan(self, c: int):
         return det_pipeline.plan(self.prog.graph, self.prog.param_shapes(), dict(self.mesh.shape), self.param_specs, c)
 
-    def pipeline_record(self, c: int) -> dict | None:
-        """On a pp mesh, what the manifest records of the train step's pipeline: {stages, split_compute: whether
-        the stages split the layers' compute, why_not: else the reason pp acts as a data axis}; None without pp."""
+    def pipeline_record(self, c: int, opt_state) -> dict | None:
+        """On a pp mesh, what the manifest records of the train step's pipeline (for a train state's `opt_state`):
+        {stages, split_compute: whether the stages split the layers' compute, why_not: else the reason pp acts as
+        a data axis}; None without pp. `tessera plan` computes the same (tessera/run/plan.py `pipeline_record`)."""
         stages = dict(self.mesh.shape).get(det_pipeline.PP, 1)
         if stages <= 1:
             return None
-        reason = "" if self._per_layer(c) else "C not a power of two, or a model with loss entries"
+        per_layer = _blockwise(opt_state) and self._per_layer(c)
+        reason = "" if per_layer else "C not a power of two, or an optimizer that is not elementwise"
         reason = reason or self._pipeline_plan(c)[1]
         return {"stages": stages, "split_compute": not reason, "why_not": reason or None}
 

@@ -246,7 +246,7 @@ def run(ctx: RunContext) -> int:
                             checkpoint_dir=str(tr.ckpts.directory))
         if isinstance(tr.source, SyntheticSource):
             ctx.manifest.update(chance_loss=tr.source.chance_loss())
-        _say_pipeline(ctx)
+        _say_pipeline(ctx, tr.state)
         with Interrupt() as ctx.interrupt, Progress(tr.steps, start, stream=ctx.stream) as progress:
             finished = tr.loop(start, progress)  # Ctrl-C only sets a flag here: the loop checkpoints, then stops
         if not finished:
@@ -265,7 +265,7 @@ def run(ctx: RunContext) -> int:
         tr.ckpts.close()
 
 
-def _say_pipeline(ctx: RunContext) -> None:
+def _say_pipeline(ctx: RunContext, state) -> None:
     """Deterministic training on a pp mesh: say (and record as `pipeline`) whether the stages split the layers'
     compute (tessera/lower/shard/det_pipeline.py) or pp acts as a data axis, and why."""
     prog = ctx.prog
@@ -274,7 +274,7 @@ def _say_pipeline(ctx: RunContext) -> None:
     from tessera.ir.check import canonical_shards
 
     c = canonical_shards(int(ctx.exp.task.batch), prog.options.canonical_shards)
-    record = prog.deterministic_executor().pipeline_record(c)
+    record = prog.deterministic_executor().pipeline_record(c, state.opt_state)
     if record is None:
         return
     ctx.manifest.update(pipeline=record)

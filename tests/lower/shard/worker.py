@@ -86,7 +86,7 @@ def train(spec: str, extra: dict, steps: int) -> dict:
         from tessera.ir.check import canonical_shards
 
         c = canonical_shards(exp.task.batch, prog.options.canonical_shards)
-        pipeline = prog.deterministic_executor().pipeline_record(c)
+        pipeline = prog.deterministic_executor().pipeline_record(c, state.opt_state)
     return {"losses": losses, "norms": norms, "checksum": checksum(state.params), "state": state_checksum(state),
             "params": {k: v.ravel()[:64].tolist() for k, v in params.items()},
             "param_bytes": int(sum(host(v).nbytes for v in state.params.values())),
