@@ -26,8 +26,8 @@ bits copied to every stage (an integer psum of one device's bits and zeros: exac
 
 What it needs (`plan` says why not, and the step then runs pp as a data axis): a language model whose body is
 pre ops | one stacked `repeat` | post ops, C a power of two, every stacked parameter split over pp along its layers
-dim and read by one op, no other parameter split over pp, no fp8 compute, and stages of at least two steps of the
-layers' scan (a loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in
+dim and read by one op, no other parameter split over pp, fp32 (or fp64) compute, and stages of at least two steps of
+the layers' scan (a loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in
 its last bit). Then a pp mesh gives one device's loss and gradients bit for bit.
 """
 
@@ -74,11 +74,13 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     stages = mesh_shape.get(PP, 1)
     if stages <= 1:
         return None, "no pp axis"
+    compute = graph.attrs.get("compute", "f32")
+    if compute not in ("f32", "f64") or graph.attrs.get("fp8"):
+        return None, (f"compute in {'fp8' if graph.attrs.get('fp8') else compute}: through the stages, narrow compute "
+                      "was not one device's bits (GPT-OSS-tiny in bf16 from its first step's gradients; fp32 "
+                      "kept them over 5 steps)")
     if graph.losses:
         return None, "a model with loss entries"
-    if graph.attrs.get("fp8"):
-        return None, ("fp8 compute: through the stages, llama_tiny under fp8 per_tensor scaling ended its second step "
-                      "with one element of its tied embedding table off one device's, not yet understood")
     parts = _split_body(graph.body)
     if parts is None:
         return None, "the model body has not exactly one `repeat`"
@@ -144,7 +146,7 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
     loss sums and counts in canonical order; no terms; no amaxes) by the 1F1B schedule over the pp stages. Inside
     the train step's shard_map."""
     from tessera.lower import precast
-    from tessera.lower.shard.deterministic import fenced, gather_full, tree_sum
+    from tessera.lower.shard.deterministic import fenced, gather_full, token_sum, tree_sum
 
     prog, specs, sizes = det.prog, det.param_specs, dict(det.mesh.shape)
     S, D = layout.stages, layout.data_axes
@@ -184,7 +186,7 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
         (logits,), _ = eval_region(post_region, [y], p, ctx)
         per_token = token_cross_entropy(logits, targets)
         w = jnp.ones_like(per_token) if mask is None else mask.astype(per_token.dtype)
-        return jnp.sum(per_token * w), jnp.sum(w)
+        return token_sum(per_token * w), jnp.sum(w)
 
     # this data device's shards of the batch: j·n_d + d for j < m, [m, rows, ...] per leaf
     d = block_index(D) if D else 0

@@ -58,6 +58,14 @@ def tree_sum(x):
     return x[0]
 
 
+def token_sum(x):
+    """The sum of a shard's per-token losses in `tree_sum`'s order (elementwise adds only): its bits then do not
+    depend on how XLA compiles the reduction around it. `jnp.sum` gave one device's whole-model program and the
+    pipelined step's fenced head (tessera/lower/shard/det_pipeline.py) loss values a last bit apart (llama_tiny,
+    pp=4 x dp=2, step 4) while every gradient was the same; the gradient of this sum is the same ones."""
+    return tree_sum(x.reshape(-1))
+
+
 def ordered_sum(x, axes: tuple):
     """The sum over the n devices of `axes` of each one's x, added in one fixed balanced binary tree in device
     order (tree_sum over [x of device 0, ..., x of device n-1]), on every device. Each device sends the others its
@@ -242,7 +250,7 @@ class Deterministic:
         logits = self.prog.logits(params, shard["tokens"], "train", param_use=param_use, layer_remat=remat)
         per_token = token_cross_entropy(logits, shard["targets"])
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
-        return jnp.sum(per_token * w), jnp.sum(w), {}
+        return token_sum(per_token * w), jnp.sum(w), {}
 
     def _local_shards(self, fn, batch: dict, c: int):
         """fn over this device's canonical shards (C / devices of them, in canonical order), stacked."""

@@ -39,7 +39,8 @@ def test_llama_in_two_stages_of_two_layers_splits_and_knows_its_pieces():
     ("llama_tiny.yaml", {"pp": 2, "dp": 3}, 6, {"model.args.layers": 4}, "C = 6 over 3 data devices"),
     ("llama_tiny.yaml", {"pp": 2, "dp": 4}, 8, {"model.args.layers": 4,
                                                  "numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
-     "fp8 compute"),
+     "compute in fp8"),
+    ("llama_tiny.yaml", {"pp": 2, "dp": 4}, 8, {"model.args.layers": 4, "numerics.default": "bf16"}, "compute in bf16"),
 ])
 def test_where_pp_stays_a_data_axis_it_says_why(spec, mesh, c, over, why):
     layout, reason = _plan(spec, mesh, c, **over)
