@@ -26,7 +26,7 @@ bits copied to every stage (an integer psum of one device's bits and zeros: exac
 
 What it needs (`plan` says why not, and the step then runs pp as a data axis): a language model whose body is
 pre ops | one stacked `repeat` | post ops, C a power of two, every stacked parameter split over pp along its layers
-dim and read by one op, no other parameter split over pp, fp32 (or fp64) compute, and stages of at least two steps of
+dim and read by one op, no other parameter split over pp, no delayed fp8 scaling, and stages of at least two steps of
 the layers' scan (a loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in
 its last bit). Then a pp mesh gives one device's loss and gradients bit for bit.
 """
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef, Region
+from tessera.lower import fp8_delayed
 from tessera.lower.interpret import eval_region, eval_repeat, period
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import layerwise
@@ -74,11 +75,8 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     stages = mesh_shape.get(PP, 1)
     if stages <= 1:
         return None, "no pp axis"
-    compute = graph.attrs.get("compute", "f32")
-    if compute not in ("f32", "f64") or graph.attrs.get("fp8"):
-        return None, (f"compute in {'fp8' if graph.attrs.get('fp8') else compute}: through the stages, narrow compute "
-                      "was not one device's bits (GPT-OSS-tiny in bf16 from its first step's gradients; fp32 "
-                      "kept them over 5 steps)")
+    if fp8_delayed.history_length(graph.attrs.get("fp8")) is not None:
+        return None, "delayed fp8 scaling: its amax histories are not sliced per stage yet"
     if graph.losses:
         return None, "a model with loss entries"
     parts = _split_body(graph.body)
@@ -117,6 +115,53 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     return Layout(stages, data_axes, frozenset(stacked), reads(pre), reads(post)), ""
 
 
+def splits(graph) -> bool:
+    """Whether a language model's body is pre ops | one stacked `repeat` | post ops (the pieces below)."""
+    parts = _split_body(graph.body)
+    return (not graph.losses and parts is not None and parts[1].attrs.get("axis") is not None
+            and parts[1].attrs.get("grad") != "last")
+
+
+def pieces(prog, ctx, n: int | None = None):
+    """(embed(p, tokens) -> x, layers(p, x) -> y, head(p, y, targets, mask) -> (loss sum, count)): the model cut
+    at its repeat (of `n` layers where given: a stage's), each evaluated under `ctx`. Deterministic mode computes a
+    canonical shard's loss as fenced(embed) | layers | fenced(head) on one device and every mesh
+    (`Deterministic._shard_sums`), as the pipeline's stages do, so that the stages' programs and one device's
+    round alike: with the ends inside the whole-model program, XLA fused bf16 values across them differently and
+    a pp mesh in bf16 was one device's bits for a step or two, not five (fp32: the same bits either way)."""
+    body = prog.graph.body
+    pre, rep, post = _split_body(body)
+    if n is not None:
+        rep = dataclasses.replace(rep, attrs={**rep.attrs, "n": n})
+    pre_region = Region(list(body.args), list(pre), list(rep.values))
+    post_region = Region(list(rep.results), list(post), list(body.outputs))
+
+    def embed(p, tokens):
+        return eval_region(pre_region, [tokens], p, ctx)[0][0]
+
+    def layers(p, x):
+        return eval_repeat(rep, [x], p, ctx, None, prog.options.remat)[0][0]
+
+    def head(p, y, targets, mask):
+        from tessera.lower.shard.deterministic import token_sum
+
+        (logits,), _ = eval_region(post_region, [y], p, ctx)
+        per_token = token_cross_entropy(logits, targets)
+        w = jnp.ones_like(per_token) if mask is None else mask.astype(per_token.dtype)
+        return token_sum(per_token * w), jnp.sum(w)
+
+    reads = lambda ops: frozenset(o.path for op in ops for o in op.operands if isinstance(o, ParamRef))  # noqa: E731
+    embed.reads, head.reads = reads(pre), reads(post)
+    return embed, layers, head
+
+
+def only(params: dict, reads: frozenset) -> dict:
+    """The parameters (and their amax histories) a piece reads: what a fenced piece takes as operands."""
+    from tessera.lower.fp8_delayed import HISTORY
+
+    return {k: v for k, v in params.items() if k.split(HISTORY)[0] in reads}
+
+
 def _uint(x):
     bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
     return bits, bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
@@ -146,7 +191,7 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
     loss sums and counts in canonical order; no terms; no amaxes) by the 1F1B schedule over the pp stages. Inside
     the train step's shard_map."""
     from tessera.lower import precast
-    from tessera.lower.shard.deterministic import fenced, gather_full, token_sum, tree_sum
+    from tessera.lower.shard.deterministic import fenced, gather_full, tree_sum
 
     prog, specs, sizes = det.prog, det.param_specs, dict(det.mesh.shape)
     S, D = layout.stages, layout.data_axes
@@ -159,13 +204,6 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
     tied = sorted(layout.pre_reads & layout.post_reads)
     cast = precast.cast(params, narrow)
 
-    # the pieces (bench/experiments/det_pipeline.py): pre ops | the stage's layers | post ops + the token loss
-    pre, rep, post = _split_body(prog.graph.body)
-    body = prog.graph.body
-    local_n = rep.attrs["n"] // S
-    rep_local = dataclasses.replace(rep, attrs={**rep.attrs, "n": local_n})
-    pre_region = Region(list(body.args), list(pre), list(rep.values))
-    post_region = Region(list(rep.results), list(post), list(body.outputs))
     hooks = None
     if D:
         def gather(k, held):
@@ -174,19 +212,12 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
         hooks = {k: (lambda held, k=k: gather(k, held)) for k in stacked}
     ctx = prog.lower_ctx(mode="train", param_use=hooks,
                          layer_remat=layerwise.saveable_but_gathers if hooks else None)
-
-    def embed(p, tokens):
-        return eval_region(pre_region, [tokens], p, ctx)[0][0]
+    local_n = _split_body(prog.graph.body)[1].attrs["n"] // S
+    embed, run_layers, head = pieces(prog, ctx, local_n)
 
     def layers(blocks, x):  # blocks: held blocks on a mesh with data axes, else the parameters as read
         held = {k: layerwise.Held(v, cast[k] if k in narrow else None) for k, v in blocks.items()} if D else blocks
-        return eval_repeat(rep_local, [x], held, ctx, None, prog.options.remat)[0][0]
-
-    def head(p, y, targets, mask):
-        (logits,), _ = eval_region(post_region, [y], p, ctx)
-        per_token = token_cross_entropy(logits, targets)
-        w = jnp.ones_like(per_token) if mask is None else mask.astype(per_token.dtype)
-        return token_sum(per_token * w), jnp.sum(w)
+        return run_layers(held, x)
 
     # this data device's shards of the batch: j·n_d + d for j < m, [m, rows, ...] per leaf
     d = block_index(D) if D else 0

@@ -247,6 +247,12 @@ class Deterministic:
             return total, jnp.ones((), total.dtype), terms
         # without remat, the layers keep every value but the gathered parameters (gathered again in the backward)
         remat = layerwise.saveable_but_gathers if param_use else None
+        if det_pipeline.splits(self.prog.graph):  # the ends fenced, as a pp mesh's stages compute them
+            ctx = self.prog.lower_ctx(mode="train", param_use=param_use, layer_remat=remat)
+            embed, layers, head = det_pipeline.pieces(self.prog, ctx)
+            x = layers(params, fenced(embed, det_pipeline.only(params, embed.reads), shard["tokens"]))
+            s, n = fenced(head, det_pipeline.only(params, head.reads), x, shard["targets"], shard.get("mask"))
+            return s, n, {}
         logits = self.prog.logits(params, shard["tokens"], "train", param_use=param_use, layer_remat=remat)
         per_token = token_cross_entropy(logits, shard["targets"])
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)

@@ -23,6 +23,12 @@ def _plan(spec: str, mesh: dict, c: int = 8, **over):
     return det_pipeline.plan(graph, shapes, mesh, specs, c)
 
 
+@pytest.mark.parametrize("numerics", ["bf16", "fp8_e4m3 @scale(per_tensor) @accum(fp32)"])
+def test_narrow_compute_takes_the_pipelined_step(numerics):
+    layout, why = _plan("llama_tiny.yaml", {"pp": 2, "dp": 4}, **{"model.args.layers": 4, "numerics.default": numerics})
+    assert why == "" and layout is not None
+
+
 def test_llama_in_two_stages_of_two_layers_splits_and_knows_its_pieces():
     layout, why = _plan("llama_tiny.yaml", {"pp": 2, "fsdp": 2, "dp": 2}, **{"model.args.layers": 4})
     assert why == "" and layout.stages == 2 and layout.data_axes == ("fsdp", "dp")
@@ -38,9 +44,8 @@ def test_llama_in_two_stages_of_two_layers_splits_and_knows_its_pieces():
     ("llama_tiny.yaml", {"pp": 2, "dp": 4}, 12, {"model.args.layers": 4}, "C = 12 over 4 data devices"),
     ("llama_tiny.yaml", {"pp": 2, "dp": 3}, 6, {"model.args.layers": 4}, "C = 6 over 3 data devices"),
     ("llama_tiny.yaml", {"pp": 2, "dp": 4}, 8, {"model.args.layers": 4,
-                                                 "numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
-     "compute in fp8"),
-    ("llama_tiny.yaml", {"pp": 2, "dp": 4}, 8, {"model.args.layers": 4, "numerics.default": "bf16"}, "compute in bf16"),
+                                                 "numerics.default": "fp8_e4m3 @scale(delayed) @accum(fp32)"},
+     "delayed fp8 scaling"),
 ])
 def test_where_pp_stays_a_data_axis_it_says_why(spec, mesh, c, over, why):
     layout, reason = _plan(spec, mesh, c, **over)

@@ -75,6 +75,14 @@ def _fp8_jobs() -> list[dict]:
             for name, mesh in (("1 device", {}), ("fsdp=4,dp=2", {"mesh.fsdp": 4, "mesh.dp": 2}))]
 
 
+# bf16 through the pipelined pp step: one device's bits only since both compute a shard's loss as fenced(embed) |
+# layers | fenced(head) (det_pipeline.pieces); before, the stages drifted from one device within a few steps
+def _bf16_pp_jobs() -> list[dict]:
+    return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"bf16 {name}", "det": True,
+             "overrides": {"parallel.deterministic": True, "numerics.default": "bf16", **mesh}}
+            for name, mesh in (("1 device", {}), ("pp=2,tp=2,dp=2", MESHES["pp=2,tp=2,dp=2"]))]
+
+
 def _wide_jobs() -> list[dict]:
     return [{"kind": "train", "spec": LLAMA, "steps": STEPS, "name": f"C=16 {name}", "det": True,
              "overrides": {"parallel.deterministic": True, **WIDE, **mesh}}
@@ -88,7 +96,7 @@ def results():
              + _train_jobs(LLAMA, DET_MESHES["llama"], True),  # ~100 s of CPU each
              "fast": _train_jobs(LLAMA, FAST_MESHES["llama"], False)
              + _train_jobs(GPT_OSS, FAST_MESHES["gpt_oss"], False) + _gen_jobs(GPT_OSS),
-             "wide": _wide_jobs() + _fp8_jobs()}
+             "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs()}
     procs = {model: start_jobs(jobs, devices=16 if model == "wide" else 8) for model, jobs in plans.items()}
     out = {}
     for model, proc in procs.items():
@@ -119,6 +127,14 @@ def test_deterministic_pp_splits_the_layers_where_the_stages_allow(results):
     assert gpt_oss["pipeline"]["split_compute"] is False
     assert gpt_oss["pipeline"]["why_not"].startswith("stages of 2 layer(s) run the layers' scan 1 step(s)")
     assert results[("llama", "train", True, "1 device")]["pipeline"] is None
+
+
+def test_bf16_through_the_pipelined_pp_step_is_bit_identical_to_one_device(results):
+    ref, got = results[("llama", "train", True, "bf16 1 device")], results[("llama", "train", True,
+                                                                           "bf16 pp=2,tp=2,dp=2")]
+    assert got["pipeline"]["split_compute"] is True
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
 
 
 def test_fp8_delayed_scaling_on_a_mesh_is_bit_identical_to_one_device(results):
