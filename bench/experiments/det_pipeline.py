@@ -1,5 +1,6 @@
 """Can a pipeline stage's per-shard gradient be bitwise one device's? The question under deterministic pp
-(issue 36, item 2; docs/parallel.md, "Planned next").
+(issue 36, item 2). The answer is built since session 33: tessera/lower/shard/det_pipeline.py (docs/parallel.md,
+"Deterministic pp"); this prototype stays as the record of how the cut was found.
 
 One canonical shard of a language model, its parameters' gradient computed three ways in one process on one CPU
 device, compared bit for bit:
