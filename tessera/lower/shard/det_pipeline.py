@@ -61,6 +61,11 @@ class Layout:
     post_reads: frozenset[str]   # the parameters the post ops read (a tied table is in both)
 
 
+def _reads(ops) -> frozenset[str]:
+    """The parameter paths `ops` read."""
+    return frozenset(o.path for op in ops for o in op.operands if isinstance(o, ParamRef))
+
+
 def _split_body(body: Region):
     at = [i for i, op in enumerate(body.ops) if op.name == "repeat"]
     if len(at) != 1:
@@ -111,8 +116,7 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     at_use = layerwise.use_plan(graph, no_pp, {k: n for k in stacked})
     if stacked - at_use:
         return None, f"`{sorted(stacked - at_use)[0]}` is read by more than one op"
-    reads = lambda ops: frozenset(o.path for op in ops for o in op.operands if isinstance(o, ParamRef))  # noqa: E731
-    return Layout(stages, data_axes, frozenset(stacked), reads(pre), reads(post)), ""
+    return Layout(stages, data_axes, frozenset(stacked), _reads(pre), _reads(post)), ""
 
 
 def splits(graph) -> bool:
@@ -150,8 +154,7 @@ def pieces(prog, ctx, n: int | None = None):
         w = jnp.ones_like(per_token) if mask is None else mask.astype(per_token.dtype)
         return token_sum(per_token * w), jnp.sum(w)
 
-    reads = lambda ops: frozenset(o.path for op in ops for o in op.operands if isinstance(o, ParamRef))  # noqa: E731
-    embed.reads, head.reads = reads(pre), reads(post)
+    embed.reads, head.reads = _reads(pre), _reads(post)
     return embed, layers, head
 
 
