@@ -26,9 +26,11 @@ bits copied to every stage (an integer psum of one device's bits and zeros: exac
 
 What it needs (`plan` says why not, and the step then runs pp as a data axis): a language model whose body is
 pre ops | one stacked `repeat` | post ops, C a power of two, every stacked parameter split over pp along its layers
-dim and read by one op, no other parameter split over pp, no delayed fp8 scaling, and stages of at least two steps of
-the layers' scan (a loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in
-its last bit). Then a pp mesh gives one device's loss and gradients bit for bit.
+dim and read by one op, no other parameter split over pp, and stages of at least two steps of the layers' scan (a
+loop of one step is inlined and fused with its surroundings: GPT-OSS's `sinks` gradient was off in its last bit).
+Then a pp mesh gives one device's loss and gradients bit for bit, in every compute type; under delayed fp8 scaling
+each stage reads its layers' rows of the amax histories and their amaxes are max-combined over the shards, the data
+devices and (gathered) the stages.
 """
 
 from __future__ import annotations
@@ -80,8 +82,6 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     stages = mesh_shape.get(PP, 1)
     if stages <= 1:
         return None, "no pp axis"
-    if fp8_delayed.history_length(graph.attrs.get("fp8")) is not None:
-        return None, "delayed fp8 scaling: its amax histories are not sliced per stage yet"
     if graph.losses:
         return None, "a model with loss entries"
     parts = _split_body(graph.body)
@@ -189,10 +189,12 @@ def block_sum(g, spec: P, axes: tuple[str, ...], sizes: dict[str, int], wide_dty
     return tree_sum(pieces)
 
 
-def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, narrow: dict):
+def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: int, ls, narrow: dict):
     """`Deterministic._per_layer_grads`' results (this device's gradient blocks summed over all C shards; per-shard
-    loss sums and counts in canonical order; no terms; no amaxes) by the 1F1B schedule over the pp stages. Inside
-    the train step's shard_map."""
+    loss sums and counts in canonical order; no terms; delayed fp8 scaling's amaxes, [1, *history] each: their max
+    over the C shards) by the 1F1B schedule over the pp stages. Inside the train step's shard_map. `history`: the
+    amax histories (replicated; a stacked weight's [L, 3, H] sliced to the stage's layers like the weight), or
+    None."""
     from tessera.lower import precast
     from tessera.lower.shard.deterministic import fenced, gather_full, tree_sum
 
@@ -218,8 +220,10 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
     local_n = _split_body(prog.graph.body)[1].attrs["n"] // S
     embed, run_layers, head = pieces(prog, ctx, local_n)
 
-    def layers(blocks, x):  # blocks: held blocks on a mesh with data axes, else the parameters as read
-        held = {k: layerwise.Held(v, cast[k] if k in narrow else None) for k, v in blocks.items()} if D else blocks
+    def layers(blocks, x):  # blocks: held blocks on a mesh with data axes, else the parameters as read (and the
+        # stage's amax histories beside them, read as they are)
+        held = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in stacked else v
+                for k, v in blocks.items()} if D else blocks
         return run_layers(held, x)
 
     # this data device's shards of the batch: j·n_d + d for j < m, [m, rows, ...] per leaf
@@ -237,6 +241,15 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
     # differentiated at the held blocks through the gathers' VJPs; without data axes at the narrow copies, as one
     # device's step is (widened at the store)
     layer_blocks = {k: (params[k] if D else cast[k]) for k in stacked}
+    # delayed fp8 scaling: each history beside its weight (a stacked one's rows of this stage's layers); its
+    # cotangent, a shard's amaxes, is max-combined over the shards (exact, in any order)
+    history = history or {}
+    weight_of = lambda h: h[:-len(fp8_delayed.HISTORY)]  # noqa: E731
+    h_stacked = {h: jax.lax.dynamic_slice_in_dim(v, stage * local_n, local_n, axis=0)
+                 for h, v in history.items() if weight_of(h) in stacked}
+    h_ends = {h: v for h, v in history.items() if weight_of(h) not in stacked}
+    layer_blocks.update(h_stacked)
+    whole_ends = {**whole_ends, **h_ends}
     wide = {k: params[k].dtype for k in params}
     up = [(j, j + 1) for j in range(S - 1)]
     down = [(j + 1, j) for j in range(S - 1)]
@@ -247,7 +260,7 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
         return jax.lax.dynamic_index_in_dim(a, j, keepdims=False)
 
     def tick(carry, t):
-        recv_f, recv_b, stash, acc, sums, counts, ring = carry
+        recv_f, recv_b, stash, acc, sums, counts, ring, seen = carry
         f, b = t - stage, t - 2 * (S - 1) + stage
         ok_f, ok_b = (f >= 0) & (f < m), (b >= 0) & (b < m)
         f, b = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
@@ -278,6 +291,10 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
             head_side = {k: ring[k][b % S] for k in tied}
         else:
             head_side = {k: g_head[k] for k in tied}
+        amax = {h: g_blocks.pop(h) for h in h_stacked}
+        amax.update({h: jnp.where(first if weight_of(h) in layout.pre_reads else last,
+                                  g_embed[h] if weight_of(h) in layout.pre_reads else g_head[h], 0.0) for h in h_ends})
+        seen = {h: jnp.where(ok_b, jnp.maximum(seen[h], amax[h]), seen[h]) for h in seen}
         leaf = dict(g_blocks)
         for k in ends:
             g = head_side[k] + g_embed[k] if k in tied else (g_embed[k] if k in layout.pre_reads else g_head[k])
@@ -288,7 +305,7 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
         counts = counts.at[b].set(jnp.where(ok_b, cnt.astype(counts.dtype), counts[b]))
         if S > 1:
             recv_f, recv_b = jax.lax.ppermute(y, PP, up), jax.lax.ppermute(gx, PP, down)
-        return (recv_f, recv_b, stash, acc, sums, counts, ring), None
+        return (recv_f, recv_b, stash, acc, sums, counts, ring, seen), None
 
     x0 = jax.eval_shape(embed, whole_ends, pick(tokens, 0))
     zeros = jnp.zeros(x0.shape, x0.dtype)
@@ -297,8 +314,9 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
     acc0 = {k: jnp.zeros((m,) + params[k].shape, wide[k]) for k in params}
     ring0 = {k: jnp.zeros((S,) + whole_ends[k].shape, whole_ends[k].dtype) for k in tied} if S > 1 else {}
     init = (zeros, zeros, jnp.zeros((k_slots,) + x0.shape, x0.dtype), acc0,
-            jnp.zeros((m,), loss_shape[0].dtype), jnp.zeros((m,), loss_shape[1].dtype), ring0)
-    (_, _, _, acc, sums, counts, _), _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * (S - 1)))
+            jnp.zeros((m,), loss_shape[0].dtype), jnp.zeros((m,), loss_shape[1].dtype), ring0,
+            {h: jnp.zeros_like(v) for h, v in {**h_stacked, **h_ends}.items()})
+    (_, _, _, acc, sums, counts, _, seen), _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * (S - 1)))
 
     grads = {k: tree_sum(a) for k, a in acc.items()}
     home = {k: first if k in layout.pre_reads else last for k in ends}  # a tied table: stage 0's sum
@@ -307,4 +325,10 @@ def pipelined_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, 
     if D:
         sums, counts = (layerwise.canonical_order(jax.lax.all_gather(a, D, axis=0, tiled=True), n_d, m)
                         for a in (sums, counts))
-    return grads, sums, counts, {}, None
+    amaxes = None
+    if history:
+        seen = {h: jax.lax.pmax(v, D) if D else v for h, v in seen.items()}  # over the data devices: exact
+        amaxes = {h: (jax.lax.all_gather(v, PP, axis=0, tiled=True) if h in h_stacked
+                      else from_stage(v, first if weight_of(h) in layout.pre_reads else last))[None]
+                  for h, v in seen.items()}
+    return grads, sums, counts, {}, amaxes

@@ -324,8 +324,8 @@ class Deterministic:
             ls = loss_scale.state_of(opt)  # None unless the loss is scaled (lower/loss_scale.py)
             history = fp8_delayed.history_of(opt)  # delayed fp8 scaling's amax histories (lower/fp8_delayed.py)
             if pipelined is not None:  # pp splits the layers' compute (tessera/lower/shard/det_pipeline.py)
-                grads, sums, counts, terms, amaxes = det_pipeline.pipelined_grads(self, pipelined, params, batch, c,
-                                                                                  ls, narrow)
+                grads, sums, counts, terms, amaxes = det_pipeline.pipelined_grads(self, pipelined, params, history,
+                                                                                  batch, c, ls, narrow)
                 return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
             if per_layer:
                 grads, sums, counts, terms, amaxes = self._per_layer_grads(params, history, batch, c, ls, narrow)

@@ -72,7 +72,8 @@ FP8 = {"numerics.default": "fp8_e4m3 @scale(delayed(4)) @accum(fp32)"}
 def _fp8_jobs() -> list[dict]:
     return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"fp8 {name}", "det": True,
              "overrides": {"parallel.deterministic": True, **FP8, **mesh}}
-            for name, mesh in (("1 device", {}), ("fsdp=4,dp=2", {"mesh.fsdp": 4, "mesh.dp": 2}))]
+            for name, mesh in (("1 device", {}), ("fsdp=4,dp=2", {"mesh.fsdp": 4, "mesh.dp": 2}),
+                               ("pp=2,tp=2,dp=2", MESHES["pp=2,tp=2,dp=2"]))]
 
 
 # bf16 through the pipelined pp step: one device's bits only since both compute a shard's loss as fenced(embed) |
@@ -137,9 +138,11 @@ def test_bf16_through_the_pipelined_pp_step_is_bit_identical_to_one_device(resul
     assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
 
 
-def test_fp8_delayed_scaling_on_a_mesh_is_bit_identical_to_one_device(results):
-    ref, got = results[("llama", "train", True, "fp8 1 device")], results[("llama", "train", True, "fp8 fsdp=4,dp=2")]
+@pytest.mark.parametrize("mesh", ["fsdp=4,dp=2", "pp=2,tp=2,dp=2"])  # the latter through the pipelined step
+def test_fp8_delayed_scaling_on_a_mesh_is_bit_identical_to_one_device(results, mesh):
+    ref, got = results[("llama", "train", True, "fp8 1 device")], results[("llama", "train", True, f"fp8 {mesh}")]
     assert all(np.isfinite(ref["losses"])) and ref["losses"][0] != ref["losses"][-1]
+    assert (got["pipeline"] or {}).get("split_compute", False) == mesh.startswith("pp")
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]  # the amax histories included
 
