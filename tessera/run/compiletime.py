@@ -30,22 +30,40 @@ _lock = threading.Lock()
 _registered = False
 
 
+_HITS, _SAVED = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/compile_time_saved_sec"
+_cache = {"hits": 0, "saved_s": 0.0}  # programs loaded from the persistent cache by this process, seconds saved
+
+
 def _listen(event: str, duration: float, **_: object) -> None:
     key = EVENTS.get(event)
-    if key is not None:
-        with _lock:
+    with _lock:
+        if key is not None:
             for phases in _open:
                 phases[key] += duration
+        elif event == _SAVED:
+            _cache["saved_s"] += duration
+
+
+def _count(event: str, **_: object) -> None:
+    if event == _HITS:
+        with _lock:
+            _cache["hits"] += 1
+
+
+def _listening() -> None:
+    """Register this module's listeners with JAX, once (JAX keeps them for the process). Call holding `_lock`."""
+    global _registered
+    if not _registered:
+        jax.monitoring.register_event_duration_secs_listener(_listen)
+        jax.monitoring.register_event_listener(_count)
+        _registered = True
 
 
 @contextlib.contextmanager
 def compile_phases() -> Iterator[dict[str, float]]:
     """A dict of seconds per compile phase, filled while the block runs (nested blocks each count)."""
-    global _registered
     with _lock:
-        if not _registered:  # JAX keeps its listeners for the process: register once
-            jax.monitoring.register_event_duration_secs_listener(_listen)
-            _registered = True
+        _listening()
         phases = dict.fromkeys(EVENTS.values(), 0.0)
         _open.append(phases)
     try:
@@ -77,8 +95,9 @@ def configure_compilation_cache() -> dict:
     TESSERA_COMPILATION_CACHE=off turns it off (a directory there moves it). The cache is trusted code: keep it
     where only you can write. It has no size bound (jax's bound needs the `filelock` package, not a dependency):
     delete the directory to reclaim its space. Returns the record for the manifest."""
-    configure_compilation_cache.record = record = _cache_setting()
-    return record
+    global _setting
+    _setting = _cache_setting()
+    return _setting
 
 
 def _cache_setting() -> dict:
@@ -98,32 +117,20 @@ def _cache_setting() -> dict:
     return {"set_by": "user" if choice else "tessera", "dir": str(path)}
 
 
-configure_compilation_cache.record = {"set_by": "user", "dir": None}  # until it is called
-
-
-_cache = {"hits": 0, "saved_s": 0.0}
-_cache_registered = False
-
-
-def _cache_event(event: str, **_: object) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        with _lock:
-            _cache["hits"] += 1
-
-
-def _cache_duration(event: str, duration: float, **_: object) -> None:
-    if event == "/jax/compilation_cache/compile_time_saved_sec":
-        with _lock:
-            _cache["saved_s"] += duration
+_setting = {"set_by": "user", "dir": None}  # configure_compilation_cache's record, until it is called
 
 
 def cache_counts() -> dict:
     """{hits, saved_s}: the programs this process has loaded from the persistent cache so far, and the compile time
     they saved (as the cache recorded it when they were compiled). Counting starts at the first call."""
-    global _cache_registered
     with _lock:
-        if not _cache_registered:
-            jax.monitoring.register_event_listener(_cache_event)
-            jax.monitoring.register_event_duration_secs_listener(_cache_duration)
-            _cache_registered = True
+        _listening()
         return dict(_cache)
+
+
+def cache_record(before: dict) -> dict:
+    """The manifest's `compilation_cache`: where compiled programs are kept (`dir`, null when off; `set_by`) and
+    how many were loaded from there since `before` (`cache_counts()` then: `hits`), and the compile seconds that
+    saved (`saved_s`)."""
+    now = cache_counts()
+    return {**_setting, "hits": now["hits"] - before["hits"], "saved_s": round(now["saved_s"] - before["saved_s"], 3)}

@@ -18,7 +18,7 @@ import yaml
 
 from tessera.diagnostics import RunError, TesseraError
 from tessera.run.checkpoint import check_compatible
-from tessera.run.compiletime import CACHE_VAR, cache_counts, configure_compilation_cache
+from tessera.run.compiletime import CACHE_VAR, cache_counts, cache_record, configure_compilation_cache
 from tessera.run.context import RunContext
 from tessera.run.manifest import MANIFEST, Manifest, load_manifest
 from tessera.run.metrics import MetricsLog
@@ -160,14 +160,6 @@ def prepare(exp, say) -> tuple[Any, dict, dict | None]:
             f"or to a directory to move them)")
     exp, mesh_choice = resolve_mesh(exp, say)
     return exp, allocator, mesh_choice
-
-
-def cache_record(before: dict) -> dict:
-    """The manifest's `compilation_cache`: where compiled programs are kept (`dir`, null when off; `set_by`) and
-    how many this run loaded from there (`hits`) and the compile seconds that saved (`saved_s`)."""
-    now = cache_counts()
-    return {**configure_compilation_cache.record, "hits": now["hits"] - before["hits"],
-            "saved_s": round(now["saved_s"] - before["saved_s"], 3)}
 
 
 def default_compile(exp):

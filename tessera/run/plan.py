@@ -192,11 +192,11 @@ def pipeline_record(exp, graph, layout: cost.Layout) -> dict | None:
     if stages <= 1 or not exp.parallel.deterministic or not _trains(exp) or graph.losses:
         return None
     if not _per_layer(exp, graph):
-        why = "C not a power of two, or an optimizer that is not elementwise"
+        why = det_pipeline.NOT_PER_LAYER
     else:
         shapes, specs = _shapes_and_specs(_held(exp, graph), layout)
         why = det_pipeline.plan(graph, shapes, layout.mesh, specs, _canonical(exp))[1]
-    return {"stages": stages, "split_compute": not why, "why_not": why or None}
+    return det_pipeline.record(stages, why)
 
 
 def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:

@@ -44,12 +44,13 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef, Region
 from tessera.lower import fp8_delayed
-from tessera.lower.interpret import eval_region, eval_repeat, period
+from tessera.lower.interpret import eval_region, eval_repeat, period, stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
 
 PP = "pp"
+NOT_PER_LAYER = "C not a power of two, or an optimizer that is not elementwise"  # no per-layer step to pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,11 @@ class Layout:
     stacked: frozenset[str]      # the repeat's parameters, their layers dim split over pp
     pre_reads: frozenset[str]    # the parameters the pre ops read
     post_reads: frozenset[str]   # the parameters the post ops read (a tied table is in both)
+
+
+def record(stages: int, why: str) -> dict:
+    """What the manifest (`tessera run`) and the plan record of a pp mesh's deterministic train step."""
+    return {"stages": stages, "split_compute": not why, "why_not": why or None}
 
 
 def _reads(ops) -> frozenset[str]:
@@ -82,18 +88,15 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     stages = mesh_shape.get(PP, 1)
     if stages <= 1:
         return None, "no pp axis"
-    if graph.losses:
-        return None, "a model with loss entries"
-    parts = _split_body(graph.body)
-    if parts is None:
-        return None, "the model body has not exactly one `repeat`"
-    pre, rep, post = parts
-    if rep.attrs.get("axis") is None or rep.attrs.get("grad") == "last":
-        return None, "the `repeat` is not a stack of layers differentiated through"
+    why = _unsplit(graph)
+    if why:
+        return None, why
+    pre, rep, post = _split_body(graph.body)
     n = rep.attrs["n"]
     if n % stages:
         return None, f"{n} layers do not split into {stages} stages"
-    steps = (n // stages) // period(rep.region, n) if (n // stages) % period(rep.region, n) == 0 else 0
+    p = period(rep.region, n)
+    steps = (n // stages) // p if (n // stages) % p == 0 else 0
     if steps < 2:
         return None, (f"stages of {n // stages} layer(s) run the layers' scan {steps or 'a partial'} step(s); the "
                       "pipelined step needs at least two")
@@ -101,8 +104,6 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     n_d = math.prod(mesh_shape[a] for a in data_axes)
     if c % n_d or (c // n_d) & (c // n_d - 1) or n_d & (n_d - 1):
         return None, f"C = {c} over {n_d} data devices is not a power of two per device"
-    from tessera.lower.interpret import stacked_layers
-
     stacked = set(stacked_layers(graph.body, shapes))
     axes_of = lambda e: () if e is None else ((e,) if isinstance(e, str) else tuple(e))  # noqa: E731
     for path, spec in param_specs.items():
@@ -119,11 +120,21 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int) -> tu
     return Layout(stages, data_axes, frozenset(stacked), _reads(pre), _reads(post)), ""
 
 
+def _unsplit(graph) -> str:
+    """Why a model does not cut into the pieces below, or "" where it does."""
+    if graph.losses:
+        return "a model with loss entries"
+    parts = _split_body(graph.body)
+    if parts is None:
+        return "the model body has not exactly one `repeat`"
+    if parts[1].attrs.get("axis") is None or parts[1].attrs.get("grad") == "last":
+        return "the `repeat` is not a stack of layers differentiated through"
+    return ""
+
+
 def splits(graph) -> bool:
     """Whether a language model's body is pre ops | one stacked `repeat` | post ops (the pieces below)."""
-    parts = _split_body(graph.body)
-    return (not graph.losses and parts is not None and parts[1].attrs.get("axis") is not None
-            and parts[1].attrs.get("grad") != "last")
+    return not _unsplit(graph)
 
 
 def pieces(prog, ctx, n: int | None = None):
@@ -160,33 +171,16 @@ def pieces(prog, ctx, n: int | None = None):
 
 def only(params: dict, reads: frozenset) -> dict:
     """The parameters (and their amax histories) a piece reads: what a fenced piece takes as operands."""
-    from tessera.lower.fp8_delayed import HISTORY
-
-    return {k: v for k, v in params.items() if k.split(HISTORY)[0] in reads}
-
-
-def _uint(x):
-    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
-    return bits, bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
+    return {k: v for k, v in params.items() if k.split(fp8_delayed.HISTORY)[0] in reads}
 
 
 def from_stage(x, here):
     """On every stage, x's bits from the stage where `here` holds (one contributor, summed as integers: exact)."""
-    bits, wide = _uint(x)
+    from tessera.lower.shard.deterministic import as_bits
+
+    bits, wide = as_bits(x)
     summed = jax.lax.psum(jnp.where(here, wide, jnp.zeros_like(wide)), PP)
     return jax.lax.bitcast_convert_type(summed.astype(bits.dtype), x.dtype)
-
-
-def block_sum(g, spec: P, axes: tuple[str, ...], sizes: dict[str, int], wide_dtype):
-    """This device's block of the data devices' whole cotangents g, widened and summed in device order (the VJP of
-    `layerwise.gather_at_use`, for a parameter gathered outside the pieces)."""
-    g = g.astype(wide_dtype)
-    if not axes:
-        return g
-    pieces = jax.lax.all_to_all(layerwise.blocks_of_all(g, spec, axes, sizes), axes, 0, 0)
-    from tessera.lower.shard.deterministic import tree_sum
-
-    return tree_sum(pieces)
 
 
 def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: int, ls, narrow: dict):
@@ -298,7 +292,7 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
         leaf = dict(g_blocks)
         for k in ends:
             g = head_side[k] + g_embed[k] if k in tied else (g_embed[k] if k in layout.pre_reads else g_head[k])
-            leaf[k] = block_sum(g, specs[k], D, sizes, wide[k])
+            leaf[k] = layerwise.block_sum(g, specs[k], D, sizes, wide[k])
         acc = {k: acc[k].at[b].set(jnp.where(ok_b, leaf[k].astype(wide[k]), acc[k][b])) for k in acc}
         s = s * scale if ls is not None else s  # the scaled loss, as `Deterministic._per_layer_grads` returns it
         sums = sums.at[b].set(jnp.where(ok_b, s.astype(sums.dtype), sums[b]))

@@ -111,8 +111,7 @@ def gather_full(x, spec: P):
     for i, e in _entries(spec):
         axes = (e,) if isinstance(e, str) else tuple(e)
         n = math.prod(jax.lax.axis_size(a) for a in axes)
-        bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-        wide = bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
+        bits, wide = as_bits(x)
         full = jnp.zeros(x.shape[:i] + (x.shape[i] * n,) + x.shape[i + 1:], wide.dtype)
         full = jax.lax.dynamic_update_slice_in_dim(full, wide, block_index(axes) * x.shape[i], axis=i)
         x = jax.lax.bitcast_convert_type(jax.lax.psum(full, e).astype(bits.dtype), x.dtype)
@@ -120,6 +119,13 @@ def gather_full(x, spec: P):
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}  # a dtype's bit pattern, by its item size
+
+
+def as_bits(x):
+    """(x's bit pattern as the unsigned integer of its width, that widened to 32 or 64 bits): what a psum adds
+    exactly where one device holds each element's bits and the others zeros."""
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    return bits, bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
 
 
 def local_block(x, spec: P):
@@ -395,9 +401,8 @@ class Deterministic:
         if stages <= 1:
             return None
         per_layer = _blockwise(opt_state) and self._per_layer(c)
-        reason = "" if per_layer else "C not a power of two, or an optimizer that is not elementwise"
-        reason = reason or self._pipeline_plan(c)[1]
-        return {"stages": stages, "split_compute": not reason, "why_not": reason or None}
+        reason = "" if per_layer else det_pipeline.NOT_PER_LAYER
+        return det_pipeline.record(stages, reason or self._pipeline_plan(c)[1])
 
     def _per_layer(self, c: int) -> bool:
         """Whether the step gathers the parameters per layer (`per_layer`), on every mesh of that C and on one

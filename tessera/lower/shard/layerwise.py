@@ -57,7 +57,7 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
     parameter, of `full_ndim` dims, held a layer's slice inside a repeat), whose VJP gives `wide` this device's
     block of the devices' cotangents, widened to wide's type and summed in device order (`narrow`, a constant of
     the step, gets none). On a mesh only: one device reads its parameters as they are."""
-    from tessera.lower.shard.deterministic import gather_full, tree_sum
+    from tessera.lower.shard.deterministic import gather_full
 
     spec = trailing(spec, full_ndim, held.ndim)
     wide_dtype = held.wide.dtype
@@ -70,14 +70,26 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
         return use(wide, narrow), None
 
     def bwd(_, g):
-        pieces = jax.lax.all_to_all(blocks_of_all(g.astype(wide_dtype), spec, axes, sizes), axes, 0, 0)
-        return tree_sum(pieces), None  # row j of pieces: device j's piece of this device's block
+        return block_sum(g, spec, axes, sizes, wide_dtype), None
 
     use.defvjp(fwd, bwd)
     return use(held.wide, held.narrow)
 
 
 _FP8 = frozenset(jnp.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+
+def block_sum(g, spec: P, axes: tuple[str, ...], sizes: dict[str, int], wide_dtype):
+    """This device's block of the devices' whole cotangents g (each device's own g), widened to `wide_dtype` and
+    summed in device order over `axes` (an all-to-all, then `tree_sum`): a gather's VJP (`gather_at_use`, and the
+    pipelined pp step's gathers outside its fenced pieces). Without axes, g widened."""
+    from tessera.lower.shard.deterministic import tree_sum
+
+    g = g.astype(wide_dtype)
+    if not axes:
+        return g
+    pieces = jax.lax.all_to_all(blocks_of_all(g, spec, axes, sizes), axes, 0, 0)
+    return tree_sum(pieces)  # row j of pieces: device j's piece of this device's block
 
 
 def saveable_but_gathers(prim, *_, **params) -> bool:
