@@ -54,9 +54,11 @@ def worker(spec: str, overrides: list[str], out: str, report: str) -> None:
     }))
 
 
-def run_one(spec: str, gpus: int, overrides: list[str], tmp: Path) -> dict:
-    """One configuration in a fresh process on the first `gpus` GPUs; returns its report."""
+def run_one(spec: str, gpus: int, overrides: list[str], tmp: Path, attempt: int = 0) -> dict:
+    """One configuration in a fresh process on the first `gpus` GPUs; returns its report. `attempt` tells the
+    repeats of one configuration apart (each its own run directory and report)."""
     tag = "-".join(o.replace("=", "").replace(".", "_") for o in overrides)[:80] or "base"
+    tag = f"{Path(spec).stem}-{tag}" + (f"-again{attempt}" if attempt else "")
     out, report = tmp / f"{Path(spec).stem}-{gpus}-{tag}", tmp / f"{tag}-{gpus}.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
     cmd = [sys.executable, __file__, "--worker", spec, "--out", str(out), "--report", str(report)]
@@ -124,15 +126,27 @@ def _first_difference(a: list, b: list) -> str:
     return f"step {diff[0] + 1}, max rel {rel:.2e}"
 
 
-def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, limit: int = 0) -> None:
-    spec = "specs/gpt_oss_tiny.yaml"
-    base = [f"task.steps={steps}", "task.eval_every=0", "checkpoint.every=0"]
+def _trajectory(report: dict) -> tuple[list, list, str]:
+    """A run's per-step losses and grad norms and its final parameters' checksum."""
+    metrics = report["manifest"]["metrics"]
+    return ([m.get("loss") for m in metrics], [m.get("grad_norm") for m in metrics],
+            report["manifest"]["params_checksum"])
+
+
+def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, limit: int = 0,
+                        spec: str = "specs/gpt_oss_tiny.yaml", repeat: int = 1, extra: list[str] = ()) -> None:
+    """Each mesh's deterministic run against the first (one GPU); with repeat > 1 each configuration runs again
+    in fresh processes (compiled again unless a persistent cache holds it), each compared with its first."""
+    base = [f"task.steps={steps}", "task.eval_every=0", "checkpoint.every=0", *extra]
     meshes = {1: [[]], 2: [["mesh.dp=2"], ["mesh.tp=2"], ["mesh.ep=2"], ["mesh.fsdp=2"]],
               4: [["mesh.dp=2", "mesh.tp=2"], ["mesh.fsdp=2", "mesh.ep=2"]],
               8: [["mesh.dp=8"], ["mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]]}
-    print(f"\n## determinism: {spec}, {steps} steps, deterministic mode, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print("| GPUs | mesh | loss vs 1 GPU | grad norm vs 1 GPU | checksum identical | tokens/s (det) | tokens/s (fast) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n## determinism: {spec} {' '.join(extra)}, {steps} steps, deterministic mode, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"(each configuration run {repeat} time(s) in fresh processes; 'again' compares the repeats with the "
+          f"first: losses, grad norms and checksum all equal)" if repeat > 1 else "")
+    print("| GPUs | mesh | loss vs 1 GPU | grad norm vs 1 GPU | checksum identical | again | tokens/s (det) | "
+          "tokens/s (fast) |")
+    print("|---|---|---|---|---|---|---|---|")
     reference = None
     for n in mesh_sets(gpus):
         for i, overrides in enumerate(meshes[n][:limit or None]):
@@ -141,16 +155,20 @@ def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, lim
             quick = (run_one(spec, n, base + overrides + ["parallel.deterministic=false"], tmp)
                      if fast and i == 0 else {})
             if "error" in det:
-                print(f"| {n} | {' '.join(overrides) or '-'} | failed: {det['error']} | | | | |")
+                print(f"| {n} | {' '.join(overrides) or '-'} | failed: {det['error']} | | | | | |")
                 continue
-            losses = [m.get("loss") for m in det["manifest"]["metrics"]]
-            norms = [m.get("grad_norm") for m in det["manifest"]["metrics"]]
-            checksum = det["manifest"]["params_checksum"]
+            losses, norms, checksum = _trajectory(det)
             reference = reference or (losses, norms, checksum)
+            again = []
+            for attempt in range(1, repeat):
+                r = run_one(spec, n, base + overrides + ["parallel.deterministic=true"], tmp, attempt)
+                again.append("failed" if "error" in r else
+                             "identical" if _trajectory(r) == (losses, norms, checksum) else
+                             f"differs ({_first_difference(_trajectory(r)[0], losses)} in the loss)")
             fast_tps = quick["manifest"].get("tokens_per_s") if "manifest" in quick else None
             print(f"| {n} | {' '.join(overrides) or '-'} | {_first_difference(losses, reference[0])} | "
                   f"{_first_difference(norms, reference[1])} | {checksum == reference[2]} | "
-                  f"{det['manifest'].get('tokens_per_s') or 0:,.0f} | {fast_tps or 0:,.0f} |", flush=True)
+                  f"{'; '.join(again) or '-'} | {det['manifest'].get('tokens_per_s') or 0:,.0f} | {fast_tps or 0:,.0f} |", flush=True)
 
 
 def main() -> None:
@@ -161,6 +179,10 @@ def main() -> None:
     parser.add_argument("--generate-meshes", type=int, default=2, help="1: tensor parallel only; 2: also expert")
     parser.add_argument("--no-fast", action="store_true", help="determinism: skip the fast-mode comparison runs")
     parser.add_argument("--det-meshes", type=int, default=0, help="determinism: the first N meshes of each size")
+    parser.add_argument("--det-spec", default="specs/gpt_oss_tiny.yaml", help="determinism: the spec trained")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="determinism: run each configuration this many times, in fresh processes")
+    parser.add_argument("--det-set", action="append", default=[], help="determinism: an override of the spec")
     parser.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS for every configuration")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -182,7 +204,8 @@ def main() -> None:
             elif name == "train":
                 section_train(gpus, Path(tmp), args.steps)
             elif name == "determinism":
-                section_determinism(gpus, Path(tmp), args.steps, fast=not args.no_fast, limit=args.det_meshes)
+                section_determinism(gpus, Path(tmp), args.steps, fast=not args.no_fast, limit=args.det_meshes,
+                                    spec=args.det_spec, repeat=args.repeat, extra=args.det_set)
             else:
                 parser.error(f"unknown section {name!r}")
 

@@ -19,6 +19,9 @@ from tests.cpu_env import xla_flags  # noqa: E402
 os.environ["XLA_FLAGS"] = xla_flags()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# XLA:CPU does not autotune; left on, the first `tessera run` in a test process would add its flag to XLA_FLAGS, and
+# the subprocesses started after it would key their compiled programs otherwise than those started before
+os.environ.setdefault("TESSERA_AUTOTUNE_CACHE", "off")
 
 
 # The files that take longest (CPU seconds with a cold compilation cache, 2-core machine), longest first: `make

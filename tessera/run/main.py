@@ -18,7 +18,8 @@ import yaml
 
 from tessera.diagnostics import RunError, TesseraError
 from tessera.run.checkpoint import check_compatible
-from tessera.run.compiletime import CACHE_VAR, cache_counts, cache_record, configure_compilation_cache
+from tessera.run.compiletime import (AUTOTUNE_VAR, CACHE_VAR, autotune_record, cache_counts, cache_record,
+                                    configure_autotune_cache, configure_compilation_cache)
 from tessera.run.context import RunContext
 from tessera.run.manifest import MANIFEST, Manifest, load_manifest
 from tessera.run.metrics import MetricsLog
@@ -146,14 +147,25 @@ def _explicit_mesh(mesh, say) -> dict | None:
             "reason": "the spec's mesh, smaller than the devices present"}
 
 
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
 def prepare(exp, say) -> tuple[Any, dict, dict | None]:
     """Before JAX starts its backend: the allocator and deterministic-kernel settings (said when on a GPU),
     then the mesh `mesh: auto` picks. Returns (exp on that mesh, the `allocator` and `mesh_choice` records)."""
     allocator = configure_allocator()
     request_deterministic_kernels(exp)
+    autotune = configure_autotune_cache()
     allocator, line = describe_allocator(allocator)
     if line:
         say(line)
+        if autotune["set_by"] == "tessera" and autotune["dir"] and jax_backend() == "gpu":
+            say(f"GPU kernel choices (XLA's autotuning) are kept in {autotune['dir']}, so every compile of a program "
+                f"on this machine takes the same kernels (set {AUTOTUNE_VAR}=off to stop, or to a directory to move "
+                f"them)")
     cache = configure_compilation_cache()
     if cache["set_by"] == "tessera":
         say(f"compiled programs are kept in {cache['dir']} for the next run (set {CACHE_VAR}=off to stop, "
@@ -244,7 +256,7 @@ def recorded(manifest: Manifest, cached: dict | None = None) -> Iterator[None]:
     try:
         yield
         if cached is not None:
-            manifest.update(compilation_cache=cache_record(cached))
+            manifest.update(compilation_cache=cache_record(cached), autotune_cache=autotune_record())
         if manifest.record["status"] == "running":
             manifest.finish("completed")
     except (TesseraError, RunError) as exc:

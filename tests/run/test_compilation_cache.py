@@ -52,3 +52,39 @@ def test_the_persons_setting_wins(tmp_path):
     assert (moved["set_by"], moved["dir"]) == ("user", str(tmp_path / "moved")) and os.listdir(tmp_path / "moved")
     off = _run(tmp_path, TESSERA_COMPILATION_CACHE="off")
     assert (off["set_by"], off["dir"], off["hits"]) == ("user", None, 0) and not (tmp_path / "xdg").exists()
+
+
+# ---- XLA's GPU autotuning results (`configure_autotune_cache`): environment only, so in this process ----------------
+
+def _autotune(monkeypatch, tmp_path, flags=None, choice=None):
+    from tessera.run.compiletime import AUTOTUNE_VAR, autotune_record, configure_autotune_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for var, value in (("XLA_FLAGS", flags), (AUTOTUNE_VAR, choice)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    record = configure_autotune_cache()
+    assert autotune_record() == record
+    return record, os.environ.get("XLA_FLAGS", "")
+
+
+def test_autotune_results_are_kept_beside_the_compiled_programs(monkeypatch, tmp_path):
+    record, flags = _autotune(monkeypatch, tmp_path, flags="--xla_gpu_deterministic_ops=true")
+    where = str(tmp_path / "xdg" / "tessera" / "autotune")
+    assert record == {"set_by": "tessera", "dir": where}
+    assert flags == f"--xla_gpu_deterministic_ops=true --xla_gpu_per_fusion_autotune_cache_dir={where}"
+
+
+def test_the_persons_autotune_setting_wins(monkeypatch, tmp_path):
+    theirs = "--xla_gpu_per_fusion_autotune_cache_dir=/their/dir --xla_dump_to=/x"
+    record, flags = _autotune(monkeypatch, tmp_path, flags=theirs, choice=str(tmp_path / "ignored"))
+    assert (record, flags) == ({"set_by": "user", "dir": "/their/dir"}, theirs)
+    record, flags = _autotune(monkeypatch, tmp_path, choice="off")
+    assert (record, flags) == ({"set_by": "user", "dir": None}, "")
+    record, flags = _autotune(monkeypatch, tmp_path, choice=str(tmp_path / "moved"))
+    assert record == {"set_by": "user", "dir": str(tmp_path / "moved")}
+    assert flags == f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'moved'}"
+    record, flags = _autotune(monkeypatch, tmp_path, choice=str(tmp_path / "a dir"))
+    assert record["dir"] is None and "whitespace" in record["why_not"] and flags == ""
