@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tessera.run.main import configure_allocator
+from tessera.run.environment import configure_allocator
 
 ALLOCATOR = configure_allocator()  # before JAX starts its backend, as `tessera run` does
 

@@ -33,13 +33,17 @@ GIB = float(2 ** 30)
 
 def worker(spec: str, overrides: list[str], out: str, report: str) -> None:
     """Run one configuration in this process and write what it measured to `report` (JSON)."""
+    import tessera
+    from tessera.run.environment import configure_process
+
+    exp = tessera.load(spec, overrides=overrides)
+    configure_process(exp)  # before the plan starts JAX, as `tessera run` does before importing it
+
     import jax
 
-    import tessera
     from tessera.run.main import run_experiment
     from tessera.run.plan import build_plan
 
-    exp = tessera.load(spec, overrides=overrides)
     plan = build_plan(exp)
     result = run_experiment(exp, out=out, overrides=overrides, tensorboard=False)
     manifest = json.loads((Path(result.run_dir) / "manifest.json").read_text())

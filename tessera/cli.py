@@ -71,8 +71,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         compile_check=not args.no_compile, devices=args.devices)
 
 
+def _before_jax(exp) -> None:
+    """Set what XLA reads once, as JAX starts (the allocator's share, deterministic mode's flags, the autotuning
+    cache: tessera/run/environment.py), before anything of this process imports JAX. The spec is loaded without JAX."""
+    from tessera.run.environment import configure_process
+
+    configure_process(exp)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the spec's task and leave a reproducible run directory."""
+    from tessera.spec import load_experiment
+
+    _before_jax(load_experiment(args.spec, overrides=list(args.overrides or ())))
     from tessera.run.main import run_command
 
     return run_command(args.spec, overrides=args.overrides, out=args.out, weights=args.weights,
@@ -81,6 +92,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Run a few steps of the spec's task under the profiler; print time per IR op, kernel, collective."""
+    from tessera.spec import load_experiment
+
+    _before_jax(load_experiment(args.spec, overrides=list(args.overrides or ())))
     from tessera.run.profile import profile_command
 
     return profile_command(args.spec, overrides=args.overrides, steps=args.steps, out=args.out, top=args.top)
@@ -88,6 +102,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Re-run a manifest's spec and say whether every number is bit-identical."""
+    import json
+    import types
+    from pathlib import Path
+
+    try:  # only its parallel.deterministic matters here; replay itself reports an unreadable manifest
+        parallel = json.loads(Path(args.manifest).read_text())["spec"].get("parallel") or {}
+        _before_jax(types.SimpleNamespace(parallel=types.SimpleNamespace(
+            deterministic=bool(parallel.get("deterministic", True)))))
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
     from tessera.run.replay import replay_command
 
     return replay_command(args.manifest, out=args.out)

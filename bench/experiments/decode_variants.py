@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tessera.run.main import configure_allocator
+from tessera.run.environment import configure_allocator
 
 configure_allocator()
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tessera.run.main import configure_allocator
+from tessera.run.environment import configure_allocator
 
 configure_allocator()
 

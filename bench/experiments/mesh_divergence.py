@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--xla", default="", help="extra XLA flags")
     args = ap.parse_args()
-    from tessera.run.main import DETERMINISTIC_CPU_THREADS, DETERMINISTIC_XLA_FLAGS  # before JAX starts
+    from tessera.run.environment import DETERMINISTIC_CPU_THREADS, DETERMINISTIC_XLA_FLAGS  # before JAX starts
 
     os.environ["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8", *DETERMINISTIC_XLA_FLAGS,
                                         args.xla]).strip()

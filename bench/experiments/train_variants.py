@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from tessera.run.main import configure_allocator
+from tessera.run.environment import configure_allocator
 
 configure_allocator()
 

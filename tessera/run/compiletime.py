@@ -5,8 +5,8 @@ jaxpr to StableHLO, and the backend's compile (XLA's passes and code generation,
         fn(*args)                      # the first call
     phases  # {"trace_s": 1.3, "lower_s": 1.2, "backend_s": 21.0}
 
-and where compiled programs are kept between runs (`configure_compilation_cache`, `cache_counts`), and XLA's GPU
-kernel choices with them (`configure_autotune_cache`).
+and where compiled programs are kept between runs (`configure_compilation_cache`, `cache_counts`; XLA's GPU kernel
+choices are kept beside them: tessera/run/environment.py, `configure_autotune_cache`).
 
 Durations are summed over every function compiled while the block is open (a program's inner jitted
 functions each trace and lower once); a persistent-cache hit shows as a short backend compile.
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Iterator
 
 import jax
+
+from tessera.run.environment import OFF, cache_root
 
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
@@ -77,13 +79,12 @@ def compile_phases() -> Iterator[dict[str, float]]:
 # ---- the persistent compilation cache ------------------------------------------------------------------------------
 
 CACHE_VAR = "TESSERA_COMPILATION_CACHE"  # a directory, or off / 0 / false / no
-_OFF = ("off", "0", "false", "no")
+_OFF = OFF
 
 
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/tessera/jax, by default ~/.cache/tessera/jax."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tessera" / "jax"
+    return cache_root() / "jax"
 
 
 def configure_compilation_cache() -> dict:
@@ -136,54 +137,3 @@ def cache_record(before: dict) -> dict:
     now = cache_counts()
     return {**_setting, "hits": now["hits"] - before["hits"], "saved_s": round(now["saved_s"] - before["saved_s"], 3)}
 
-
-# ---- XLA's GPU autotuning results ----------------------------------------------------------------------------------
-
-AUTOTUNE_VAR = "TESSERA_AUTOTUNE_CACHE"  # a directory, or off / 0 / false / no
-AUTOTUNE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
-
-
-def default_autotune_dir() -> Path:
-    """$XDG_CACHE_HOME/tessera/autotune, by default ~/.cache/tessera/autotune."""
-    return default_cache_dir().parent / "autotune"
-
-
-def configure_autotune_cache() -> dict:
-    """Keep XLA:GPU's autotuning results (the GEMM algorithm or Triton tiling it timed fastest for each fusion) on
-    disk, so every later compile of the same fusion on this machine takes the same kernel. XLA times the candidates
-    anew in each process otherwise, and the winner changes with the timing noise: on one H100, three processes of
-    the same deterministic run (gpt_oss_tiny, llama_tiny in bf16, the Llama-1B shape at 4 layers; 20 steps, each
-    compiled afresh) parted in the last bits at steps 3-5 (the 1B shape's loss 2.9e-2 apart by step 20); with this
-    cache the three were bit-identical, at the same speed (turning autotuning off instead, XLA's level 0, was also
-    bit-identical and 19x slower). Like the other settings here it acts before JAX starts its backend, and never
-    overrides the person: an XLA_FLAGS that names the flag is theirs, TESSERA_AUTOTUNE_CACHE=off leaves it unset and
-    a directory there moves it. A directory holding whitespace cannot be passed in XLA_FLAGS and is not used (said
-    in the record). Returns the record for the manifest (`autotune_cache`)."""
-    global _autotune
-    _autotune = _autotune_setting()
-    return _autotune
-
-
-def _autotune_setting() -> dict:
-    env = os.environ
-    flags = env.get("XLA_FLAGS", "")
-    if AUTOTUNE_FLAG in flags:
-        given = [f.split("=", 1)[1] for f in flags.split() if f.startswith(AUTOTUNE_FLAG + "=")]
-        return {"set_by": "user", "dir": given[-1] if given else None}
-    choice = env.get(AUTOTUNE_VAR, "").strip()
-    if choice.lower() in _OFF:
-        return {"set_by": "user", "dir": None}
-    path = Path(choice).expanduser() if choice else default_autotune_dir()
-    if any(c.isspace() for c in str(path)):
-        return {"set_by": "tessera", "dir": None, "why_not": f"{path} holds whitespace, which XLA_FLAGS cannot carry"}
-    env["XLA_FLAGS"] = " ".join([flags, f"{AUTOTUNE_FLAG}={path}"]).strip()
-    return {"set_by": "user" if choice else "tessera", "dir": str(path)}
-
-
-_autotune = {"set_by": "user", "dir": None}  # configure_autotune_cache's record, until it is called
-
-
-def autotune_record() -> dict:
-    """The manifest's `autotune_cache`: where XLA's GPU autotuning results are kept (`dir`, null when not) and who
-    chose (`set_by`)."""
-    return dict(_autotune)

@@ -18,8 +18,8 @@ import yaml
 
 from tessera.diagnostics import RunError, TesseraError
 from tessera.run.checkpoint import check_compatible
-from tessera.run.compiletime import (AUTOTUNE_VAR, CACHE_VAR, autotune_record, cache_counts, cache_record,
-                                    configure_autotune_cache, configure_compilation_cache)
+from tessera.run.compiletime import CACHE_VAR, cache_counts, cache_record, configure_compilation_cache
+from tessera.run.environment import AUTOTUNE_VAR, autotune_record, configure_process
 from tessera.run.context import RunContext
 from tessera.run.manifest import MANIFEST, Manifest, load_manifest
 from tessera.run.metrics import MetricsLog
@@ -27,10 +27,6 @@ from tessera.spec.files import file_records
 
 RUNS_DIR = Path("runs")
 SPEC_FILE = "spec.yaml"
-# Deterministic mode's XLA flags. XLA:CPU's tree-reduction rewrite (a reduce split into a reduce-window and a
-# reduce) took some reductions of a multi-device program and not the same reductions of the one-device program (the
-# spectral MoE's bias gradients: dp=2 differed from one device from step 1; bench/experiments/mesh_divergence.py).
-DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_disable_hlo_passes=tree_reduction_rewriter")
 OOM_MARKERS = ("resource_exhausted", "out of memory")  # matched in the lower-cased error text
 
 
@@ -53,48 +49,6 @@ class RunResult:
     @property
     def status(self) -> str:
         return self.manifest["status"]
-
-
-# XLA:CPU's intra-op pool has max(PJRT_NPROC, the host's devices) threads (PJRT_NPROC defaults to the cores),
-# and its matmuls (Eigen) split a long contraction by that count: a 1-device and an 8-device host summed the
-# same dot in different orders, so the same unsharded run ended with other parameters. Every host reaches
-# XLA's own cap of 256 threads, the same count everywhere; idle threads cost no CPU (timed: no slower).
-DETERMINISTIC_CPU_THREADS = "256"
-
-
-def request_deterministic_kernels(exp) -> None:
-    """In deterministic mode (parallel.deterministic, the default) ask XLA for deterministic GPU kernels and
-    for CPU matmuls whose summation order does not depend on the host (`DETERMINISTIC_CPU_THREADS`).
-
-    Scatter-adds (e.g. the embedding's gradient) otherwise use atomics whose order varies run to run.
-    XLA reads both when JAX starts its backend, so this works when called before the first computation,
-    as `tessera run` does; a Python caller who already ran JAX sets XLA_FLAGS and PJRT_NPROC itself.
-    A PJRT_NPROC the person set is kept (the manifest records it).
-    """
-    if not getattr(getattr(exp, "parallel", None), "deterministic", True):
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in DETERMINISTIC_XLA_FLAGS if f.split("=")[0] not in flags]
-    if missing:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
-    os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)
-
-
-ALLOCATOR_FRACTION = "0.95"  # of each GPU's memory for JAX's pool: a plan that fits 95 % of the card runs
-_ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
-
-
-def configure_allocator() -> dict:
-    """Let JAX's GPU allocator take 95 % of each card (its default, 75 %, cannot hold a plan that fits the card:
-    the 120b's weights alone are 81 % of an 80 GB H100), unless the person set any of its variables.
-
-    Like `request_deterministic_kernels`, this acts when called before JAX starts its backend; the record
-    says who set what, and `describe_allocator` adds what the backend then took."""
-    env = os.environ
-    if any(v in env for v in _ALLOCATOR_VARS):
-        return {"set_by": "user", **{v: env[v] for v in _ALLOCATOR_VARS if v in env}}
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ALLOCATOR_FRACTION
-    return {"set_by": "tessera", "XLA_PYTHON_CLIENT_MEM_FRACTION": ALLOCATOR_FRACTION}
 
 
 def describe_allocator(record: dict) -> tuple[dict, str | None]:
@@ -156,10 +110,9 @@ def jax_backend() -> str:
 def prepare(exp, say) -> tuple[Any, dict, dict | None]:
     """Before JAX starts its backend: the allocator and deterministic-kernel settings (said when on a GPU),
     then the mesh `mesh: auto` picks. Returns (exp on that mesh, the `allocator` and `mesh_choice` records)."""
-    allocator = configure_allocator()
-    request_deterministic_kernels(exp)
-    autotune = configure_autotune_cache()
-    allocator, line = describe_allocator(allocator)
+    records = configure_process(exp)  # the command line did this before importing JAX; a Python caller gets it here
+    autotune = records["autotune_cache"]
+    allocator, line = describe_allocator(records["allocator"])
     if line:
         say(line)
         if autotune["set_by"] == "tessera" and autotune["dir"] and jax_backend() == "gpu":

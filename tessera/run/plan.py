@@ -563,7 +563,7 @@ def auto_mesh(exp, device: str | None = None, devices: int | None = None):
     import jax
 
     from tessera.run.automesh import choose_mesh, usable_memory
-    from tessera.run.main import ALLOCATOR_FRACTION
+    from tessera.run.environment import ALLOCATOR_FRACTION
 
     if device is None:
         memory, present, _ = usable_memory()

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # intra-op threads, and the thread count follows the host (max(PJRT_NPROC or the cores, the devices)).
 CONTRACTION = """
 import hashlib, sys
-from tessera.run.main import request_deterministic_kernels
+from tessera.run.environment import request_deterministic_kernels
 if sys.argv[1] == "tessera":
     request_deterministic_kernels(None)  # as `tessera run` does in deterministic mode, before JAX starts
 import jax, jax.numpy as jnp, numpy as np

@@ -15,7 +15,8 @@ import tessera
 from tessera.diagnostics import TesseraError
 from tessera.ir.check import check_experiment
 from tessera.ir.cost import param_summary
-from tessera.run.main import DETERMINISTIC_XLA_FLAGS, DETERMINISTIC_CPU_THREADS, run_experiment
+from tessera.run.environment import DETERMINISTIC_CPU_THREADS, DETERMINISTIC_XLA_FLAGS
+from tessera.run.main import run_experiment
 from tessera.run.pde import BurgersSource
 from tests.lower.shard.conftest import run_jobs
 

@@ -1,0 +1,143 @@
+"""The process settings a run needs before JAX starts: the GPU allocator's share of each card, deterministic mode's
+XLA flags and CPU thread count, and where XLA:GPU keeps its autotuning results. No JAX import here.
+
+XLA reads XLA_FLAGS and the allocator's variables once, when JAX starts its backend (or, where a jaxlib parses its
+flags as it loads, when JAX is imported): the command line (`tessera.cli`) calls `configure_process` on the loaded spec
+before anything imports JAX, and `tessera.run.main.prepare` calls it again for a Python caller (then it takes effect
+only if JAX has not started yet). Calling it twice is harmless: what tessera set is recognised and reported as
+before, and the person's own settings are never overridden.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# ---- the GPU allocator ---------------------------------------------------------------------------------------------
+
+ALLOCATOR_FRACTION = "0.95"  # of each GPU's memory for JAX's pool: a plan that fits 95 % of the card runs
+_ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
+_set = {}  # what this process's tessera wrote: variable -> value (so a second call recognises it)
+
+
+def _ours(var: str) -> bool:
+    return var in _set and os.environ.get(var) == _set[var]
+
+
+def configure_allocator() -> dict:
+    """Let JAX's GPU allocator take 95 % of each card (its default, 75 %, cannot hold a plan that fits the card:
+    the 120b's weights alone are 81 % of an 80 GB H100), unless the person set any of its variables.
+
+    Acts when called before JAX starts its backend; the record says who set what, and
+    `tessera.run.main.describe_allocator` adds what the backend then took."""
+    env = os.environ
+    if any(v in env and not _ours(v) for v in _ALLOCATOR_VARS):
+        return {"set_by": "user", **{v: env[v] for v in _ALLOCATOR_VARS if v in env}}
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = _set["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ALLOCATOR_FRACTION
+    return {"set_by": "tessera", "XLA_PYTHON_CLIENT_MEM_FRACTION": ALLOCATOR_FRACTION}
+
+
+# ---- deterministic mode ------------------------------------------------------------------------------------------
+
+# Deterministic mode's XLA flags. XLA:CPU's tree-reduction rewrite (a reduce split into a reduce-window and a
+# reduce) took some reductions of a multi-device program and not the same reductions of the one-device program (the
+# spectral MoE's bias gradients: dp=2 differed from one device from step 1; bench/experiments/mesh_divergence.py).
+DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_disable_hlo_passes=tree_reduction_rewriter")
+
+# XLA:CPU's intra-op pool has max(PJRT_NPROC, the host's devices) threads (PJRT_NPROC defaults to the cores),
+# and its matmuls (Eigen) split a long contraction by that count: a 1-device and an 8-device host summed the
+# same dot in different orders, so the same unsharded run ended with other parameters. Every host reaches
+# XLA's own cap of 256 threads, the same count everywhere; idle threads cost no CPU (timed: no slower).
+DETERMINISTIC_CPU_THREADS = "256"
+
+
+def request_deterministic_kernels(exp) -> None:
+    """In deterministic mode (parallel.deterministic, the default) ask XLA for deterministic GPU kernels and
+    for CPU matmuls whose summation order does not depend on the host (`DETERMINISTIC_CPU_THREADS`).
+
+    Scatter-adds (e.g. the embedding's gradient) otherwise use atomics whose order varies run to run.
+    XLA reads both when JAX starts its backend, so this works when called before then, as `tessera run` does; a
+    Python caller who already ran JAX sets XLA_FLAGS and PJRT_NPROC itself. A PJRT_NPROC the person set is kept
+    (the manifest records it).
+    """
+    if not getattr(getattr(exp, "parallel", None), "deterministic", True):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in DETERMINISTIC_XLA_FLAGS if f.split("=")[0] not in flags]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)
+
+
+# ---- where compiled programs and kernel choices are kept ---------------------------------------------------------
+
+OFF = ("off", "0", "false", "no")
+AUTOTUNE_VAR = "TESSERA_AUTOTUNE_CACHE"  # a directory, or off / 0 / false / no
+AUTOTUNE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/tessera, by default ~/.cache/tessera."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tessera"
+
+
+def default_autotune_dir() -> Path:
+    """$XDG_CACHE_HOME/tessera/autotune, by default ~/.cache/tessera/autotune."""
+    return cache_root() / "autotune"
+
+
+def configure_autotune_cache() -> dict:
+    """Keep XLA:GPU's autotuning results (the GEMM algorithm or Triton tiling it timed fastest for each fusion) on
+    disk, so every later compile of the same fusion on this machine takes the same kernel. XLA times the candidates
+    anew in each process otherwise, and the winner changes with the timing noise: on one H100, three processes of
+    the same deterministic run (gpt_oss_tiny, llama_tiny in bf16, the Llama-1B shape at 4 layers; 20 steps, each
+    compiled afresh) parted in the last bits at steps 3-5 (the 1B shape's loss 2.9e-2 apart by step 20); with this
+    cache (the flag in XLA_FLAGS as the processes started) the three were bit-identical, at the same speed (turning
+    autotuning off instead, XLA's level 0, was also bit-identical and 19x slower). It never overrides the person: an
+    XLA_FLAGS that names the flag is theirs, TESSERA_AUTOTUNE_CACHE=off leaves it unset and a directory there moves
+    it. A directory holding whitespace cannot be passed in XLA_FLAGS and is not used (said in the record). Returns
+    the record for the manifest (`autotune_cache`; `autotune_record` adds the entries the directory holds)."""
+    global _autotune
+    if not (_autotune.get("set_by") == "tessera" and _autotune.get("flags") == os.environ.get("XLA_FLAGS")):
+        _autotune = _autotune_setting()
+    return {k: v for k, v in _autotune.items() if k != "flags"}
+
+
+def _autotune_setting() -> dict:
+    env = os.environ
+    flags = env.get("XLA_FLAGS", "")
+    if AUTOTUNE_FLAG in flags:
+        given = [f.split("=", 1)[1] for f in flags.split() if f.startswith(AUTOTUNE_FLAG + "=")]
+        return {"set_by": "user", "dir": given[-1] if given else None}
+    choice = env.get(AUTOTUNE_VAR, "").strip()
+    if choice.lower() in OFF:
+        return {"set_by": "user", "dir": None}
+    path = Path(choice).expanduser() if choice else default_autotune_dir()
+    who = "user" if choice else "tessera"
+    if any(c.isspace() for c in str(path)):
+        return {"set_by": who, "dir": None, "why_not": f"{path} holds whitespace, which XLA_FLAGS cannot carry"}
+    env["XLA_FLAGS"] = " ".join([flags, f"{AUTOTUNE_FLAG}={path}"]).strip()
+    # a second call finds its own flag in XLA_FLAGS: "tessera" is kept by comparing the whole string
+    return {"set_by": who, "dir": str(path), **({"flags": env["XLA_FLAGS"]} if who == "tessera" else {})}
+
+
+_autotune: dict = {"set_by": "user", "dir": None}  # configure_autotune_cache's record, until it is called
+
+
+def autotune_record() -> dict:
+    """The manifest's `autotune_cache`: where XLA's GPU autotuning results are kept (`dir`, null when not), who chose
+    (`set_by`), and how many result files the directory holds now (`entries`; 0 after a GPU run means XLA did not
+    take the setting: it read XLA_FLAGS before tessera set them)."""
+    record = {k: v for k, v in _autotune.items() if k != "flags"}
+    if record.get("dir"):
+        where = Path(record["dir"])
+        record["entries"] = sum(1 for p in where.rglob("*") if p.is_file()) if where.is_dir() else 0
+    return record
+
+
+def configure_process(exp) -> dict:
+    """Every setting above for the spec `exp`, before JAX starts: {allocator, autotune_cache} records."""
+    allocator = configure_allocator()
+    request_deterministic_kernels(exp)
+    return {"allocator": allocator, "autotune_cache": configure_autotune_cache()}
