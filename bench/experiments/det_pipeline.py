@@ -5,7 +5,7 @@
 One canonical shard of a language model, its parameters' gradient computed three ways in one process on one CPU
 device, compared bit for bit:
 
-- "whole":  `jax.value_and_grad` of the model's summed token loss, as `Deterministic._shard_sums` computes it;
+- "whole":  `jax.value_and_grad` of the model's summed token loss, as `Deterministic.shard_sums` computes it;
 - "chained": the model as pre ops | the repeat's layers | post ops + loss, the three pieces' VJPs chained by hand
              (the structure every pipeline stage runs), all layers in one piece;
 - "staged":  the same with the layers cut in `stages` pieces (what pp stages would hold), chained in one program;

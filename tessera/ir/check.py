@@ -12,7 +12,7 @@ from typing import Callable
 
 from tessera.diagnostics import Diagnostic, Span, TesseraError
 from tessera.grammar.numerics import held_name
-from tessera.ir.types import Graph
+from tessera.ir.types import Graph, ParamRef
 from tessera.spec.tasks import trains
 
 
@@ -437,6 +437,37 @@ def check_canonical_batch(exp, graph: Graph) -> list[Diagnostic]:
     return canonical_problems(batch, devices, exp.span, fixed)
 
 
+CHUNKED_DIMS = ("heads", "kv_heads", "mlp")  # what deterministic tp cuts into canonical chunks (det_tensor.py)
+
+
+def check_canonical_tp(exp, graph: Graph) -> list[Diagnostic]:
+    """parallel.canonical_tp (deterministic mode) cuts the attention's heads and the MLP's hidden dim of every
+    attention and mlp op into that many chunks: each of those dims must split evenly, and the products must not be
+    fp8 (a chunk would scale by its own amax)."""
+    chunks = exp.parallel.canonical_tp
+    if not exp.parallel.deterministic or chunks is None or chunks <= 1:
+        return []
+    where = dict(span=exp.span("parallel.canonical_tp"), key="parallel.canonical_tp")
+    if str(exp.numerics.default.base).startswith("fp8"):
+        return [Diagnostic(f"parallel.canonical_tp = {chunks} with fp8 compute ({exp.numerics.default}) is not "
+                           "supported: each chunk of a product would be scaled by its own amax", **where,
+                           hint="remove parallel.canonical_tp (tp then acts as a data axis) or compute in bf16")]
+    out, seen = [], set()
+    for op in graph.body.walk():
+        if op.name not in ("attention", "mlp"):
+            continue
+        for o in op.operands:
+            if not isinstance(o, ParamRef) or o.path in seen or o.path not in graph.params:
+                continue
+            seen.add(o.path)
+            for d in graph.params[o.path].type.dims:
+                if d.name in CHUNKED_DIMS and d.size % chunks:
+                    out.append(Diagnostic(f"parallel.canonical_tp = {chunks} does not divide {o.path}'s {d.name} "
+                                          f"({d.size}), which deterministic tp cuts into that many chunks", **where,
+                                          hint=f"use a power of two dividing {d.size}"))
+    return out
+
+
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:
     """No mesh axis splits a dim an op needs whole (`OpDef.whole_dims`: a Fourier transform's): refused here,
     naming the op, the dim and the axis, rather than gathered silently."""
@@ -468,7 +499,7 @@ def check_objectives(exp, graph: Graph) -> list[Diagnostic]:
     return objective_problems(exp, graph)
 
 
-CHECKS = [check_mesh_divides, check_canonical_batch, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
+CHECKS = [check_mesh_divides, check_canonical_batch, check_canonical_tp, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
           check_objectives]
 
 

@@ -68,6 +68,10 @@ class LowerCtx:
     # sets param_use (deterministic mode: every value saved but its gathered parameters,
     # layerwise.saveable_but_gathers); None: no remat
     layer_remat: Any = None
+    # deterministic tp (parallel.canonical_tp > 1): (k, axes), this device's k canonical chunks of each tp-split
+    # contraction and the mesh axes the chunks are split over (() on one device, where k is all of them);
+    # attention and the MLP compute through tessera/lower/shard/det_tensor.py's operators. None: no chunks
+    tensor: Any = None
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

@@ -25,7 +25,7 @@ from tessera.lower.reference.fp8_blocks import FP8Blocks
 from tessera.lower.reference.attention import attention as attention_ref
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.reference.rows import take_rows
-from tessera.lower.shard import ops as shard_ops
+from tessera.lower.shard import det_tensor, ops as shard_ops
 from tessera.lower import table
 from tessera.lower.table import get_kind_lowering, lowers, lowers_kind
 
@@ -261,6 +261,42 @@ def _project(ctx, x, w, b, name: str):
     return y.astype(x.dtype)
 
 
+def _tensor_chunks(ctx):
+    """(k, axes) where deterministic tp chunks this block's contractions (LowerCtx.tensor; a train step's full
+    sequence, no fast-mode shard env, no fp8: a chunk's scale would be its own), else None."""
+    if ctx.tensor is None or ctx.shard is not None or ctx.positions is not None:
+        return None
+    if ctx.fp8 is not None:
+        raise NotImplementedError("parallel.canonical_tp with fp8 compute: the scales would differ per chunk")
+    return ctx.tensor
+
+
+def _chunked_columns(ctx, xs, w, b, dim: int, spec: str, name: str):
+    """A column-parallel product of `fan_out`'s [k, ...] input with w cut into k chunks along its output dim `dim`
+    (`b`, the bias, along its dim dim - 1): [k, ..., out/k, ...] per chunk, in the op's compute type."""
+    k = xs.shape[0]
+    if w.shape[dim] % k:
+        raise ValueError(f"{name}: {w.shape[dim]} columns do not split into parallel.canonical_tp's {k} chunks")
+    y = accum_ref.einsum(spec, xs, det_tensor.chunked(w.astype(xs.dtype), dim, k), accum=ctx.accum_dtype,
+                         preferred_element_type=stored_dtype(xs.dtype, ctx.accum_dtype))
+    if b is not None:
+        bc = det_tensor.chunked(b, dim - 1, k)
+        y = _plus_bias(y, bc.reshape(bc.shape[:1] + (1,) * (y.ndim - bc.ndim) + bc.shape[1:]))
+    return y.astype(xs.dtype)
+
+
+def _heads_of_chunks(y):
+    """[k, B, S, H/k, D] -> [B, S, H, D] (chunk j holds heads j·H/k ...)."""
+    y = jnp.moveaxis(y, 0, 2)
+    return y.reshape(y.shape[:2] + (y.shape[2] * y.shape[3],) + y.shape[4:])
+
+
+def _chunks_of_heads(x, k: int):
+    """[B, S, H, D] -> [k, B, S, H/k, D]."""
+    b, s, h, d = x.shape
+    return jnp.moveaxis(x.reshape(b, s, k, h // k, d), 2, 0)
+
+
 def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
     """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = ir.ops_nn.cache_len."""
     c = cache_len(max_len, attrs["window"])
@@ -299,9 +335,15 @@ def _attention(ctx, op, attrs, ins, params, cache):
     if ctx.shard is not None:  # sequence parallel: the block sees the whole sequence
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype, fp8_blocks_held=_one_token(ctx, x))
-    q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
-    k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
-    v = _project(ctx, x, p["v"], p.get("v_bias"), "v")
+    chunks = _tensor_chunks(ctx)
+    if chunks is not None:  # deterministic tp: q, k, v by chunks of heads, the input's gradient a tree over them
+        xs = det_tensor.fan_out(x, chunks[0], chunks[1])
+        q, k, v = (_heads_of_chunks(_chunked_columns(ctx, xs, p[n], p.get(f"{n}_bias"), 1, "kbse,kehd->kbshd", n))
+                   for n in ("q", "k", "v"))
+    else:
+        q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
+        k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
+        v = _project(ctx, x, p["v"], p.get("v_bias"), "v")
     if attrs["rope"] is not None:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
@@ -312,7 +354,14 @@ def _attention(ctx, op, attrs, ins, params, cache):
         if ctx.shard is not None:  # context parallel: queries [b, s/sp] at their offset, K/V gathered [b, s]
             offset = ctx.shard.seq_start(x.shape[1])
             k, v = ctx.shard.context_gather(k), ctx.shard.context_gather(v)
-        out, new_cache = table.dispatch(ctx, "attention", label, q, k, v, q_offset=offset, **core), None
+        if chunks is not None:  # each chunk of heads attended on its own (det_tensor.per_chunk)
+            out = det_tensor.per_chunk(
+                lambda q_, k_, v_, s_: table.dispatch(ctx, "attention", label, q_, k_, v_, q_offset=offset,
+                                                      **{**core, "sinks": s_}),
+                chunks[0], q, k, v, core["sinks"])
+            new_cache = None
+        else:
+            out, new_cache = table.dispatch(ctx, "attention", label, q, k, v, q_offset=offset, **core), None
     elif ctx.mode == "prefill":  # the generation program's prompt, from position 0: the kernels' whole sequence
         out = table.dispatch(ctx, "attention", label, q, k, v, q_offset=0, **core)
         new_cache = None if cache is None else _cache_write(cache, k, v, pos, ctx.position_start)
@@ -322,8 +371,15 @@ def _attention(ctx, op, attrs, ins, params, cache):
     else:  # decode: the new tokens join the cache, then attend over it
         new_cache = _cache_write(cache, k, v, pos, ctx.position_start)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
-    store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
-    y = _weight_product(ctx, "bshd,hde->bse", out, p["o"], store, "o")
+    store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None or chunks is not None)
+    if chunks is not None:  # row-parallel o: each chunk of heads' partial product, summed in the canonical tree
+        kc = chunks[0]
+        parts = accum_ref.einsum("kbshd,khde->kbse", _chunks_of_heads(out, kc),
+                                 det_tensor.chunked(p["o"].astype(out.dtype), 0, kc), accum=ctx.accum_dtype,
+                                 preferred_element_type=store)
+        y = det_tensor.reduce_chunks(parts, chunks[1])
+    else:
+        y = _weight_product(ctx, "bshd,hde->bse", out, p["o"], store, "o")
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
@@ -338,6 +394,17 @@ def _mlp(ctx, op, attrs, ins, params):
     if ctx.shard is not None:
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype, fp8_blocks_held=_one_token(ctx, x))
+    chunks = _tensor_chunks(ctx)
+    if chunks is not None:  # deterministic tp: gate and up by chunks of columns, down's partials in the tree
+        xs = det_tensor.fan_out(x, chunks[0], chunks[1])
+        g, u = (_chunked_columns(ctx, xs, p[n], p.get(f"{n}_bias"), 1, "kbse,kef->kbsf", n) for n in ("gate", "up"))
+        h = _act(attrs["act"], g, u)
+        parts = accum_ref.einsum("kbsf,kfe->kbse", h, det_tensor.chunked(p["down"].astype(h.dtype), 0, chunks[0]),
+                                 accum=ctx.accum_dtype, preferred_element_type=ctx.accum_dtype)
+        y = det_tensor.reduce_chunks(parts, chunks[1])
+        if "down_bias" in p:
+            y = _plus_bias(y, p["down_bias"])
+        return [align(y.astype(_dtype(op)), BSE, have)]
     cols = stored_dtype(x.dtype, ctx.accum_dtype)
     g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
     u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")

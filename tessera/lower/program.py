@@ -241,17 +241,21 @@ class Program:
         # parameters): XLA runs the scan unrolled, 4.5x faster a Kovasznay step on the CPU than as a loop
         kw.setdefault("scan_unroll", bool(self.graph.losses))
         kw.setdefault("param_types", {path: p.type for path, p in self.graph.params.items()})
+        if self.options.canonical_tp > 1 and kw.get("mode", "train") == "train":  # deterministic tp's chunks, all
+            kw.setdefault("tensor", (self.options.canonical_tp, ()))           # of them here (a mesh's step: its own)
         return LowerCtx(kernels=self.options.kernels, backend=jax.default_backend(),
                         deterministic=self.options.deterministic, **kw)
 
     def logits(self, params, tokens, mode: str = "train", *, shard=None, aux=None, param_use=None,
-               layer_remat=None):
+               layer_remat=None, tensor=None):
         """Logits [batch, seq, vocab] of int32 tokens [batch, seq], traced under `mode` ("train", "forward");
         `shard`: inside shard_map, the ShardEnv the lowerings see local blocks by; `aux`: a dict the
         lowerings add step counters to; `param_use`: {path: fn} applied to a parameter where an op reads it
         (deterministic mode's per-layer gathers); `layer_remat`: the checkpoint policy of a repeat's layers where
-        the spec's remat is none (LowerCtx.layer_remat)."""
-        ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux, param_use=param_use, layer_remat=layer_remat)
+        the spec's remat is none (LowerCtx.layer_remat); `tensor`: deterministic tp's chunks on a tp mesh
+        (LowerCtx.tensor; by default all of them where the spec sets parallel.canonical_tp)."""
+        ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux, param_use=param_use, layer_remat=layer_remat,
+                             **({"tensor": tensor} if tensor is not None else {}))
         (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.options.remat)
         return logits
 

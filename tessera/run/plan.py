@@ -199,6 +199,28 @@ def pipeline_record(exp, graph, layout: cost.Layout) -> dict | None:
     return det_pipeline.record(stages, why)
 
 
+def _tensor_layout(exp, graph, layout: cost.Layout, shapes: dict, specs: dict):
+    """(det_tensor.Layout or None, why): whether deterministic tp splits the attention and MLP compute on this mesh
+    (the train step's `Deterministic.tensor_layout`)."""
+    from tessera.lower.shard import det_tensor
+
+    return det_tensor.plan(graph, shapes, layout.mesh, specs, _canonical(exp), int(exp.parallel.canonical_tp or 1))
+
+
+def tensor_record(exp, graph, layout: cost.Layout) -> dict | None:
+    """Deterministic training on a tp mesh: {tp, split_compute, why_not}, as `tessera run` records it
+    (`Deterministic.tensor_record`)."""
+    from tessera.lower.shard import det_pipeline, det_tensor
+
+    tp = layout.mesh.get(det_tensor.TP, 1)
+    if tp <= 1 or not exp.parallel.deterministic or not _trains(exp) or graph.losses:
+        return None
+    if not _per_layer(exp, graph):
+        return det_tensor.record(tp, det_pipeline.NOT_PER_LAYER)
+    shapes, specs = _shapes_and_specs(_held(exp, graph), layout)
+    return det_tensor.record(tp, _tensor_layout(exp, graph, layout, shapes, specs)[1])
+
+
 def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:
     """`param_memory` of the per-layer deterministic step on a mesh: each device's blocks, its optimizer state's,
     and what layerwise.planned_bytes counts (gathered parameters, gradient blocks)."""
@@ -224,13 +246,19 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         ring = pipe.stages * sum(held_types[p].numel() * (narrow[p].itemsize if p in narrow else
                                                           array_bits(held_types[p].dtype) / 8)
                                  for p in pipe.pre_reads & pipe.post_reads)
+    # on a tp mesh whose tp splits the attention and MLP compute (tessera/lower/shard/det_tensor.py): a tp group's
+    # shards (C over the data devices), each chunked parameter gathered as its tp slice
+    tensor = _tensor_layout(exp, graph, layout, stacked_shapes, specs)[0] if pipe is None else None
+    if tensor is not None:
+        m = c // math.prod(layout.mesh[a] for a in tensor.data_axes)
     params = opt = 0.0
     rows = []
     for path, t in held_types.items():
         n = layout.per_device(t)
         params += n * bits(t.dtype) / 8
         opt += optimizer_states(exp) * n * array_bits(t.dtype) / 8
-        rows.append({"numel": t.numel(), "block": n, "wide": array_bits(t.dtype) / 8,
+        slice_of = tensor.tp if tensor is not None and path in tensor.chunked else 1
+        rows.append({"numel": t.numel() // slice_of, "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})
     extra = layerwise.planned_bytes(rows, m)
@@ -427,6 +455,7 @@ def build_plan(exp, device: str | None = None) -> dict:
         "compile": {"status": "skipped", "note": "not requested"},
         "numerics": resolved_policy(graph, exp.numerics),
         **({"pipeline": pipe} if (pipe := pipeline_record(exp, graph, layout)) else {}),
+        **({"tensor": tp} if (tp := tensor_record(exp, graph, layout)) else {}),
     }
 
 

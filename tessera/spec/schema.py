@@ -133,6 +133,12 @@ class Parallel(Section):
         "task.batch) whose gradients are summed in one fixed tree; any mesh whose device count divides it "
         "reproduces the one-device run bit for bit. null: the largest divisor of the batch up to 8. Ignored in "
         "fast mode")
+    canonical_tp: int | None = Field(
+        None, ge=1, description="deterministic mode: the contractions tensor parallelism splits (attention's output "
+        "projection over heads, the MLP's down projection over its hidden dim, and the gradients of their inputs) "
+        "are computed as this many chunks summed in one fixed tree (a power of two) on every mesh, one device "
+        "included; a mesh whose tp divides it then splits those layers' compute over tp. null or 1: no chunks, tp "
+        "acts as a data axis. It changes the one-device numbers, like canonical_shards. Ignored in fast mode")
     expert_capacity: float | None = Field(
         None, gt=0, description="expert parallel capacity factor (fast mode): each destination shard receives at "
         "most ceil(factor · T·k / ep) copies from each source device routing T tokens; copies beyond it are "

@@ -141,7 +141,7 @@ def pieces(prog, ctx, n: int | None = None):
     """(embed(p, tokens) -> x, layers(p, x) -> y, head(p, y, targets, mask) -> (loss sum, count)): the model cut
     at its repeat (of `n` layers where given: a stage's), each evaluated under `ctx`. Deterministic mode computes a
     canonical shard's loss as fenced(embed) | layers | fenced(head) on one device and every mesh
-    (`Deterministic._shard_sums`), as the pipeline's stages do, so that the stages' programs and one device's
+    (`Deterministic.shard_sums`), as the pipeline's stages do, so that the stages' programs and one device's
     round alike: with the ends inside the whole-model program, XLA fused bf16 values across them differently and
     a pp mesh in bf16 was one device's bits for a step or two, not five (fp32: the same bits either way)."""
     body = prog.graph.body

@@ -234,7 +234,7 @@ class Deterministic:
         if (batch, seq) not in self._precast_types:  # traced once per shape (`mesh: auto` plans several meshes)
             rows = batch // canonical_shards(batch, self.prog.options.canonical_shards)
             shard = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
-            self._precast_types[batch, seq] = self._hoistable(lambda p, sh: self._shard_sums(p, sh)[0],
+            self._precast_types[batch, seq] = self._hoistable(lambda p, sh: self.shard_sums(p, sh)[0],
                                                               self.prog.param_shapes(), shard)
         return self._precast_types[batch, seq]
 
@@ -244,22 +244,24 @@ class Deterministic:
         check_canonical(self.prog.options, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
-    def _shard_sums(self, params, shard: dict, param_use=None):
+    def shard_sums(self, params, shard: dict, param_use=None, tensor=None):
         """(loss sum, count, {term: sum}) of one canonical shard: the same function on the same shapes everywhere.
         A language model's: its tokens' cross-entropy and how many count; a model with loss entries: its
-        weighted objective on the shard (a mean over the shard's samples), counted once, and its terms."""
+        weighted objective on the shard (a mean over the shard's samples), counted once, and its terms. `tensor`:
+        on a tp mesh whose tp splits the compute, this device's chunks (det_tensor.tensor_grads)."""
+        extra = {} if tensor is None else {"tensor": tensor}
         if self.prog.graph.losses:
             total, terms = self.prog.objective(params, shard)
             return total, jnp.ones((), total.dtype), terms
         # without remat, the layers keep every value but the gathered parameters (gathered again in the backward)
         remat = layerwise.saveable_but_gathers if param_use else None
         if det_pipeline.splits(self.prog.graph):  # the ends fenced, as a pp mesh's stages compute them
-            ctx = self.prog.lower_ctx(mode="train", param_use=param_use, layer_remat=remat)
+            ctx = self.prog.lower_ctx(mode="train", param_use=param_use, layer_remat=remat, **extra)
             embed, layers, head = det_pipeline.pieces(self.prog, ctx)
             x = layers(params, fenced(embed, det_pipeline.only(params, embed.reads), shard["tokens"]))
             s, n = fenced(head, det_pipeline.only(params, head.reads), x, shard["targets"], shard.get("mask"))
             return s, n, {}
-        logits = self.prog.logits(params, shard["tokens"], "train", param_use=param_use, layer_remat=remat)
+        logits = self.prog.logits(params, shard["tokens"], "train", param_use=param_use, layer_remat=remat, **extra)
         per_token = token_cross_entropy(logits, shard["targets"])
         w = jnp.ones_like(per_token) if shard.get("mask") is None else shard["mask"].astype(per_token.dtype)
         return token_sum(per_token * w), jnp.sum(w), {}
@@ -304,7 +306,7 @@ class Deterministic:
                 if self.axes:
                     top, hooks = self._layer_gathers()
                     cast = top({k: layerwise.Held(v, cast[k] if k in narrow else None) for k, v in params.items()})
-                sums, counts, _ = self._per_shard(lambda sh: self._shard_sums(cast, sh, param_use=hooks), batch, c)
+                sums, counts, _ = self._per_shard(lambda sh: self.shard_sums(cast, sh, param_use=hooks), batch, c)
                 return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
             return self._mean_loss({k: gather_full(v, self.param_specs[k]) for k, v in params.items()}, batch, c)
 
@@ -319,11 +321,12 @@ class Deterministic:
         ospecs = state_specs(state.opt_state, specs)
         blockwise = _blockwise(state.opt_state)
         per_layer = blockwise and self._per_layer(c)
-        pipelined = None
+        pipelined = tensor = None
         if per_layer:
             tokens = batch["tokens"]
             narrow = self.precast_types(tokens.shape[0], tokens.shape[1])
             pipelined = self.pipeline_layout(c)
+            tensor = self.tensor_layout(c)
 
         def body(params, opt_state, batch):
             opt = opt_state if blockwise else _per_spec(gather_full, ospecs, opt_state)
@@ -333,13 +336,18 @@ class Deterministic:
                 grads, sums, counts, terms, amaxes = det_pipeline.pipelined_grads(self, pipelined, params, history,
                                                                                   batch, c, ls, narrow)
                 return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
+            if tensor is not None:  # tp splits the attention and MLP compute (tessera/lower/shard/det_tensor.py)
+                from tessera.lower.shard import det_tensor  # (it imports this module)
+
+                grads, sums, counts, terms, amaxes = det_tensor.tensor_grads(self, tensor, params, batch, c, ls, narrow)
+                return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
             if per_layer:
                 grads, sums, counts, terms, amaxes = self._per_layer_grads(params, history, batch, c, ls, narrow)
                 return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
             full = {k: gather_full(v, specs[k]) for k, v in params.items()}
 
             def scaled(p, sh):  # the histories ride beside the params: their "gradients" are the shard's amaxes
-                s, n, terms = self._shard_sums(p, sh)
+                s, n, terms = self.shard_sums(p, sh)
                 return (s if ls is None else s * ls.scale), (n, terms)
 
             grad_fn = jax.value_and_grad(scaled, has_aux=True)
@@ -404,13 +412,38 @@ class Deterministic:
         reason = "" if per_layer else det_pipeline.NOT_PER_LAYER
         return det_pipeline.record(stages, reason or self._pipeline_plan(c)[1])
 
+    def tensor_layout(self, c: int):
+        """The tp layout (det_tensor.Layout) where the train step splits the attention and MLP compute over tp,
+        else None (tp, if any, then acts as a data axis; `tensor_record` says why)."""
+        return self._tensor_plan(c)[0]
+
+    def _tensor_plan(self, c: int):
+        from tessera.lower.shard import det_tensor
+
+        if self.prog.graph.attrs.get("fp8"):
+            return None, "fp8 compute (each chunk would scale by its own amax)"
+        return det_tensor.plan(self.prog.graph, self.prog.param_shapes(), dict(self.mesh.shape), self.param_specs, c,
+                               self.prog.options.canonical_tp)
+
+    def tensor_record(self, c: int, opt_state) -> dict | None:
+        """On a tp mesh, what the manifest records of the train step's tensor parallelism (for a train state's
+        `opt_state`): {tp, split_compute, why_not}; None without tp."""
+        from tessera.lower.shard import det_tensor
+
+        tp = dict(self.mesh.shape).get(det_tensor.TP, 1)
+        if tp <= 1:
+            return None
+        if not (_blockwise(opt_state) and self._per_layer(c)):
+            return det_tensor.record(tp, det_pipeline.NOT_PER_LAYER)
+        return det_tensor.record(tp, self._tensor_plan(c)[1])
+
     def _per_layer(self, c: int) -> bool:
         """Whether the step gathers the parameters per layer (`per_layer`), on every mesh of that C and on one
         device alike (one program, so the same bits)."""
         return per_layer(self.prog.graph, c)
 
     @functools.cached_property
-    def _at_use(self) -> set[str]:
+    def at_use(self) -> set[str]:
         """The parameters gathered where their one op reads them (layerwise.use_plan)."""
         shapes = self.prog.param_shapes()
         return layerwise.use_plan(self.prog.graph, self.param_specs, stacked_layers(self.prog.graph.body, shapes))
@@ -425,10 +458,10 @@ class Deterministic:
             return layerwise.gather_at_use(held, self.param_specs[k], len(self.whole_shapes[k]), self.axes, sizes)
 
         def top(p):
-            return {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in self._at_use else v
+            return {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in self.at_use else v
                     for k, v in p.items()}
 
-        return top, {k: functools.partial(gather, k) for k in self._at_use}
+        return top, {k: functools.partial(gather, k) for k in self.at_use}
 
     def _per_layer_grads(self, params: dict, history, batch: dict, c: int, ls, narrow: dict):
         """(gradient blocks summed over all C shards, per-shard loss sums, counts, terms and amaxes in canonical
@@ -447,7 +480,7 @@ class Deterministic:
             if not one:
                 p = top({k: layerwise.Held(v, cast[k] if k in narrow else None) if k in self.param_specs else v
                          for k, v in p.items()})
-            s, count, terms = self._shard_sums(p, sh, param_use=hooks)
+            s, count, terms = self.shard_sums(p, sh, param_use=hooks)
             return (s if ls is None else s * ls.scale), (count, terms)
 
         inputs = fp8_delayed.merged(diff, history)
@@ -532,7 +565,7 @@ class Deterministic:
         at trial params. `_local_shards`' loop is one JAX cannot reverse-differentiate, so the gradient is the train
         step's own: each canonical shard's, tree-summed, as its VJP (first order)."""
         def value_and_grad(p, batch):
-            grad_fn = jax.value_and_grad(lambda q, sh: self._shard_sums(q, sh)[:2], has_aux=True)
+            grad_fn = jax.value_and_grad(lambda q, sh: self.shard_sums(q, sh)[:2], has_aux=True)
             (sums, counts), grads = self._local_shards(lambda sh: grad_fn(p, sh), batch, c)
             sums, counts = self._gathered((sums, counts))
             grads = self._summed_grads(grads, {k: v.dtype for k, v in p.items()}, c)
@@ -559,8 +592,8 @@ class Deterministic:
 
     def _mean_loss(self, full: dict, batch: dict, c: int):
         """The loss at whole params `full`: this device's canonical shards, all C gathered and tree-summed."""
-        full = self._precast(lambda p, sh: self._shard_sums(p, sh)[0], full, batch, c)
-        sums, counts, _ = self._per_shard(lambda sh: self._shard_sums(full, sh), batch, c)
+        full = self._precast(lambda p, sh: self.shard_sums(p, sh)[0], full, batch, c)
+        sums, counts, _ = self._per_shard(lambda sh: self.shard_sums(full, sh), batch, c)
         return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
 
     def forward(self, params, x):

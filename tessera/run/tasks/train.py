@@ -274,7 +274,14 @@ def _say_pipeline(ctx: RunContext, state) -> None:
     from tessera.ir.check import canonical_shards
 
     c = canonical_shards(int(ctx.exp.task.batch), prog.options.canonical_shards)
-    record = prog.deterministic_executor().pipeline_record(c, state.opt_state)
+    det = prog.deterministic_executor()
+    tensor = det.tensor_record(c, state.opt_state)
+    if tensor is not None:  # deterministic tp (tessera/lower/shard/det_tensor.py)
+        ctx.manifest.update(tensor=tensor)
+        ctx.say(f"deterministic tp: the attention and MLP compute split over tp={tensor['tp']} "
+                f"({prog.options.canonical_tp} canonical chunks)" if tensor["split_compute"] else
+                f"deterministic tp: tp acts as a data axis (every device computes whole layers): {tensor['why_not']}")
+    record = det.pipeline_record(c, state.opt_state)
     if record is None:
         return
     ctx.manifest.update(pipeline=record)

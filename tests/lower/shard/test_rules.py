@@ -151,6 +151,24 @@ def test_deterministic_batch_must_split_into_canonical_shards_over_the_mesh():
     assert float(tree_sum(x)) == float(((x[0] + x[1]) + (x[2] + x[3])) + x[4])
 
 
+def test_canonical_tp_must_cut_every_head_and_hidden_dim_and_refuses_fp8():
+    """parallel.canonical_tp (deterministic tp, tessera/lower/shard/det_tensor.py) is refused at its key where a dim it
+    cuts does not split into that many chunks (llama_tiny's 2 kv heads into 4), and with fp8 compute; 2 checks."""
+    from tessera.ir.check import check_experiment
+
+    spec = ROOT / "specs" / "llama_tiny.yaml"
+    check_experiment(load_experiment(spec, overrides={"parallel.canonical_tp": 2, "mesh.tp": 2, "mesh.dp": 4}))
+    check_experiment(load_experiment(spec, overrides={"parallel.canonical_tp": 4, "parallel.deterministic": False}))
+    for over, message in [
+        ({"parallel.canonical_tp": 4}, "does not divide layers/attention/k's kv_heads (2)"),
+        ({"parallel.canonical_tp": 2, "numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
+         "with fp8 compute")]:
+        with pytest.raises(TesseraError) as e:
+            check_experiment(load_experiment(spec, overrides=over))
+        d = e.value.diagnostics[0]
+        assert message in d.message and d.key == "parallel.canonical_tp" and d.span is not None, d.message
+
+
 def test_canonical_shards_set_in_the_spec_lift_the_cap_of_eight():
     """parallel.canonical_shards fixes C past the default's 8 (a mesh of 16 devices), is refused where it does not
     divide the batch (on one device too) or the mesh's device count does not divide it, at its own key."""

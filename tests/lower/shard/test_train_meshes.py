@@ -84,6 +84,17 @@ def _bf16_pp_jobs() -> list[dict]:
             for name, mesh in (("1 device", {}), ("pp=2,tp=2,dp=2", MESHES["pp=2,tp=2,dp=2"]))]
 
 
+# deterministic tp splitting the attention and MLP compute (parallel.canonical_tp: tessera/lower/shard/det_tensor.py):
+# gpt_oss (sinks, biases, windows, experts beside a tp split) in bf16 over tp=2 with ep and fsdp, one device's bits
+TP = {"parallel.deterministic": True, "parallel.canonical_tp": 2, "numerics.default": "bf16 @accum(fp32)"}
+
+
+def _tp_jobs() -> list[dict]:
+    return [{"kind": "train", "spec": GPT_OSS, "steps": 3, "name": f"canonical tp {name}", "det": True,
+             "overrides": {**TP, **mesh}}
+            for name, mesh in (("1 device", {}), ("fsdp=2,tp=2,ep=2", MESHES["fsdp=2,tp=2,ep=2"]))]
+
+
 def _wide_jobs() -> list[dict]:
     return [{"kind": "train", "spec": LLAMA, "steps": STEPS, "name": f"C=16 {name}", "det": True,
              "overrides": {"parallel.deterministic": True, **WIDE, **mesh}}
@@ -94,7 +105,7 @@ def _wide_jobs() -> list[dict]:
 def results():
     """{(model, kind, det, mesh): result}: two 8-device subprocesses and a 16-device one side by side."""
     plans = {"deterministic": _train_jobs(GPT_OSS, DET_MESHES["gpt_oss"], True)
-             + _train_jobs(LLAMA, DET_MESHES["llama"], True),  # ~100 s of CPU each
+             + _train_jobs(LLAMA, DET_MESHES["llama"], True) + _tp_jobs(),  # ~100 s of CPU each
              "fast": _train_jobs(LLAMA, FAST_MESHES["llama"], False)
              + _train_jobs(GPT_OSS, FAST_MESHES["gpt_oss"], False) + _gen_jobs(GPT_OSS),
              "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs()}
@@ -194,3 +205,16 @@ def test_fast_mode_names_its_collectives(results):
     assert "psum(heads partials over tp)" in got and "all_to_all(expert dispatch and return over ep)" in got
     sp = results[("gpt_oss", "train", False, "sp+tp=2,dp=4")]["collectives"]
     assert "psum_scatter(heads partials over tp)" in sp and "all_gather(seq over tp)" in sp
+
+
+def test_deterministic_tp_splits_the_layers_compute_with_one_devices_bits(results):
+    ref = results[("gpt_oss", "train", True, "canonical tp 1 device")]
+    got = results[("gpt_oss", "train", True, "canonical tp fsdp=2,tp=2,ep=2")]
+    assert got["tensor"] == {"tp": 2, "split_compute": True, "why_not": None} and ref["tensor"] is None
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"] and got["checksum"] == ref["checksum"]
+    plain = results[("gpt_oss", "train", True, "1 device")]  # the chunks change the one-device numbers
+    assert got["checksum"] != plain["checksum"]
+    assert np.allclose(got["losses"][:STEPS], plain["losses"], rtol=1e-2)  # bf16 beside fp32
+    # without canonical_tp, tp stays a data axis, and says so
+    assert results[("gpt_oss", "train", True, "fsdp=2,tp=2,ep=2")]["tensor"]["why_not"].startswith(
+        "parallel.canonical_tp is not set")

@@ -1,0 +1,278 @@
+"""Deterministic tensor parallelism's two operators: contractions split over tp as canonical chunk trees.
+
+Issue 36's tp compute split (docs/parallel.md, "Deterministic tp"). Fast mode's tensor parallelism (Megatron's f and
+g) sums partial products with `psum`, whose order is the collective's and depends on the device count. Here a
+contraction that tp splits is computed on every mesh, one device included, as T canonical chunk products summed in
+`tree_sum`'s balanced tree, T = the spec's canonical tp count (a power of two). A device of a tp group of t holds the
+chunks i·T/t … (i+1)·T/t − 1 (tp splits the weight's dim in device order), which are one aligned subtree of that tree:
+it sums them locally, and the t subtree sums meet in `ordered_sum` (device order): the very adds of one device's
+tree. Two contractions are split:
+
+- a row-parallel product's forward (attention's output projection over heads, an MLP's down projection over d_ff):
+  the chunks' partial outputs [k, ...] go through `reduce_chunks`;
+- a column-parallel product's backward (q/k/v over heads, gate/up over d_ff): its input reaches the k chunk products
+  through `fan_out`, whose VJP sums the k cotangents the same way.
+
+Splitting a dim that is not contracted does not change a product's bits on XLA:CPU (each chunk's product on one
+device and on its tp device is the same batched product over fewer batch entries: tests/lower/shard/
+test_det_tensor.py), so everything else in the block is the one device's arithmetic on a slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from tessera.ir.types import ParamRef
+from tessera.lower.shard import layerwise
+from tessera.lower.shard.collectives import block_index
+from tessera.lower.shard.deterministic import ordered_sum, tree_sum
+
+
+def _across(x, axes: tuple):
+    return ordered_sum(x, axes) if axes else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def reduce_chunks(parts, axes: tuple = ()):
+    """The sum of the canonical chunks' partial products: `parts` [k, ...] this device's k chunks, `axes` the mesh
+    axes the chunks are split over (empty on one device, where k = T). Forward: tree_sum over the k, then the devices'
+    sums in device order (`ordered_sum`), on every device alike. Backward: each chunk's cotangent is the sum's."""
+    return _across(tree_sum(parts), axes)
+
+
+def _reduce_fwd(parts, axes):
+    return reduce_chunks(parts, axes), parts.shape[0]
+
+
+def _reduce_bwd(axes, k, g):
+    return (jnp.broadcast_to(g, (k,) + g.shape),)
+
+
+reduce_chunks.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def fan_out(x, k: int, axes: tuple = ()):
+    """x for each of this device's k canonical chunk products: [k, ...] (a broadcast). Backward: the k chunks'
+    cotangents summed in `tree_sum`'s tree, then the devices' sums in device order over `axes`: the gradient of x is
+    the same tree over all T chunks on every mesh, where autodiff of k separate uses would add them in its own order
+    and fast mode's psum in the collective's."""
+    return jnp.broadcast_to(x, (k,) + x.shape)
+
+
+def _fan_fwd(x, k, axes):
+    return fan_out(x, k, axes), None
+
+
+def _fan_bwd(k, axes, _, g):
+    return (_across(tree_sum(g), axes),)
+
+
+fan_out.defvjp(_fan_fwd, _fan_bwd)
+
+
+def per_chunk(fn, k: int, q, kk, v, sinks):
+    """Attention by chunks of heads: q [B, S, H, D], kk and v [B, S, KV, D] and sinks [H] (or None) cut into k chunks
+    of heads, fn(q, k, v, sinks) of each chunk as a computation of its own (`fenced`), the outputs joined [B, S, H,
+    D]. XLA:CPU's attention backward is not the same bits on a slice of the heads as inside all of them (the query
+    and key gradients of heads 2-3 of 4 computed alone differed, fp32), so each chunk is attended alone on every
+    mesh, one device included: the same computation on the same shapes."""
+    from tessera.lower.shard.deterministic import fenced
+
+    def cut(x):
+        if x is None:
+            return [None] * k
+        b, s, h, d = x.shape
+        return list(jnp.moveaxis(x.reshape(b, s, k, h // k, d), 2, 0))
+
+    sink_parts = [None] * k if sinks is None else list(chunked(sinks, 0, k))
+    outs = [fenced(fn, qj, kj, vj, sj) for qj, kj, vj, sj in zip(cut(q), cut(kk), cut(v), sink_parts)]
+    out = jnp.stack(outs, axis=2)  # [B, S, k, H/k, D]
+    return out.reshape(out.shape[:2] + (out.shape[2] * out.shape[3],) + out.shape[4:])
+
+
+def chunked(w, dim: int, k: int):
+    """w with its dim `dim` cut into k equal chunks, the chunk index first: [k, ...] (dim then holds size/k)."""
+    if w.shape[dim] % k:
+        raise ValueError(f"dim {dim} of {w.shape} does not split into {k} canonical chunks")
+    shape = w.shape[:dim] + (k, w.shape[dim] // k) + w.shape[dim + 1:]
+    return jnp.moveaxis(w.reshape(shape), dim, 0)
+
+
+def unchunked(w, dim: int):
+    """`chunked`'s inverse: [k, ...] back to one dim `dim` of k times the size."""
+    w = jnp.moveaxis(w, 0, dim)
+    return w.reshape(w.shape[:dim] + (w.shape[dim] * w.shape[dim + 1],) + w.shape[dim + 2:])
+
+
+# ---- the train step whose tp splits the layers' compute ----------------------------------------------------------
+
+TP = "tp"
+CHUNKED_OPS = ("attention", "mlp")  # the ops whose lowerings compute by chunks (tessera/lower/ops_nn.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where deterministic tp splits compute: `tp` devices a group, `data_axes` the other axes > 1 (mesh order),
+    `chunked` the tp-split parameters an attention or MLP op reads (each device computes with its slice), and
+    `whole` the other tp-split ones (gathered whole and computed alike on every tp device, e.g. a vocab-split
+    embedding table)."""
+    tp: int
+    chunks: int
+    data_axes: tuple[str, ...]
+    chunked: frozenset[str]
+    whole: frozenset[str]
+
+
+def _entries_with(spec, axis: str) -> list[int]:
+    return [i for i, e in enumerate(tuple(spec)) if e == axis or (isinstance(e, tuple) and axis in e)]
+
+
+def without(spec, axis: str):
+    """`spec` with `axis` taken out of every entry."""
+    out = []
+    for e in tuple(spec):
+        if isinstance(e, tuple):
+            rest = tuple(a for a in e if a != axis)
+            e = rest if len(rest) > 1 else (rest[0] if rest else None)
+        elif e == axis:
+            e = None
+        out.append(e)
+    return P(*out)
+
+
+def _readers(region, out: dict) -> dict[str, set[str]]:
+    """{parameter path: the names of the ops that read it}, nested regions included."""
+    for op in region.ops:
+        for o in op.operands:
+            if isinstance(o, ParamRef):
+                out.setdefault(o.path, set()).add(op.name)
+        for r in (op.region, op.second):
+            if r is not None:
+                _readers(r, out)
+    return out
+
+
+def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunks: int) -> tuple[Layout | None, str]:
+    """(Layout, "") where the deterministic train step splits the layers' compute over tp, else (None, why tp
+    acts as a data axis)."""
+    tp = mesh_shape.get(TP, 1)
+    if tp <= 1:
+        return None, "no tp axis"
+    if chunks <= 1:
+        return None, "parallel.canonical_tp is not set (tp then acts as a data axis)"
+    if chunks % tp:
+        return None, f"parallel.canonical_tp = {chunks} is not a multiple of tp = {tp}"
+    if mesh_shape.get("pp", 1) > 1:
+        return None, "pp splits the layers (the pipelined step computes every chunk on its stage)"
+    if graph.losses:
+        return None, "a model with loss entries"
+    data_axes = tuple(a for a, n in mesh_shape.items() if n > 1 and a != TP)
+    n_d = math.prod(mesh_shape[a] for a in data_axes)
+    if c % n_d or (c // n_d) & (c // n_d - 1):
+        return None, f"C = {c} over {n_d} data devices is not a power of two of shards each"
+    readers = _readers(graph.body, {})
+    chunked, whole = set(), set()
+    for path, spec in param_specs.items():
+        dims = _entries_with(spec, TP)
+        if not dims:
+            continue
+        if len(dims) > 1 or tuple(spec)[dims[0]] != TP:
+            return None, f"{path} is split over tp together with another axis"
+        if readers.get(path) and readers[path] <= set(CHUNKED_OPS):
+            if shapes[path].shape[dims[0]] % chunks:
+                return None, f"{path}'s dim {dims[0]} ({shapes[path].shape[dims[0]]}) does not split into {chunks} chunks"
+            chunked.add(path)
+        else:
+            whole.add(path)
+    if not chunked:
+        return None, "no attention or MLP parameter is split over tp"
+    return Layout(tp, chunks, data_axes, frozenset(chunked), frozenset(whole)), ""
+
+
+def _gather_whole(held, spec, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int]):
+    """A tp-split parameter every tp device computes with whole (a vocab-split table): gathered over every axis of its
+    spec; its VJP keeps this device's tp slice of the cotangent (the same on every device of the tp group, which
+    ran the same shards) and sums the data devices' blocks of it in device order (`layerwise.block_sum`)."""
+    from tessera.lower.shard.deterministic import gather_full
+
+    spec = layerwise.trailing(spec, full_ndim, held.ndim)
+    dim = _entries_with(spec, TP)[0]
+    rest = without(spec, TP)
+    wide_dtype = held.wide.dtype
+
+    @jax.custom_vjp
+    def use(wide, narrow):
+        return gather_full(wide if narrow is None else narrow, spec)
+
+    def fwd(wide, narrow):
+        return use(wide, narrow), None
+
+    def bwd(_, g):
+        size = g.shape[dim] // sizes[TP]
+        mine = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(TP) * size, size, axis=dim)
+        return layerwise.block_sum(mine, rest, axes, sizes, wide_dtype), None
+
+    use.defvjp(fwd, bwd)
+    return use(held.wide, held.narrow)
+
+
+def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, narrow: dict):
+    """`Deterministic._per_layer_grads`' results (this device's gradient blocks summed over all C shards; per-shard
+    loss sums and counts in canonical order; no terms, no amaxes) with tp splitting the attention and MLP compute.
+    The devices of a tp group run the same canonical shards (the data axes share them as in the per-layer step:
+    data device d the shards j·n_d + d); each computes its own chunks of the tp-split contractions
+    (LowerCtx.tensor = (T / tp, ("tp",))), its chunked parameters gathered over the data axes only and the rest whole.
+    Inside the train step's shard_map."""
+    from tessera.lower import precast
+
+    specs, sizes, D = det.param_specs, dict(det.mesh.shape), layout.data_axes
+    n_d = math.prod(sizes[a] for a in D)
+    m = c // n_d
+    cast = precast.cast(params, narrow)
+
+    def gather(k, held):
+        full_ndim = len(det.whole_shapes[k])
+        if k in layout.whole:
+            return _gather_whole(held, specs[k], full_ndim, D, sizes)
+        spec = without(specs[k], TP) if k in layout.chunked else specs[k]
+        return layerwise.gather_at_use(held, spec, full_ndim, D, sizes)
+
+    at_use = det.at_use
+
+    def scaled(p, sh):
+        p = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in specs else v for k, v in p.items()}
+        p = {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in at_use else v for k, v in p.items()}
+        hooks = {k: functools.partial(gather, k) for k in at_use}
+        s, count, terms = det.shard_sums(p, sh, param_use=hooks, tensor=(layout.chunks // layout.tp, (TP,)))
+        return (s if ls is None else s * ls.scale), (count, terms)
+
+    # this data device's shards j·n_d + d, j < m, of the batch (held in blocks over every axis): [m, rows, ...]
+    every = tuple(a for a, n in sizes.items() if n > 1)
+    d = block_index(D) if D else 0
+
+    def mine(a):
+        whole = jax.lax.all_gather(a, every, axis=0, tiled=True)
+        return jax.lax.dynamic_index_in_dim(whole.reshape((m, n_d, -1) + a.shape[1:]), d, axis=1, keepdims=False)
+
+    from tessera.lower.shard.deterministic import opaque_map
+
+    local = {k: mine(v) for k, v in batch.items() if v is not None}
+    grad_fn = jax.value_and_grad(scaled, has_aux=True)
+    (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(params, sh), local, m)
+    grads = {k: tree_sum(g.astype(params[k].dtype)) for k, g in grads.items()}  # the levels above the devices
+    if D:
+        sums, counts = (layerwise.canonical_order(jax.lax.all_gather(a, D, axis=0, tiled=True), n_d, m)
+                        for a in (sums, counts))
+    return grads, sums, counts, {}, None
+
+
+def record(tp: int, why: str) -> dict:
+    """The manifest's and the plan's `tensor` record on a tp mesh in deterministic mode."""
+    return {"tp": tp, "split_compute": not why, "why_not": why or None}
