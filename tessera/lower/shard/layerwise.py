@@ -33,10 +33,13 @@ def _entry_axes(e) -> tuple[str, ...]:
     return (e,) if isinstance(e, str) else tuple(e)
 
 
-def blocks_of_all(x, spec: P, axes: tuple[str, ...], sizes: dict[str, int]):
+def blocks_of_all(x, spec: P, axes: tuple[str, ...], sizes: dict[str, int], chunk_over: tuple[str, ...] = ()):
     """[n, *block]: row t is device t's block of the whole tensor x (devices in order, row-major over `axes`; a
-    block replicated over some axes appears once for each device that holds it)."""
+    block replicated over some axes appears once for each device that holds it). `chunk_over`: axes of `axes` the
+    block is replicated over (r devices hold each block): row t is then the q-th of r equal chunks of device t's
+    block, flattened (zero-padded), q the device's index over those axes, so the rows hold the tensor once."""
     n = math.prod(sizes[a] for a in axes)
+    r = math.prod(sizes[a] for a in chunk_over)
     entries = [(i, _entry_axes(e)) for i, e in enumerate(spec) if e is not None]
     rows = []
     for t in range(n):
@@ -48,6 +51,13 @@ def blocks_of_all(x, spec: P, axes: tuple[str, ...], sizes: dict[str, int]):
                 idx = idx * sizes[a] + int(coord[a])
             size = x.shape[i] // math.prod(sizes[a] for a in names)
             blk = jax.lax.slice_in_dim(blk, idx * size, (idx + 1) * size, axis=i)
+        if chunk_over:
+            q = 0
+            for a in chunk_over:
+                q = q * sizes[a] + int(coord[a])
+            flat = blk.reshape(-1)
+            csize = -(-flat.shape[0] // r)
+            blk = jnp.pad(flat, (0, csize * r - flat.shape[0]))[q * csize:(q + 1) * csize]
         rows.append(blk)
     return jnp.stack(rows)
 
@@ -82,14 +92,26 @@ _FP8 = frozenset(jnp.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2))
 def block_sum(g, spec: P, axes: tuple[str, ...], sizes: dict[str, int], wide_dtype):
     """This device's block of the devices' whole cotangents g (each device's own g), widened to `wide_dtype` and
     summed in device order over `axes` (an all-to-all, then `tree_sum`): a gather's VJP (`gather_at_use`, and the
-    pipelined pp step's gathers outside its fenced pieces). Without axes, g widened."""
+    pipelined pp step's gathers outside its fenced pieces). Without axes, g widened. A block the spec does not split
+    over some of `axes` (a parameter replicated over dp) is held alike by r devices: each sums one r-th of it and
+    the r chunks are gathered (the same adds), so the all-to-all carries the tensor once where it carried r copies
+    (on dp=8 a layer's gradient had been eight layers' bytes in flight, and the plan, which counts one, was 22 %
+    under the compiled step)."""
     from tessera.lower.shard.deterministic import tree_sum
 
     g = g.astype(wide_dtype)
     if not axes:
         return g
-    pieces = jax.lax.all_to_all(blocks_of_all(g, spec, axes, sizes), axes, 0, 0)
-    return tree_sum(pieces)  # row j of pieces: device j's piece of this device's block
+    split = {a for e in spec if e is not None for a in _entry_axes(e)}
+    rep = tuple(a for a in axes if a not in split)  # the block is the same on these devices (dp): each sums a chunk
+    pieces = jax.lax.all_to_all(blocks_of_all(g, spec, axes, sizes, chunk_over=rep), axes, 0, 0)
+    mine = tree_sum(pieces)  # row j of pieces: device j's piece of this device's block (or of its chunk of it)
+    if not rep:
+        return mine
+    shape = [d // math.prod(sizes[a] for a in _entry_axes(e)) if e is not None else d
+             for d, e in zip(g.shape, tuple(spec) + (None,) * (g.ndim - len(tuple(spec))))]
+    whole = jax.lax.all_gather(mine, rep, axis=0, tiled=True)  # the r chunks, in the order `blocks_of_all` cut them
+    return whole[:math.prod(shape)].reshape(shape)
 
 
 def saveable_but_gathers(prim, *_, **params) -> bool:

@@ -50,6 +50,13 @@ def test_each_devices_block_as_shard_map_lays_them_out():
     rep = layerwise.blocks_of_all(x, P(None, "tp"), ("fsdp", "tp"), sizes)  # replicated over fsdp
     np.testing.assert_array_equal(rep[0], rep[2])
     np.testing.assert_array_equal(rep[3], x[:, 3:])
+    # the replicated block cut into chunks over fsdp (block_sum's rows): device (fsdp f, tp t) holds chunk f of block
+    # t, flattened, so the rows hold the tensor once and the chunks rejoin the block in fsdp order
+    cut = layerwise.blocks_of_all(x, P(None, "tp"), ("fsdp", "tp"), sizes, chunk_over=("fsdp",))
+    assert cut.shape == (4, 6)
+    np.testing.assert_array_equal(np.concatenate([cut[1], cut[3]]).reshape(4, 3), x[:, 3:])
+    odd = layerwise.blocks_of_all(jnp.arange(5.0), P(), ("fsdp",), {"fsdp": 2}, chunk_over=("fsdp",))
+    np.testing.assert_array_equal(odd, [[0, 1, 2], [3, 4, 0]])  # zero-padded to equal chunks
 
 
 def test_the_plan_counts_gathered_layers_and_gradient_blocks():
