@@ -95,8 +95,8 @@ def block_sum(g, spec: P, axes: tuple[str, ...], sizes: dict[str, int], wide_dty
     pipelined pp step's gathers outside its fenced pieces). Without axes, g widened. A block the spec does not split
     over some of `axes` (a parameter replicated over dp) is held alike by r devices: each sums one r-th of it and
     the r chunks are gathered (the same adds), so the all-to-all carries the tensor once where it carried r copies
-    (on dp=8 a layer's gradient had been eight layers' bytes in flight, and the plan, which counts one, was 22 %
-    under the compiled step)."""
+    (llama_tiny at d_model 256, 8 layers: the compiled step on tp=2 x dp=4 with canonical_tp 2 went from 109.6 to
+    104.3 MB a device, on pp=2 x dp=4 from 131.0 to 123.1)."""
     from tessera.lower.shard.deterministic import tree_sum
 
     g = g.astype(wide_dtype)
