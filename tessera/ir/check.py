@@ -441,8 +441,8 @@ CHUNKED_DIMS = ("heads", "kv_heads", "mlp")  # what deterministic tp cuts into c
 
 
 def check_canonical_tp(exp, graph: Graph) -> list[Diagnostic]:
-    """parallel.canonical_tp (deterministic mode) cuts the attention's heads and the MLP's hidden dim of every
-    attention and mlp op into that many chunks: each of those dims must split evenly, and the products must not be
+    """parallel.canonical_tp (deterministic mode) cuts the attention's heads and the MLP's and experts' hidden dim of
+    every attention, mlp and moe op into that many chunks: each of those dims must split evenly, and the products must not be
     fp8 (a chunk would scale by its own amax)."""
     chunks = exp.parallel.canonical_tp
     if not exp.parallel.deterministic or chunks is None or chunks <= 1:
@@ -454,7 +454,7 @@ def check_canonical_tp(exp, graph: Graph) -> list[Diagnostic]:
                            hint="remove parallel.canonical_tp (tp then acts as a data axis) or compute in bf16")]
     out, seen = [], set()
     for op in graph.body.walk():
-        if op.name not in ("attention", "mlp"):
+        if op.name not in ("attention", "mlp", "moe"):
             continue
         for o in op.operands:
             if not isinstance(o, ParamRef) or o.path in seen or o.path not in graph.params:

@@ -448,6 +448,9 @@ def _moe(ctx, op, attrs, ins, params):
     label = f"{op_scope(op)} experts"
     if ctx.mode == "decode":  # nothing differentiates a decode step's routing: a kernel may do it (moe_route)
         args["route_blocks"] = table.bound(ctx, "route_blocks", f"{op_scope(op)} routing")
+    chunks = _tensor_chunks(ctx)
+    if chunks is not None:  # deterministic tp: the experts' hidden dim in canonical chunks
+        args["chunks"] = chunks
     few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
     if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)
         y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=table.bound(ctx, "pair_dot", label))

@@ -115,6 +115,20 @@ def test_sorted_moe_gradient():
         np.testing.assert_allclose(gs, gd, atol=1e-10)
 
 
+def test_experts_in_canonical_chunks_compute_the_same_moe():
+    """Deterministic tp's chunks of the experts' hidden dim (chunks=(k, ()): all of them on one device) give the
+    unchunked block and its gradients, in float64 to rounding (the chunked sum adds the hidden dim in two parts)."""
+    with float64():
+        x, w = _random_moe(np.random.default_rng(2))
+        plain, cut = (jax.jit(jax.value_and_grad(lambda x, w, c=c: moe.moe(x, top_k=2, chunks=c, **w).sum(),
+                                                   argnums=(0, 1)))(x, w) for c in (None, (2, ())))
+        np.testing.assert_allclose(cut[0], plain[0], rtol=1e-12)
+        for a, b in zip(jax.tree.leaves(cut[1]), jax.tree.leaves(plain[1])):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match="does not split into 4 canonical chunks"):
+            moe.moe(x, top_k=2, chunks=(4, ()), **w)  # a hidden dim of 6
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_pairs_equals_sorted_with_shared_and_idle_experts(packed):
     """Few tokens, several choosing one expert and most experts idle: the unsorted pairs give the sorted

@@ -196,14 +196,17 @@ def _operand(w, dtype):
 
 def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
         act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot, accum=None, fp8_history=None,
-        route_blocks=route_blocks) -> jax.Array:
+        route_blocks=route_blocks, chunks=None) -> jax.Array:
     """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `ragged_dot` per group.
 
     `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul);
     gate, up and down may be packed `MXFP4` experts, which it must then accept (`mxfp4.any_ragged_dot` does).
     `fp8_history` ({gate, up, down: amax history}, delayed fp8 scaling in a train step) goes to each product's
     `ragged_dot` as its `history` (reference/fp8.py's takes it). `route_blocks` (`route`'s) may be a kernel
-    where nothing differentiates the routing (generation).
+    where nothing differentiates the routing (generation). `chunks` ((k, axes): deterministic tp,
+    tessera/lower/shard/det_tensor.py): the experts' hidden dim in k canonical chunks, each chunk's gate, up and down
+    products its own ragged products, the down partials summed in the canonical tree (`reduce_chunks`) and the
+    sorted copies' gradient through `fan_out`.
     """
     t, d = x.shape
     n_experts = gate.shape[0]
@@ -221,10 +224,26 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     ct = wide(x.dtype)
     base = functools.partial(ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
     rd = lambda name: base if fp8_history is None else functools.partial(base, history=fp8_history[name])  # noqa: E731
-    g = rd("gate")(xs, _operand(gate, x.dtype)) + take_groups(gate_bias.astype(ct), sorted_expert)  # [T*k, F]
-    u = rd("up")(xs, _operand(up, x.dtype)) + take_groups(up_bias.astype(ct), sorted_expert)
-    h = act(g.astype(x.dtype), u.astype(x.dtype))
-    y = rd("down")(h, _operand(down, x.dtype)) + take_groups(down_bias.astype(ct), sorted_expert)  # [T*k, D]
+    if chunks is None:
+        g = rd("gate")(xs, _operand(gate, x.dtype)) + take_groups(gate_bias.astype(ct), sorted_expert)  # [T*k, F]
+        u = rd("up")(xs, _operand(up, x.dtype)) + take_groups(up_bias.astype(ct), sorted_expert)
+        h = act(g.astype(x.dtype), u.astype(x.dtype))
+        y = rd("down")(h, _operand(down, x.dtype))
+    else:
+        from tessera.lower.shard import det_tensor
+
+        k, axes = chunks
+        cut = lambda w, dim: det_tensor.chunked(w, dim, k)  # noqa: E731
+        gate_c, up_c, down_c = cut(_operand(gate, x.dtype), 2), cut(_operand(up, x.dtype), 2), cut(_operand(down, x.dtype), 1)
+        gb, ub = cut(gate_bias.astype(ct), 1), cut(up_bias.astype(ct), 1)
+        xs_k = det_tensor.fan_out(xs, k, axes)
+        parts = []
+        for j in range(k):
+            g = base(xs_k[j], gate_c[j]) + take_groups(gb[j], sorted_expert)
+            u = base(xs_k[j], up_c[j]) + take_groups(ub[j], sorted_expert)
+            parts.append(base(act(g.astype(x.dtype), u.astype(x.dtype)), down_c[j]))
+        y = det_tensor.reduce_chunks(jnp.stack(parts), axes)
+    y = y + take_groups(down_bias.astype(ct), sorted_expert)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                    unique_indices=True)
     y = y.at[inverse].get(unique_indices=True).reshape(t, top_k, d)  # back in routing order

@@ -114,7 +114,7 @@ def unchunked(w, dim: int):
 # ---- the train step whose tp splits the layers' compute ----------------------------------------------------------
 
 TP = "tp"
-CHUNKED_OPS = ("attention", "mlp")  # the ops whose lowerings compute by chunks (tessera/lower/ops_nn.py)
+CHUNKED_OPS = ("attention", "mlp", "moe")  # the ops whose lowerings compute by chunks (tessera/lower/ops_nn.py)
 
 
 @dataclasses.dataclass(frozen=True)
