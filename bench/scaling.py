@@ -50,7 +50,7 @@ def worker(spec: str, overrides: list[str], out: str, report: str) -> None:
     peaks = [d.memory_stats().get("peak_bytes_in_use", 0) for d in jax.local_devices() if d.memory_stats()]
     Path(report).write_text(json.dumps({
         "manifest": {k: manifest.get(k) for k in ("metrics", "params_checksum", "speed", "tokens_per_s",
-                                                    "status", "error", "parallel")},
+                                                    "status", "error", "parallel", "tensor", "pipeline")},
         "peak_gib_per_gpu": max(peaks) / GIB if peaks else None,
         "plan_gib_per_gpu": plan["memory_per_device"]["total"] / GIB,
         "plan": {"flops": plan.get("flops"), "collectives": plan.get("collectives")},
@@ -138,13 +138,17 @@ def _trajectory(report: dict) -> tuple[list, list, str]:
 
 
 def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, limit: int = 0,
-                        spec: str = "specs/gpt_oss_tiny.yaml", repeat: int = 1, extra: list[str] = ()) -> None:
+                        spec: str = "specs/gpt_oss_tiny.yaml", repeat: int = 1, extra: list[str] = (),
+                        canonical_tp: int = 1) -> None:
     """Each mesh's deterministic run against the first (one GPU); with repeat > 1 each configuration runs again
     in fresh processes (compiled again unless a persistent cache holds it), each compared with its first."""
+    if canonical_tp > 1:  # every run with tp's canonical chunks (one GPU included): tp then splits the layers' compute
+        extra = [*extra, f"parallel.canonical_tp={canonical_tp}"]
     base = [f"task.steps={steps}", "task.eval_every=0", "checkpoint.every=0", *extra]
     meshes = {1: [[]], 2: [["mesh.dp=2"], ["mesh.tp=2"], ["mesh.ep=2"], ["mesh.fsdp=2"]],
               4: [["mesh.dp=2", "mesh.tp=2"], ["mesh.fsdp=2", "mesh.ep=2"]],
               8: [["mesh.dp=8"], ["mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]]}
+
     print(f"\n## determinism: {spec} {' '.join(extra)}, {steps} steps, deterministic mode, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"(each configuration run {repeat} time(s) in fresh processes; 'again' compares the repeats with the "
           f"first: losses, grad norms and checksum all equal)" if repeat > 1 else "")
@@ -170,7 +174,9 @@ def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, lim
                              "identical" if _trajectory(r) == (losses, norms, checksum) else
                              f"differs ({_first_difference(_trajectory(r)[0], losses)} in the loss)")
             fast_tps = quick["manifest"].get("tokens_per_s") if "manifest" in quick else None
-            print(f"| {n} | {' '.join(overrides) or '-'} | {_first_difference(losses, reference[0])} | "
+            split = [f"{k} splits" for k in ("tensor", "pipeline") if (det["manifest"].get(k) or {}).get("split_compute")]
+            label = " ".join(overrides) + (f" ({', '.join(split)})" if split else "")
+            print(f"| {n} | {label or '-'} | {_first_difference(losses, reference[0])} | "
                   f"{_first_difference(norms, reference[1])} | {checksum == reference[2]} | "
                   f"{'; '.join(again) or '-'} | {det['manifest'].get('tokens_per_s') or 0:,.0f} | {fast_tps or 0:,.0f} |", flush=True)
 
@@ -187,6 +193,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="determinism: run each configuration this many times, in fresh processes")
     parser.add_argument("--det-set", action="append", default=[], help="determinism: an override of the spec")
+    parser.add_argument("--canonical-tp", type=int, default=1,
+                        help="determinism: parallel.canonical_tp for every run (tp meshes then split the compute)")
     parser.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS for every configuration")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -209,7 +217,8 @@ def main() -> None:
                 section_train(gpus, Path(tmp), args.steps)
             elif name == "determinism":
                 section_determinism(gpus, Path(tmp), args.steps, fast=not args.no_fast, limit=args.det_meshes,
-                                    spec=args.det_spec, repeat=args.repeat, extra=args.det_set)
+                                    spec=args.det_spec, repeat=args.repeat, extra=args.det_set,
+                                    canonical_tp=args.canonical_tp)
             else:
                 parser.error(f"unknown section {name!r}")
 
