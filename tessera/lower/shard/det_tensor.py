@@ -1,21 +1,23 @@
-"""Deterministic tensor parallelism's two operators: contractions split over tp as canonical chunk trees.
+"""Deterministic tensor parallelism: the contractions tp splits computed as canonical chunk trees on every mesh.
 
-Issue 36's tp compute split (docs/parallel.md, "Deterministic tp"). Fast mode's tensor parallelism (Megatron's f and
-g) sums partial products with `psum`, whose order is the collective's and depends on the device count. Here a
-contraction that tp splits is computed on every mesh, one device included, as T canonical chunk products summed in
-`tree_sum`'s balanced tree, T = the spec's canonical tp count (a power of two). A device of a tp group of t holds the
-chunks i·T/t … (i+1)·T/t − 1 (tp splits the weight's dim in device order), which are one aligned subtree of that tree:
-it sums them locally, and the t subtree sums meet in `ordered_sum` (device order): the very adds of one device's
-tree. Two contractions are split:
+Issue 36's tp compute split (docs/parallel.md, "Deterministic tp"), behind `parallel.canonical_tp = T`. Fast mode's
+tensor parallelism (Megatron's f and g) sums partial products with `psum`, whose order is the collective's and
+depends on the device count. Here a contraction that tp splits is computed on every mesh, one device included, as T
+canonical chunk products summed in `tree_sum`'s balanced tree. A device of a tp group of t holds the chunks
+i·T/t … (i+1)·T/t − 1 (tp splits the weight's dim in device order), one aligned subtree of that tree: it sums them
+locally, and the t subtree sums meet in `ordered_sum` (device order): the very adds of one device's tree.
 
-- a row-parallel product's forward (attention's output projection over heads, an MLP's down projection over d_ff):
-  the chunks' partial outputs [k, ...] go through `reduce_chunks`;
-- a column-parallel product's backward (q/k/v over heads, gate/up over d_ff): its input reaches the k chunk products
-  through `fan_out`, whose VJP sums the k cotangents the same way.
+- `reduce_chunks`: a row-parallel product's forward (attention's output projection over heads, an MLP's or the
+  experts' down projection over their hidden dim): the chunks' partial outputs [k, ...] summed;
+- `fan_out`: a column-parallel product's backward (q/k/v over heads, gate/up over the hidden dim): its input reaches
+  the k chunk products through it, and its VJP sums the k cotangents the same way;
+- `per_chunk`: attention's core on each chunk of heads as a computation of its own (its backward is not the same
+  bits on a slice of the heads as inside all of them, on XLA:CPU);
+- `plan` and `tensor_grads`: where the train step splits the compute over tp, and that step.
 
-Splitting a dim that is not contracted does not change a product's bits on XLA:CPU (each chunk's product on one
-device and on its tp device is the same batched product over fewer batch entries: tests/lower/shard/
-test_det_tensor.py), so everything else in the block is the one device's arithmetic on a slice.
+Splitting a dim that a plain product does not contract does not change its bits on XLA:CPU (each chunk's product on
+one device and on its tp device is the same batched product over fewer batch entries: tests/lower/shard/
+test_det_tensor.py), so everything else in a block is the one device's arithmetic on a slice.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
+from tessera.lower import precast
 from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
-from tessera.lower.shard.deterministic import ordered_sum, tree_sum
+from tessera.lower.shard.deterministic import fenced, gather_full, opaque_map, ordered_sum, tree_sum
 
 
 def _across(x, axes: tuple):
@@ -83,8 +86,6 @@ def per_chunk(fn, k: int, q, kk, v, sinks):
     D]. XLA:CPU's attention backward is not the same bits on a slice of the heads as inside all of them (the query
     and key gradients of heads 2-3 of 4 computed alone differed, fp32), so each chunk is attended alone on every
     mesh, one device included: the same computation on the same shapes."""
-    from tessera.lower.shard.deterministic import fenced
-
     def cut(x):
         if x is None:
             return [None] * k
@@ -192,7 +193,7 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
         else:
             whole.add(path)
     if not chunked:
-        return None, "no attention or MLP parameter is split over tp"
+        return None, "no attention, MLP or expert parameter is split over tp"
     return Layout(tp, chunks, data_axes, frozenset(chunked), frozenset(whole)), ""
 
 
@@ -200,8 +201,6 @@ def _gather_whole(held, spec, full_ndim: int, axes: tuple[str, ...], sizes: dict
     """A tp-split parameter every tp device computes with whole (a vocab-split table): gathered over every axis of its
     spec; its VJP keeps this device's tp slice of the cotangent (the same on every device of the tp group, which
     ran the same shards) and sums the data devices' blocks of it in device order (`layerwise.block_sum`)."""
-    from tessera.lower.shard.deterministic import gather_full
-
     spec = layerwise.trailing(spec, full_ndim, held.ndim)
     dim = _entries_with(spec, TP)[0]
     rest = without(spec, TP)
@@ -230,8 +229,6 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     data device d the shards j·n_d + d); each computes its own chunks of the tp-split contractions
     (LowerCtx.tensor = (T / tp, ("tp",))), its chunked parameters gathered over the data axes only and the rest whole.
     Inside the train step's shard_map."""
-    from tessera.lower import precast
-
     specs, sizes, D = det.param_specs, dict(det.mesh.shape), layout.data_axes
     n_d = math.prod(sizes[a] for a in D)
     m = c // n_d
@@ -260,8 +257,6 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     def mine(a):
         whole = jax.lax.all_gather(a, every, axis=0, tiled=True)
         return jax.lax.dynamic_index_in_dim(whole.reshape((m, n_d, -1) + a.shape[1:]), d, axis=1, keepdims=False)
-
-    from tessera.lower.shard.deterministic import opaque_map
 
     local = {k: mine(v) for k, v in batch.items() if v is not None}
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
