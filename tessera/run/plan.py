@@ -505,6 +505,10 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         pipe = plan["pipeline"]
         mesh += (f"; deterministic pp splits the layers over {pipe['stages']} stages" if pipe["split_compute"] else
                  f"; deterministic pp acts as a data axis ({pipe['why_not']})")
+    if plan.get("tensor"):
+        tp = plan["tensor"]
+        mesh += (f"; deterministic tp splits the attention, MLP and expert compute over tp={tp['tp']}"
+                 if tp["split_compute"] else f"; deterministic tp acts as a data axis ({tp['why_not']})")
     head = [("model", f"{plan['model']} ({plan['spec']}), task {plan['task']}"),
             ("mesh", f"{mesh} ({plan['devices']} device{'s' if plan['devices'] != 1 else ''})"),
             ("shapes", f"batch {shapes['batch']}, seq {shapes['seq']}, microbatches {shapes['microbatches']}, "
