@@ -167,7 +167,8 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
     if tp <= 1:
         return None, "no tp axis"
     if chunks <= 1:
-        return None, "parallel.canonical_tp is not set"
+        return None, (f"parallel.canonical_tp is not set (a multiple of tp, e.g. {tp}, splits the attention, MLP and "
+                      "expert compute over tp; like canonical_shards it is part of the numbers)")
     if chunks % tp:
         return None, f"parallel.canonical_tp = {chunks} is not a multiple of tp = {tp}"
     if mesh_shape.get("pp", 1) > 1:
