@@ -468,6 +468,37 @@ def check_canonical_tp(exp, graph: Graph) -> list[Diagnostic]:
     return out
 
 
+def check_canonical_ep(exp, graph: Graph) -> list[Diagnostic]:
+    """parallel.canonical_ep (deterministic mode) cuts every moe op's experts into that many chunks: it must divide
+    their count, the products must not be fp8, and it does not yet go with parallel.canonical_tp."""
+    chunks = exp.parallel.canonical_ep
+    if not exp.parallel.deterministic or chunks is None or chunks <= 1:
+        return []
+    where = dict(span=exp.span("parallel.canonical_ep"), key="parallel.canonical_ep")
+    if (exp.parallel.canonical_tp or 1) > 1:
+        return [Diagnostic(f"parallel.canonical_ep = {chunks} with parallel.canonical_tp is not supported yet: one "
+                           "of them splits the compute at a time", **where, hint="keep one of the two")]
+    if str(exp.numerics.default.base).startswith("fp8"):
+        return [Diagnostic(f"parallel.canonical_ep = {chunks} with fp8 compute ({exp.numerics.default}) is not "
+                           "supported: each chunk of experts would be scaled by its own amax", **where,
+                           hint="remove parallel.canonical_ep (ep then acts as a data axis) or compute in bf16")]
+    out, seen = [], set()
+    for op in graph.body.walk():
+        if op.name != "moe":
+            continue
+        for o in op.operands:
+            if not isinstance(o, ParamRef) or o.path in seen or o.path not in graph.params:
+                continue
+            seen.add(o.path)
+            for d in graph.params[o.path].type.dims:
+                if d.name == "experts" and d.size % chunks:
+                    out.append(Diagnostic(f"parallel.canonical_ep = {chunks} does not divide {o.path}'s experts "
+                                          f"({d.size}), which deterministic ep cuts into that many chunks", **where,
+                                          hint=f"use a power of two dividing {d.size}"))
+                    break
+    return out[:1]
+
+
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:
     """No mesh axis splits a dim an op needs whole (`OpDef.whole_dims`: a Fourier transform's): refused here,
     naming the op, the dim and the axis, rather than gathered silently."""
@@ -499,7 +530,7 @@ def check_objectives(exp, graph: Graph) -> list[Diagnostic]:
     return objective_problems(exp, graph)
 
 
-CHECKS = [check_mesh_divides, check_canonical_batch, check_canonical_tp, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
+CHECKS = [check_mesh_divides, check_canonical_batch, check_canonical_tp, check_canonical_ep, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
           check_objectives]
 
 

@@ -72,6 +72,10 @@ class LowerCtx:
     # contraction and the mesh axes the chunks are split over (() on one device, where k is all of them);
     # attention and the MLP compute through tessera/lower/shard/det_tensor.py's operators. None: no chunks
     tensor: Any = None
+    # deterministic ep (parallel.canonical_ep > 1): (first, k, Q, axes), this device's k of the Q canonical chunks of
+    # every moe op's experts from the first-th, over the mesh axes the chunks are split over (tessera/lower/shard/
+    # det_expert.py); None: no chunks
+    experts: Any = None
 
     def replace(self, **changes) -> "LowerCtx":
         return dataclasses.replace(self, **changes)

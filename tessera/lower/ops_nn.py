@@ -451,6 +451,8 @@ def _moe(ctx, op, attrs, ins, params):
     chunks = _tensor_chunks(ctx)
     if chunks is not None:  # deterministic tp: the experts' hidden dim in canonical chunks
         args["chunks"] = chunks
+    if ctx.experts is not None and ctx.shard is None and ctx.positions is None:  # deterministic ep: the experts
+        args["expert_chunks"] = ctx.experts                                       # in canonical chunks
     few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
     if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)
         y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=table.bound(ctx, "pair_dot", label))

@@ -47,6 +47,8 @@ class CompileOptions:
     """`parallel.canonical_shards`: deterministic mode's shards of a batch (None: the largest divisor up to 8)."""
     canonical_tp: int
     """`parallel.canonical_tp`: deterministic mode's chunks of each tp-split contraction (1: none)."""
+    canonical_ep: int
+    """`parallel.canonical_ep`: deterministic mode's chunks of every moe op's experts (1: none)."""
     remat: str
     """`parallel.remat`: none | dots | full, the rematerialisation policy of `repeat` bodies."""
     pipeline_schedule: str
@@ -115,7 +117,8 @@ class CompileOptions:
             model_file=Path(exp.model.file), model_args=MappingProxyType(dict(exp.model.args)),
             mesh_axes=MappingProxyType(dict(exp.mesh.axes)), rules=AxisRules.from_experiment(exp),
             deterministic=bool(parallel.deterministic), canonical_shards=parallel.canonical_shards,
-            canonical_tp=int(parallel.canonical_tp or 1) if parallel.deterministic else 1, remat=parallel.remat,
+            canonical_tp=int(parallel.canonical_tp or 1) if parallel.deterministic else 1,
+            canonical_ep=int(parallel.canonical_ep or 1) if parallel.deterministic else 1, remat=parallel.remat,
             pipeline_schedule=parallel.pipeline.schedule, pipeline_microbatches=int(parallel.pipeline.microbatches),
             expert_capacity=parallel.expert_capacity,
             numerics=exp.numerics, kernels=exp.kernels,

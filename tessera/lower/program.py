@@ -243,11 +243,14 @@ class Program:
         kw.setdefault("param_types", {path: p.type for path, p in self.graph.params.items()})
         if self.options.canonical_tp > 1 and kw.get("mode", "train") == "train":  # deterministic tp's chunks, all
             kw.setdefault("tensor", (self.options.canonical_tp, ()))           # of them here (a mesh's step: its own)
+        if self.options.canonical_ep > 1 and kw.get("mode", "train") == "train":  # deterministic ep's, likewise
+            q = self.options.canonical_ep
+            kw.setdefault("experts", (0, q, q, ()))
         return LowerCtx(kernels=self.options.kernels, backend=jax.default_backend(),
                         deterministic=self.options.deterministic, **kw)
 
     def logits(self, params, tokens, mode: str = "train", *, shard=None, aux=None, param_use=None,
-               layer_remat=None, tensor=None):
+               layer_remat=None, tensor=None, experts=None):
         """Logits [batch, seq, vocab] of int32 tokens [batch, seq], traced under `mode` ("train", "forward");
         `shard`: inside shard_map, the ShardEnv the lowerings see local blocks by; `aux`: a dict the
         lowerings add step counters to; `param_use`: {path: fn} applied to a parameter where an op reads it
@@ -255,7 +258,8 @@ class Program:
         the spec's remat is none (LowerCtx.layer_remat); `tensor`: deterministic tp's chunks on a tp mesh
         (LowerCtx.tensor; by default all of them where the spec sets parallel.canonical_tp)."""
         ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux, param_use=param_use, layer_remat=layer_remat,
-                             **({"tensor": tensor} if tensor is not None else {}))
+                             **({"tensor": tensor} if tensor is not None else {}),
+                             **({"experts": experts} if experts is not None else {}))
         (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.options.remat)
         return logits
 

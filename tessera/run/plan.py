@@ -199,26 +199,36 @@ def pipeline_record(exp, graph, layout: cost.Layout) -> dict | None:
     return det_pipeline.record(stages, why)
 
 
-def _tensor_layout(exp, graph, layout: cost.Layout, shapes: dict, specs: dict):
-    """(det_tensor.Layout or None, why): whether deterministic tp splits the attention and MLP compute on this mesh
-    (the train step's `Deterministic.tensor_layout`)."""
+def _tensor_layout(exp, graph, layout: cost.Layout, shapes: dict, specs: dict, axis: str | None = None):
+    """(det_tensor.Layout or None, why): whether deterministic tp (or ep) splits the compute on this mesh (the train
+    step's `Deterministic.tensor_layout`: tp if it does, else ep; `axis` asks for one)."""
     from tessera.lower.shard import det_tensor
 
-    return det_tensor.plan(graph, shapes, layout.mesh, specs, _canonical(exp), int(exp.parallel.canonical_tp or 1))
+    def one(a):
+        chunks = exp.parallel.canonical_tp if a == det_tensor.TP else exp.parallel.canonical_ep
+        return det_tensor.plan(graph, shapes, layout.mesh, specs, _canonical(exp), int(chunks or 1), a)
+
+    if axis is not None:
+        return one(axis)
+    tp = one(det_tensor.TP)
+    return tp if tp[0] is not None else one(det_tensor.EP)
 
 
-def tensor_record(exp, graph, layout: cost.Layout) -> dict | None:
-    """Deterministic training on a tp mesh: {tp, split_compute, why_not}, as `tessera run` records it
+def tensor_record(exp, graph, layout: cost.Layout, axis: str = "tp") -> dict | None:
+    """Deterministic training on a tp (or ep) mesh: {tp (or ep), split_compute, why_not}, as `tessera run` records it
     (`Deterministic.tensor_record`)."""
     from tessera.lower.shard import det_pipeline, det_tensor
 
-    tp = layout.mesh.get(det_tensor.TP, 1)
-    if tp <= 1 or not exp.parallel.deterministic or not _trains(exp) or graph.losses:
+    size = layout.mesh.get(axis, 1)
+    if size <= 1 or not exp.parallel.deterministic or not _trains(exp) or graph.losses:
         return None
     if not _per_layer(exp, graph):
-        return det_tensor.record(tp, det_pipeline.NOT_PER_LAYER)
+        return det_tensor.record(size, det_pipeline.NOT_PER_LAYER, axis)
     shapes, specs = _shapes_and_specs(_held(exp, graph), layout)
-    return det_tensor.record(tp, _tensor_layout(exp, graph, layout, shapes, specs)[1])
+    chosen = _tensor_layout(exp, graph, layout, shapes, specs)[0]
+    if chosen is not None and chosen.axis != axis:
+        return det_tensor.record(size, f"{chosen.axis} splits the compute (one axis at a time)", axis)
+    return det_tensor.record(size, _tensor_layout(exp, graph, layout, shapes, specs, axis)[1], axis)
 
 
 def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:
@@ -257,7 +267,7 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         n = layout.per_device(t)
         params += n * bits(t.dtype) / 8
         opt += optimizer_states(exp) * n * array_bits(t.dtype) / 8
-        slice_of = tensor.tp if tensor is not None and path in tensor.chunked else 1
+        slice_of = tensor.size if tensor is not None and path in tensor.chunked else 1
         rows.append({"numel": t.numel() // slice_of, "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})
@@ -456,6 +466,7 @@ def build_plan(exp, device: str | None = None) -> dict:
         "numerics": resolved_policy(graph, exp.numerics),
         **({"pipeline": pipe} if (pipe := pipeline_record(exp, graph, layout)) else {}),
         **({"tensor": tp} if (tp := tensor_record(exp, graph, layout)) else {}),
+        **({"experts": ep} if (ep := tensor_record(exp, graph, layout, "ep")) else {}),
     }
 
 
@@ -509,6 +520,10 @@ def sections(plan: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         tp = plan["tensor"]
         mesh += (f"; deterministic tp splits the attention, MLP and expert compute over tp={tp['tp']}"
                  if tp["split_compute"] else f"; deterministic tp acts as a data axis ({tp['why_not']})")
+    if plan.get("experts"):
+        ep = plan["experts"]
+        mesh += (f"; deterministic ep splits the experts' compute over ep={ep['ep']}"
+                 if ep["split_compute"] else f"; deterministic ep acts as a data axis ({ep['why_not']})")
     head = [("model", f"{plan['model']} ({plan['spec']}), task {plan['task']}"),
             ("mesh", f"{mesh} ({plan['devices']} device{'s' if plan['devices'] != 1 else ''})"),
             ("shapes", f"batch {shapes['batch']}, seq {shapes['seq']}, microbatches {shapes['microbatches']}, "

@@ -139,6 +139,12 @@ class Parallel(Section):
         "are computed as this many chunks summed in one fixed tree (a power of two) on every mesh, one device "
         "included; a mesh whose tp divides it then splits those layers' compute over tp. null or 1: no chunks, tp "
         "acts as a data axis. It changes the one-device numbers, like canonical_shards. Ignored in fast mode")
+    canonical_ep: int | None = Field(
+        None, ge=1, description="deterministic mode: the experts of every moe op are cut into this many canonical "
+        "chunks (a power of two dividing the experts), each chunk's grouped products computed on their own on every "
+        "mesh, one device included; a mesh whose ep divides it then splits the experts' compute over ep. null or 1: "
+        "no chunks, ep acts as a data axis. It changes the one-device numbers, like canonical_shards. Not yet with "
+        "canonical_tp. Ignored in fast mode")
     expert_capacity: float | None = Field(
         None, gt=0, description="expert parallel capacity factor (fast mode): each destination shard receives at "
         "most ceil(factor · T·k / ep) copies from each source device routing T tokens; copies beyond it are "

@@ -129,6 +129,19 @@ def test_experts_in_canonical_chunks_compute_the_same_moe():
             moe.moe(x, top_k=2, chunks=(4, ()), **w)  # a hidden dim of 6
 
 
+def test_experts_in_canonical_chunks_of_experts_compute_the_same_moe():
+    """Deterministic ep's chunks of the experts (expert_chunks=(0, Q, Q, ()): all of them on one device) give the
+    unchunked block and its gradients, in float64 to rounding (an expert's products are the same; the chunks' rows
+    are merged, not summed)."""
+    with float64():
+        x, w = _random_moe(np.random.default_rng(3))
+        plain, cut = (jax.jit(jax.value_and_grad(lambda x, w, c=c: moe.moe(x, top_k=2, expert_chunks=c, **w).sum(),
+                                                   argnums=(0, 1)))(x, w) for c in (None, (0, 2, 2, ())))
+        np.testing.assert_allclose(cut[0], plain[0], rtol=1e-12)
+        for a, b in zip(jax.tree.leaves(cut[1]), jax.tree.leaves(plain[1])):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_pairs_equals_sorted_with_shared_and_idle_experts(packed):
     """Few tokens, several choosing one expert and most experts idle: the unsorted pairs give the sorted

@@ -263,6 +263,15 @@ def test_deterministic_tp_is_planned_as_compiled():
     assert abs(mem["total"] / c["compiler_bytes"]["total"] - 1) < 0.10, (mem, c["compiler_bytes"])
 
 
+def test_plan_says_where_deterministic_ep_splits_the_experts(capsys):
+    plan = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--set", "mesh.ep=2", "--set", "mesh.dp=4",
+                    "--set", "parallel.canonical_ep=2")
+    assert plan["experts"] == {"ep": 2, "split_compute": True, "why_not": None} and "tensor" not in plan
+    plan = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--set", "mesh.ep=2", "--set", "mesh.dp=4")
+    assert plan["experts"]["split_compute"] is False
+    assert plan["experts"]["why_not"].startswith("parallel.canonical_ep is not set")
+
+
 def test_plan_reports_each_parameters_storage_and_compute_type(capsys):
     rules = json.dumps({"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "bf16"})
     plan = run_json(capsys, SPECS / "gpt_oss_20b.yaml", "--no-compile", "--device", "h100", "--set",

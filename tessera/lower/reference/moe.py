@@ -194,9 +194,35 @@ def _operand(w, dtype):
     return w if isinstance(w, mxfp4.MXFP4) else w.astype(dtype)
 
 
+def _expert_chunks(xs, sorted_expert, bounds, group_sizes, gate, up, down, gate_bias, up_bias, down_bias, act,
+                   ragged_dot, ct, dtype, expert_chunks):
+    """`moe`'s expert products by canonical chunks of experts (deterministic ep): [T*k, D] in the sorted order, each
+    row from its expert's chunk, the down bias added there."""
+    from tessera.lower.shard import det_expert
+
+    first, k, n_chunks, axes = expert_chunks
+    per = gate.shape[0] // k  # experts a chunk
+    chunk_of_row = sorted_expert // per
+    xk = det_expert.fan_rows(xs, chunk_of_row, first, k, axes)
+    parts = []
+    for j in range(k):
+        q = first + j
+        start = bounds[q * per]
+        gs = jax.lax.dynamic_slice_in_dim(group_sizes, q * per, per)
+        mine = lambda w: w[j * per:(j + 1) * per]  # noqa: E731
+        row_expert = jnp.clip(sorted_expert - q * per, 0, per - 1)
+        bias = lambda b: take_groups(mine(b).astype(ct), row_expert)  # noqa: E731 (a one-hot product's gradient)
+        g = det_expert.rolled(ragged_dot, xk[j], _operand(mine(gate), dtype), gs, start) + bias(gate_bias)
+        u = det_expert.rolled(ragged_dot, xk[j], _operand(mine(up), dtype), gs, start) + bias(up_bias)
+        h = act(g.astype(dtype), u.astype(dtype))
+        parts.append(det_expert.rolled(ragged_dot, h, _operand(mine(down), dtype), gs, start) + bias(down_bias))
+    del n_chunks
+    return det_expert.merge_rows(jnp.stack(parts), chunk_of_row, first, axes)
+
+
 def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
         act: Activation = GPT_OSS_ACT, ragged_dot=mxfp4.any_ragged_dot, accum=None, fp8_history=None,
-        route_blocks=route_blocks, chunks=None) -> jax.Array:
+        route_blocks=route_blocks, chunks=None, expert_chunks=None) -> jax.Array:
     """Dropless sorted MoE: x [T, D] -> [T, D]; token copies grouped by expert, `ragged_dot` per group.
 
     `ragged_dot` is `jax.lax.ragged_dot` or a kernel with its semantics (tessera/lower/kernels/grouped_matmul);
@@ -206,10 +232,13 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     where nothing differentiates the routing (generation). `chunks` ((k, axes): deterministic tp,
     tessera/lower/shard/det_tensor.py): the experts' hidden dim in k canonical chunks, each chunk's gate, up and down
     products its own ragged products, the down partials summed in the canonical tree (`reduce_chunks`) and the
-    sorted copies' gradient through `fan_out`.
+    sorted copies' gradient through `fan_out`. `expert_chunks` ((first, k, Q, axes): deterministic ep,
+    tessera/lower/shard/det_expert.py): the experts in Q canonical chunks of which gate/up/down hold k from the
+    first-th; each chunk's products run over the whole sorted buffer rolled so its rows come first, the rows merged
+    from the chunk that owns them.
     """
     t, d = x.shape
-    n_experts = gate.shape[0]
+    n_experts = gate.shape[0] if expert_chunks is None else router.shape[-1]  # a device's chunks: the router's count
     weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum,
                              route_blocks=route_blocks)
     flat_expert = experts.reshape(-1)  # [T*k], copy c belongs to token c // k
@@ -224,7 +253,10 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     ct = wide(x.dtype)
     base = functools.partial(ragged_dot, group_sizes=group_sizes, preferred_element_type=ct)
     rd = lambda name: base if fp8_history is None else functools.partial(base, history=fp8_history[name])  # noqa: E731
-    if chunks is None:
+    if expert_chunks is not None:
+        y = _expert_chunks(xs, sorted_expert, bounds, group_sizes, gate, up, down, gate_bias, up_bias, down_bias,
+                           act, functools.partial(ragged_dot, preferred_element_type=ct), ct, x.dtype, expert_chunks)
+    elif chunks is None:
         g = rd("gate")(xs, _operand(gate, x.dtype)) + take_groups(gate_bias.astype(ct), sorted_expert)  # [T*k, F]
         u = rd("up")(xs, _operand(up, x.dtype)) + take_groups(up_bias.astype(ct), sorted_expert)
         h = act(g.astype(x.dtype), u.astype(x.dtype))
@@ -243,7 +275,8 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
             u = base(xs_k[j], up_c[j]) + take_groups(ub[j], sorted_expert)
             parts.append(base(act(g.astype(x.dtype), u.astype(x.dtype)), down_c[j]))
         y = det_tensor.reduce_chunks(jnp.stack(parts), axes)
-    y = y + take_groups(down_bias.astype(ct), sorted_expert)  # [T*k, D]
+    if expert_chunks is None:
+        y = y + take_groups(down_bias.astype(ct), sorted_expert)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                    unique_indices=True)
     y = y.at[inverse].get(unique_indices=True).reshape(t, top_k, d)  # back in routing order

@@ -85,5 +85,5 @@ fan_rows.defvjp(_fan_fwd, _fan_bwd)
 def rolled(ragged_dot, x, w, group_sizes, start):
     """ragged_dot over all of x's rows rolled by -start (the chunk's rows first), rolled back: the chunk's products in
     their rows, zeros past its groups."""
-    y = ragged_dot(jnp.roll(x, -start, axis=0), w, group_sizes)
+    y = ragged_dot(jnp.roll(x, -start, axis=0), w, group_sizes=group_sizes)
     return jnp.roll(y, start, axis=0)

@@ -114,17 +114,21 @@ def unchunked(w, dim: int):
 
 # ---- the train step whose tp splits the layers' compute ----------------------------------------------------------
 
-TP = "tp"
-CHUNKED_OPS = ("attention", "mlp", "moe")  # the ops whose lowerings compute by chunks (tessera/lower/ops_nn.py)
+TP, EP = "tp", "ep"
+# the ops whose lowerings compute by a group axis' canonical chunks (tessera/lower/ops_nn.py): tp's heads and hidden
+# dims, ep's experts (tessera/lower/shard/det_expert.py)
+CHUNKED_OPS = {TP: ("attention", "mlp", "moe"), EP: ("moe",)}
+SPEC_KEY = {TP: "parallel.canonical_tp", EP: "parallel.canonical_ep"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where deterministic tp splits compute: `tp` devices a group, `data_axes` the other axes > 1 (mesh order),
-    `chunked` the tp-split parameters an attention or MLP op reads (each device computes with its slice), and
-    `whole` the other tp-split ones (gathered whole and computed alike on every tp device, e.g. a vocab-split
-    embedding table)."""
-    tp: int
+    """Where deterministic tp (or ep) splits compute: `size` devices a group along `axis`, `data_axes` the other axes
+    > 1 (mesh order), `chunked` the parameters split over the axis that its chunked ops read (each device computes
+    with its slice), and `whole` the other ones split over it (gathered whole and computed alike on every device of
+    the group, e.g. a vocab-split embedding table)."""
+    axis: str
+    size: int
     chunks: int
     data_axes: tuple[str, ...]
     chunked: frozenset[str]
@@ -160,51 +164,56 @@ def _readers(region, out: dict) -> dict[str, set[str]]:
     return out
 
 
-def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunks: int) -> tuple[Layout | None, str]:
-    """(Layout, "") where the deterministic train step splits the layers' compute over tp, else (None, why tp
-    acts as a data axis)."""
-    tp = mesh_shape.get(TP, 1)
+def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunks: int,
+         axis: str = TP) -> tuple[Layout | None, str]:
+    """(Layout, "") where the deterministic train step splits compute over `axis` (tp: attention, MLP and experts'
+    hidden dims; ep: the experts), else (None, why it acts as a data axis)."""
+    tp = mesh_shape.get(axis, 1)
+    key = SPEC_KEY[axis]
     if tp <= 1:
-        return None, "no tp axis"
+        return None, f"no {axis} axis"
     if chunks <= 1:
-        return None, (f"parallel.canonical_tp is not set (a multiple of tp, e.g. {tp}, splits the attention, MLP and "
-                      "expert compute over tp; like canonical_shards it is part of the numbers)")
+        what = "the attention, MLP and expert compute" if axis == TP else "the experts' compute"
+        return None, (f"{key} is not set (a multiple of {axis}, e.g. {tp}, splits {what} over {axis}; like "
+                      "canonical_shards it is part of the numbers)")
     if chunks % tp:
-        return None, f"parallel.canonical_tp = {chunks} is not a multiple of tp = {tp}"
+        return None, f"{key} = {chunks} is not a multiple of {axis} = {tp}"
     if mesh_shape.get("pp", 1) > 1:
         return None, "pp splits the layers (the pipelined step computes every chunk on its stage)"
     if graph.losses:
         return None, "a model with loss entries"
-    data_axes = tuple(a for a, n in mesh_shape.items() if n > 1 and a != TP)
+    data_axes = tuple(a for a, n in mesh_shape.items() if n > 1 and a != axis)
     n_d = math.prod(mesh_shape[a] for a in data_axes)
     if c % n_d or (c // n_d) & (c // n_d - 1):
         return None, f"C = {c} over {n_d} data devices is not a power of two of shards each"
     readers = _readers(graph.body, {})
     chunked, whole = set(), set()
     for path, spec in param_specs.items():
-        dims = _entries_with(spec, TP)
+        dims = _entries_with(spec, axis)
         if not dims:
             continue
-        if len(dims) > 1 or tuple(spec)[dims[0]] != TP:
-            return None, f"{path} is split over tp together with another axis"
-        if readers.get(path) and readers[path] <= set(CHUNKED_OPS):
+        if len(dims) > 1 or tuple(spec)[dims[0]] != axis:
+            return None, f"{path} is split over {axis} together with another axis"
+        # ep: the experts' own matrices and biases; the router (its experts dim split too) routes whole
+        if readers.get(path) and readers[path] <= set(CHUNKED_OPS[axis]) and (axis != EP or "/experts/" in path):
             if shapes[path].shape[dims[0]] % chunks:
                 return None, f"{path}'s dim {dims[0]} ({shapes[path].shape[dims[0]]}) does not split into {chunks} chunks"
             chunked.add(path)
         else:
             whole.add(path)
     if not chunked:
-        return None, "no attention, MLP or expert parameter is split over tp"
-    return Layout(tp, chunks, data_axes, frozenset(chunked), frozenset(whole)), ""
+        what = "attention, MLP or expert" if axis == TP else "expert"
+        return None, f"no {what} parameter is split over {axis}"
+    return Layout(axis, tp, chunks, data_axes, frozenset(chunked), frozenset(whole)), ""
 
 
-def _gather_whole(held, spec, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int]):
+def _gather_whole(held, spec, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int], axis: str = TP):
     """A tp-split parameter every tp device computes with whole (a vocab-split table): gathered over every axis of its
     spec; its VJP keeps this device's tp slice of the cotangent (the same on every device of the tp group, which
     ran the same shards) and sums the data devices' blocks of it in device order (`layerwise.block_sum`)."""
     spec = layerwise.trailing(spec, full_ndim, held.ndim)
-    dim = _entries_with(spec, TP)[0]
-    rest = without(spec, TP)
+    dim = _entries_with(spec, axis)[0]
+    rest = without(spec, axis)
     wide_dtype = held.wide.dtype
 
     @jax.custom_vjp
@@ -215,8 +224,8 @@ def _gather_whole(held, spec, full_ndim: int, axes: tuple[str, ...], sizes: dict
         return use(wide, narrow), None
 
     def bwd(_, g):
-        size = g.shape[dim] // sizes[TP]
-        mine = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(TP) * size, size, axis=dim)
+        size = g.shape[dim] // sizes[axis]
+        mine = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(axis) * size, size, axis=dim)
         return layerwise.block_sum(mine, rest, axes, sizes, wide_dtype), None
 
     use.defvjp(fwd, bwd)
@@ -238,8 +247,8 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     def gather(k, held):
         full_ndim = len(det.whole_shapes[k])
         if k in layout.whole:
-            return _gather_whole(held, specs[k], full_ndim, D, sizes)
-        spec = without(specs[k], TP) if k in layout.chunked else specs[k]
+            return _gather_whole(held, specs[k], full_ndim, D, sizes, layout.axis)
+        spec = without(specs[k], layout.axis) if k in layout.chunked else specs[k]
         return layerwise.gather_at_use(held, spec, full_ndim, D, sizes)
 
     at_use = det.at_use
@@ -248,7 +257,10 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
         p = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in specs else v for k, v in p.items()}
         p = {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in at_use else v for k, v in p.items()}
         hooks = {k: functools.partial(gather, k) for k in at_use}
-        s, count, terms = det.shard_sums(p, sh, param_use=hooks, tensor=(layout.chunks // layout.tp, (TP,)))
+        k_here = layout.chunks // layout.size
+        chunks = ({"tensor": (k_here, (TP,))} if layout.axis == TP else
+                  {"experts": (jax.lax.axis_index(EP) * k_here, k_here, layout.chunks, (EP,))})
+        s, count, terms = det.shard_sums(p, sh, param_use=hooks, **chunks)
         return (s if ls is None else s * ls.scale), (count, terms)
 
     # this data device's shards j·n_d + d, j < m, of the batch (held in blocks over every axis): [m, rows, ...]
@@ -269,6 +281,6 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     return grads, sums, counts, {}, None
 
 
-def record(tp: int, why: str) -> dict:
-    """The manifest's and the plan's `tensor` record on a tp mesh in deterministic mode."""
-    return {"tp": tp, "split_compute": not why, "why_not": why or None}
+def record(size: int, why: str, axis: str = TP) -> dict:
+    """The manifest's and the plan's `tensor` (tp) or `experts` (ep) record on such a mesh in deterministic mode."""
+    return {axis: size, "split_compute": not why, "why_not": why or None}

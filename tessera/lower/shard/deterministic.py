@@ -244,12 +244,13 @@ class Deterministic:
         check_canonical(self.prog.options, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
-    def shard_sums(self, params, shard: dict, param_use=None, tensor=None):
+    def shard_sums(self, params, shard: dict, param_use=None, tensor=None, experts=None):
         """(loss sum, count, {term: sum}) of one canonical shard: the same function on the same shapes everywhere.
         A language model's: its tokens' cross-entropy and how many count; a model with loss entries: its
         weighted objective on the shard (a mean over the shard's samples), counted once, and its terms. `tensor`:
-        on a tp mesh whose tp splits the compute, this device's chunks (det_tensor.tensor_grads)."""
-        extra = {} if tensor is None else {"tensor": tensor}
+        on a tp mesh whose tp splits the compute, this device's chunks (det_tensor.tensor_grads); `experts`: ep's
+        likewise."""
+        extra = {k: v for k, v in (("tensor", tensor), ("experts", experts)) if v is not None}
         if self.prog.graph.losses:
             total, terms = self.prog.objective(params, shard)
             return total, jnp.ones((), total.dtype), terms
@@ -413,29 +414,35 @@ class Deterministic:
         return det_pipeline.record(stages, reason or self._pipeline_plan(c)[1])
 
     def tensor_layout(self, c: int):
-        """The tp layout (det_tensor.Layout) where the train step splits the attention and MLP compute over tp,
-        else None (tp, if any, then acts as a data axis; `tensor_record` says why)."""
-        return self._tensor_plan(c)[0]
+        """The layout (det_tensor.Layout) where the train step splits compute over tp (attention, MLP and experts'
+        hidden dims) or ep (the experts), else None (they then act as data axes; `tensor_record` says why)."""
+        from tessera.lower.shard import det_tensor
 
-    def _tensor_plan(self, c: int):
+        return self._tensor_plan(c, det_tensor.TP)[0] or self._tensor_plan(c, det_tensor.EP)[0]
+
+    def _tensor_plan(self, c: int, axis: str):
         from tessera.lower.shard import det_tensor
 
         if self.prog.graph.attrs.get("fp8"):
             return None, "fp8 compute (each chunk would scale by its own amax)"
+        chunks = self.prog.options.canonical_tp if axis == det_tensor.TP else self.prog.options.canonical_ep
         return det_tensor.plan(self.prog.graph, self.prog.param_shapes(), dict(self.mesh.shape), self.param_specs, c,
-                               self.prog.options.canonical_tp)
+                               chunks, axis)
 
-    def tensor_record(self, c: int, opt_state) -> dict | None:
-        """On a tp mesh, what the manifest records of the train step's tensor parallelism (for a train state's
-        `opt_state`): {tp, split_compute, why_not}; None without tp."""
+    def tensor_record(self, c: int, opt_state, axis: str = "tp") -> dict | None:
+        """On a tp (or ep) mesh, what the manifest records of whether the train step splits compute over that axis
+        (for a train state's `opt_state`): {tp (or ep), split_compute, why_not}; None without the axis."""
         from tessera.lower.shard import det_tensor
 
-        tp = dict(self.mesh.shape).get(det_tensor.TP, 1)
-        if tp <= 1:
+        size = dict(self.mesh.shape).get(axis, 1)
+        if size <= 1:
             return None
         if not (_blockwise(opt_state) and self._per_layer(c)):
-            return det_tensor.record(tp, det_pipeline.NOT_PER_LAYER)
-        return det_tensor.record(tp, self._tensor_plan(c)[1])
+            return det_tensor.record(size, det_pipeline.NOT_PER_LAYER, axis)
+        layout = self.tensor_layout(c)
+        if layout is not None and layout.axis != axis:
+            return det_tensor.record(size, f"{layout.axis} splits the compute (one axis at a time)", axis)
+        return det_tensor.record(size, self._tensor_plan(c, axis)[1], axis)
 
     def _per_layer(self, c: int) -> bool:
         """Whether the step gathers the parameters per layer (`per_layer`), on every mesh of that C and on one

@@ -275,12 +275,15 @@ def _say_pipeline(ctx: RunContext, state) -> None:
 
     c = canonical_shards(int(ctx.exp.task.batch), prog.options.canonical_shards)
     det = prog.deterministic_executor()
-    tensor = det.tensor_record(c, state.opt_state)
-    if tensor is not None:  # deterministic tp (tessera/lower/shard/det_tensor.py)
-        ctx.manifest.update(tensor=tensor)
-        ctx.say(f"deterministic tp: the attention and MLP compute split over tp={tensor['tp']} "
-                f"({prog.options.canonical_tp} canonical chunks)" if tensor["split_compute"] else
-                f"deterministic tp: tp acts as a data axis (every device computes whole layers): {tensor['why_not']}")
+    for axis, key, what, chunks in (("tp", "tensor", "the attention, MLP and expert compute", prog.options.canonical_tp),
+                                     ("ep", "experts", "the experts' compute", prog.options.canonical_ep)):
+        record = det.tensor_record(c, state.opt_state, axis)  # deterministic tp / ep (lower/shard/det_tensor.py)
+        if record is None:
+            continue
+        ctx.manifest.update(**{key: record})
+        ctx.say(f"deterministic {axis}: {what} split over {axis}={record[axis]} ({chunks} canonical chunks)"
+                if record["split_compute"] else
+                f"deterministic {axis}: {axis} acts as a data axis: {record['why_not']}")
     record = det.pipeline_record(c, state.opt_state)
     if record is None:
         return

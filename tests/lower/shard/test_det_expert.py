@@ -33,7 +33,7 @@ bounds = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
 group_sizes = jnp.asarray(sizes)
 f32 = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
 xs, gate, up, down, gb, ct = f32(M, D), f32(E, D, F), f32(E, D, F), f32(E, F, D), f32(E, F), f32(M, D)
-rd = lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+rd = lambda x, w, group_sizes: jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 def block(xs, gate, up, down, gb, k, first, axes):
     # this device's k chunks of experts (gate [k*per, D, F] ...), from the first-th

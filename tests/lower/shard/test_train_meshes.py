@@ -89,9 +89,14 @@ def _bf16_pp_jobs() -> list[dict]:
 TP = {"parallel.deterministic": True, "parallel.canonical_tp": 2, "numerics.default": "bf16 @accum(fp32)"}
 
 
+# and deterministic ep splitting the experts' compute (parallel.canonical_ep: tessera/lower/shard/det_expert.py)
+EP = {"parallel.deterministic": True, "parallel.canonical_ep": 2, "numerics.default": "bf16 @accum(fp32)"}
+
+
 def _tp_jobs() -> list[dict]:
-    return [{"kind": "train", "spec": GPT_OSS, "steps": 3, "name": f"canonical tp {name}", "det": True,
-             "overrides": {**TP, **mesh}}
+    return [{"kind": "train", "spec": GPT_OSS, "steps": 3, "name": f"canonical {kind} {name}", "det": True,
+             "overrides": {**over, **mesh}}
+            for kind, over in (("tp", TP), ("ep", EP))
             for name, mesh in (("1 device", {}), ("fsdp=2,tp=2,ep=2", MESHES["fsdp=2,tp=2,ep=2"]))]
 
 
@@ -218,3 +223,12 @@ def test_deterministic_tp_splits_the_layers_compute_with_one_devices_bits(result
     # without canonical_tp, tp stays a data axis, and says so
     assert results[("gpt_oss", "train", True, "fsdp=2,tp=2,ep=2")]["tensor"]["why_not"].startswith(
         "parallel.canonical_tp is not set")
+
+
+def test_deterministic_ep_splits_the_experts_compute_with_one_devices_bits(results):
+    ref = results[("gpt_oss", "train", True, "canonical ep 1 device")]
+    got = results[("gpt_oss", "train", True, "canonical ep fsdp=2,tp=2,ep=2")]
+    assert got["experts"] == {"ep": 2, "split_compute": True, "why_not": None} and ref["experts"] is None
+    assert got["tensor"]["split_compute"] is False  # tp stays a data axis: canonical_tp is not set
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"] and got["checksum"] == ref["checksum"]
+    assert got["checksum"] != results[("gpt_oss", "train", True, "canonical tp 1 device")]["checksum"]

@@ -81,18 +81,19 @@ def train(spec: str, extra: dict, steps: int) -> dict:
         norms.append(float(m["grad_norm"]))
     params = {k: host(v).astype(np.float64) for k, v in state.params.items()}
     temp = prog.lower("train_step", state, batch).compile().memory_analysis().temp_size_in_bytes  # JAX's cached one
-    pipeline = tensor = None
+    pipeline = tensor = experts = None
     if prog.deterministic and prog.plan is not None:
         from tessera.ir.check import canonical_shards
 
         c = canonical_shards(exp.task.batch, prog.options.canonical_shards)
         pipeline = prog.deterministic_executor().pipeline_record(c, state.opt_state)
         tensor = prog.deterministic_executor().tensor_record(c, state.opt_state)
+        experts = prog.deterministic_executor().tensor_record(c, state.opt_state, "ep")
     return {"losses": losses, "norms": norms, "checksum": checksum(state.params), "state": state_checksum(state),
             "params": {k: v.ravel()[:64].tolist() for k, v in params.items()},
             "param_bytes": int(sum(host(v).nbytes for v in state.params.values())),
             "collectives": prog.collectives, "deterministic": prog.deterministic, "temp": int(temp),
-            "pipeline": pipeline, "tensor": tensor}
+            "pipeline": pipeline, "tensor": tensor, "experts": experts}
 
 
 def train_pde(spec: str, extra: dict, steps: int) -> dict:
