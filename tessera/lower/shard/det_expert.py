@@ -10,8 +10,9 @@ to one chunk: the chunks' outputs (and, backward, their input gradients) are mer
 chunk and, across the devices holding the chunks, by an integer sum of bit patterns where one device contributes
 each row (exact, -0.0 kept).
 
-Built and tested as operators (tests/lower/shard/test_det_expert.py: one device's Q chunks against ep=2's halves on
-8 host devices, bitwise); not yet wired into the train step.
+Tested as operators (tests/lower/shard/test_det_expert.py: one device's Q chunks against ep=2's halves on 8 host
+devices, bitwise) and used by `reference/moe.py`'s `expert_chunks` (spec `parallel.canonical_ep`), whose train step
+is `det_tensor.tensor_grads` with ep as the group axis.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ locally, and the t subtree sums meet in `ordered_sum` (device order): the very a
   the k chunk products through it, and its VJP sums the k cotangents the same way;
 - `per_chunk`: attention's core on each chunk of heads as a computation of its own (its backward is not the same
   bits on a slice of the heads as inside all of them, on XLA:CPU);
-- `plan` and `tensor_grads`: where the train step splits the compute over tp, and that step.
+- `plan` and `tensor_grads`: where the train step splits the compute over tp, and that step; the same for ep, whose
+  operators are det_expert.py's (`parallel.canonical_ep`: the experts in canonical chunks).
 
 Splitting a dim that a plain product does not contract does not change its bits on XLA:CPU (each chunk's product on
 one device and on its tp device is the same batched product over fewer batch entries: tests/lower/shard/
