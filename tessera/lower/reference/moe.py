@@ -200,7 +200,7 @@ def _expert_chunks(xs, sorted_expert, bounds, group_sizes, gate, up, down, gate_
     row from its expert's chunk, the down bias added there."""
     from tessera.lower.shard import det_expert
 
-    first, k, n_chunks, axes = expert_chunks
+    first, k, _, axes = expert_chunks  # (the chunks' total count is the router's experts over `per`)
     per = gate.shape[0] // k  # experts a chunk
     chunk_of_row = sorted_expert // per
     xk = det_expert.fan_rows(xs, chunk_of_row, first, k, axes)
@@ -216,7 +216,6 @@ def _expert_chunks(xs, sorted_expert, bounds, group_sizes, gate, up, down, gate_
         u = det_expert.rolled(ragged_dot, xk[j], _operand(mine(up), dtype), gs, start) + bias(up_bias)
         h = act(g.astype(dtype), u.astype(dtype))
         parts.append(det_expert.rolled(ragged_dot, h, _operand(mine(down), dtype), gs, start) + bias(down_bias))
-    del n_chunks
     return det_expert.merge_rows(jnp.stack(parts), chunk_of_row, first, axes)
 
 
