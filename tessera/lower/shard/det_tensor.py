@@ -29,13 +29,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
 from tessera.lower import precast
 from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
-from tessera.lower.shard.deterministic import fenced, gather_full, opaque_map, ordered_sum, tree_sum
+from tessera.lower.shard.deterministic import fenced, opaque_map, ordered_sum, tree_sum
 
 
 def _across(x, axes: tuple):
@@ -136,23 +135,6 @@ class Layout:
     whole: frozenset[str]
 
 
-def _entries_with(spec, axis: str) -> list[int]:
-    return [i for i, e in enumerate(tuple(spec)) if e == axis or (isinstance(e, tuple) and axis in e)]
-
-
-def without(spec, axis: str):
-    """`spec` with `axis` taken out of every entry."""
-    out = []
-    for e in tuple(spec):
-        if isinstance(e, tuple):
-            rest = tuple(a for a in e if a != axis)
-            e = rest if len(rest) > 1 else (rest[0] if rest else None)
-        elif e == axis:
-            e = None
-        out.append(e)
-    return P(*out)
-
-
 def _readers(region, out: dict) -> dict[str, set[str]]:
     """{parameter path: the names of the ops that read it}, nested regions included."""
     for op in region.ops:
@@ -190,7 +172,7 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
     readers = _readers(graph.body, {})
     chunked, whole = set(), set()
     for path, spec in param_specs.items():
-        dims = _entries_with(spec, axis)
+        dims = layerwise.entries_with(spec, axis)
         if not dims:
             continue
         if len(dims) > 1 or tuple(spec)[dims[0]] != axis:
@@ -208,31 +190,6 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
     return Layout(axis, tp, chunks, data_axes, frozenset(chunked), frozenset(whole)), ""
 
 
-def _gather_whole(held, spec, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int], axis: str = TP):
-    """A tp-split parameter every tp device computes with whole (a vocab-split table): gathered over every axis of its
-    spec; its VJP keeps this device's tp slice of the cotangent (the same on every device of the tp group, which
-    ran the same shards) and sums the data devices' blocks of it in device order (`layerwise.block_sum`)."""
-    spec = layerwise.trailing(spec, full_ndim, held.ndim)
-    dim = _entries_with(spec, axis)[0]
-    rest = without(spec, axis)
-    wide_dtype = held.wide.dtype
-
-    @jax.custom_vjp
-    def use(wide, narrow):
-        return gather_full(wide if narrow is None else narrow, spec)
-
-    def fwd(wide, narrow):
-        return use(wide, narrow), None
-
-    def bwd(_, g):
-        size = g.shape[dim] // sizes[axis]
-        mine = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(axis) * size, size, axis=dim)
-        return layerwise.block_sum(mine, rest, axes, sizes, wide_dtype), None
-
-    use.defvjp(fwd, bwd)
-    return use(held.wide, held.narrow)
-
-
 def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, narrow: dict):
     """`Deterministic._per_layer_grads`' results (this device's gradient blocks summed over all C shards; per-shard
     loss sums and counts in canonical order; no terms, no amaxes) with tp splitting the attention and MLP compute.
@@ -247,9 +204,9 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
 
     def gather(k, held):
         full_ndim = len(det.whole_shapes[k])
-        if k in layout.whole:
-            return _gather_whole(held, specs[k], full_ndim, D, sizes, layout.axis)
-        spec = without(specs[k], layout.axis) if k in layout.chunked else specs[k]
+        if k in layout.whole:  # computed whole on every device of the group: its own block of the cotangent kept
+            return layerwise.gather_at_use(held, specs[k], full_ndim, D, sizes, own=layout.axis)
+        spec = layerwise.without(specs[k], layout.axis) if k in layout.chunked else specs[k]
         return layerwise.gather_at_use(held, spec, full_ndim, D, sizes)
 
     at_use = det.at_use

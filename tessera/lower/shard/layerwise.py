@@ -62,15 +62,20 @@ def blocks_of_all(x, spec: P, axes: tuple[str, ...], sizes: dict[str, int], chun
     return jnp.stack(rows)
 
 
-def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int]):
+def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int],
+                  own: str | None = None):
     """The whole tensor of a `Held` block (its narrow copy's where it has one; `spec` the PartitionSpec of the whole
     parameter, of `full_ndim` dims, held a layer's slice inside a repeat), whose VJP gives `wide` this device's
-    block of the devices' cotangents, widened to wide's type and summed in device order (`narrow`, a constant of
-    the step, gets none). On a mesh only: one device reads its parameters as they are."""
+    block of the devices' cotangents, widened to wide's type and summed in device order over `axes` (`narrow`, a
+    constant of the step, gets none). On a mesh only: one device reads its parameters as they are. `own`: a mesh axis
+    of the spec, not in `axes`, along which the devices computed alike (deterministic tp's or ep's group: a
+    vocab-split table every device of the group uses whole): the cotangent is the same on each of them, so the VJP
+    keeps this device's block along it and sums over `axes` only."""
     from tessera.lower.shard.deterministic import gather_full
 
     spec = trailing(spec, full_ndim, held.ndim)
     wide_dtype = held.wide.dtype
+    dim = entries_with(spec, own)[0] if own is not None else None
 
     @jax.custom_vjp
     def use(wide, narrow):
@@ -80,10 +85,32 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
         return use(wide, narrow), None
 
     def bwd(_, g):
-        return block_sum(g, spec, axes, sizes, wide_dtype), None
+        if own is None:
+            return block_sum(g, spec, axes, sizes, wide_dtype), None
+        size = g.shape[dim] // sizes[own]
+        mine = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(own) * size, size, axis=dim)
+        return block_sum(mine, without(spec, own), axes, sizes, wide_dtype), None
 
     use.defvjp(fwd, bwd)
     return use(held.wide, held.narrow)
+
+
+def entries_with(spec, axis: str) -> list[int]:
+    """The dims of `spec` split over `axis` (alone or with other axes)."""
+    return [i for i, e in enumerate(tuple(spec)) if e == axis or (isinstance(e, tuple) and axis in e)]
+
+
+def without(spec, axis: str):
+    """`spec` with `axis` taken out of every entry."""
+    out = []
+    for e in tuple(spec):
+        if isinstance(e, tuple):
+            rest = tuple(a for a in e if a != axis)
+            e = rest if len(rest) > 1 else (rest[0] if rest else None)
+        elif e == axis:
+            e = None
+        out.append(e)
+    return P(*out)
 
 
 _FP8 = frozenset(jnp.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2))
