@@ -437,66 +437,52 @@ def check_canonical_batch(exp, graph: Graph) -> list[Diagnostic]:
     return canonical_problems(batch, devices, exp.span, fixed)
 
 
-CHUNKED_DIMS = ("heads", "kv_heads", "mlp")  # what deterministic tp cuts into canonical chunks (det_tensor.py)
+def _canonical_chunk_problems(exp, graph: Graph, axis: str, ops: tuple[str, ...], dims: tuple[str, ...],
+                              what: str, first_only: bool = False) -> list[Diagnostic]:
+    """parallel.canonical_<axis> (deterministic mode) cuts the dims named `dims` of the parameters the `ops` read into
+    that many chunks: each must split evenly (every such dim named, or the first where `first_only`), and the
+    products must not be fp8 (each chunk of `what` would be scaled by its own amax)."""
+    key = f"parallel.canonical_{axis}"
+    chunks = getattr(exp.parallel, f"canonical_{axis}")
+    if not exp.parallel.deterministic or chunks is None or chunks <= 1:
+        return []
+    where = dict(span=exp.span(key), key=key)
+    if str(exp.numerics.default.base).startswith("fp8"):
+        return [Diagnostic(f"{key} = {chunks} with fp8 compute ({exp.numerics.default}) is not supported: each "
+                           f"chunk of {what} would be scaled by its own amax", **where,
+                           hint=f"remove {key} ({axis} then acts as a data axis) or compute in bf16")]
+    out, seen = [], set()
+    for op in graph.body.walk():
+        if op.name not in ops:
+            continue
+        for o in op.operands:
+            if not isinstance(o, ParamRef) or o.path in seen or o.path not in graph.params:
+                continue
+            seen.add(o.path)
+            for d in graph.params[o.path].type.dims:
+                if d.name in dims and d.size % chunks:
+                    out.append(Diagnostic(f"{key} = {chunks} does not divide {o.path}'s {d.name} ({d.size}), which "
+                                          f"deterministic {axis} cuts into that many chunks", **where,
+                                          hint=f"use a power of two dividing {d.size}"))
+    return out[:1] if first_only else out
 
 
 def check_canonical_tp(exp, graph: Graph) -> list[Diagnostic]:
-    """parallel.canonical_tp (deterministic mode) cuts the attention's heads and the MLP's and experts' hidden dim of
-    every attention, mlp and moe op into that many chunks: each of those dims must split evenly, and the products must not be
-    fp8 (a chunk would scale by its own amax)."""
-    chunks = exp.parallel.canonical_tp
-    if not exp.parallel.deterministic or chunks is None or chunks <= 1:
-        return []
-    where = dict(span=exp.span("parallel.canonical_tp"), key="parallel.canonical_tp")
-    if str(exp.numerics.default.base).startswith("fp8"):
-        return [Diagnostic(f"parallel.canonical_tp = {chunks} with fp8 compute ({exp.numerics.default}) is not "
-                           "supported: each chunk of a product would be scaled by its own amax", **where,
-                           hint="remove parallel.canonical_tp (tp then acts as a data axis) or compute in bf16")]
-    out, seen = [], set()
-    for op in graph.body.walk():
-        if op.name not in ("attention", "mlp", "moe"):
-            continue
-        for o in op.operands:
-            if not isinstance(o, ParamRef) or o.path in seen or o.path not in graph.params:
-                continue
-            seen.add(o.path)
-            for d in graph.params[o.path].type.dims:
-                if d.name in CHUNKED_DIMS and d.size % chunks:
-                    out.append(Diagnostic(f"parallel.canonical_tp = {chunks} does not divide {o.path}'s {d.name} "
-                                          f"({d.size}), which deterministic tp cuts into that many chunks", **where,
-                                          hint=f"use a power of two dividing {d.size}"))
-    return out
+    """parallel.canonical_tp cuts the attention's heads and the MLP's and experts' hidden dim of every attention, mlp
+    and moe op into that many chunks (tessera/lower/shard/det_tensor.py)."""
+    return _canonical_chunk_problems(exp, graph, "tp", ("attention", "mlp", "moe"), ("heads", "kv_heads", "mlp"),
+                                     "a product")
 
 
 def check_canonical_ep(exp, graph: Graph) -> list[Diagnostic]:
-    """parallel.canonical_ep (deterministic mode) cuts every moe op's experts into that many chunks: it must divide
-    their count, the products must not be fp8, and it does not yet go with parallel.canonical_tp."""
+    """parallel.canonical_ep cuts every moe op's experts into that many chunks (tessera/lower/shard/det_expert.py);
+    it does not yet go with parallel.canonical_tp."""
     chunks = exp.parallel.canonical_ep
-    if not exp.parallel.deterministic or chunks is None or chunks <= 1:
-        return []
-    where = dict(span=exp.span("parallel.canonical_ep"), key="parallel.canonical_ep")
-    if (exp.parallel.canonical_tp or 1) > 1:
+    if exp.parallel.deterministic and (chunks or 1) > 1 and (exp.parallel.canonical_tp or 1) > 1:
         return [Diagnostic(f"parallel.canonical_ep = {chunks} with parallel.canonical_tp is not supported yet: one "
-                           "of them splits the compute at a time", **where, hint="keep one of the two")]
-    if str(exp.numerics.default.base).startswith("fp8"):
-        return [Diagnostic(f"parallel.canonical_ep = {chunks} with fp8 compute ({exp.numerics.default}) is not "
-                           "supported: each chunk of experts would be scaled by its own amax", **where,
-                           hint="remove parallel.canonical_ep (ep then acts as a data axis) or compute in bf16")]
-    out, seen = [], set()
-    for op in graph.body.walk():
-        if op.name != "moe":
-            continue
-        for o in op.operands:
-            if not isinstance(o, ParamRef) or o.path in seen or o.path not in graph.params:
-                continue
-            seen.add(o.path)
-            for d in graph.params[o.path].type.dims:
-                if d.name == "experts" and d.size % chunks:
-                    out.append(Diagnostic(f"parallel.canonical_ep = {chunks} does not divide {o.path}'s experts "
-                                          f"({d.size}), which deterministic ep cuts into that many chunks", **where,
-                                          hint=f"use a power of two dividing {d.size}"))
-                    break
-    return out[:1]
+                           "of them splits the compute at a time", span=exp.span("parallel.canonical_ep"),
+                           key="parallel.canonical_ep", hint="keep one of the two")]
+    return _canonical_chunk_problems(exp, graph, "ep", ("moe",), ("experts",), "experts", first_only=True)
 
 
 def check_whole_dims(exp, graph: Graph) -> list[Diagnostic]:
