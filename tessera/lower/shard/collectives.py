@@ -8,15 +8,19 @@ along seq with sequence parallelism), and sequence-parallel activations are all-
 before a block.
 Under context parallelism (seq over `sp`) every activation is a block of the sequence; attention
 all-gathers K and V over sp and places its queries at their global positions.
+Deterministic mode's exact gathers live here too (`gather_full`, `local_block`, `as_bits`): a block's bit patterns
+summed as integers where one device holds each element.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from tessera.ir.registry import get_op
 from tessera.lower.shard.context import context_axes
@@ -54,6 +58,49 @@ def block_index(axes: tuple[str, ...]):
     for a in axes:  # row-major over the listed axes, as shard_map lays blocks out
         idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
     return idx
+
+
+# ---- exact gathers of blocks (deterministic mode): bit patterns summed where one device holds each element ------
+
+def _entries(spec: P):
+    return [(i, e) for i, e in enumerate(spec) if e is not None]
+
+
+def gather_full(x, spec: P):
+    """The whole tensor from this device's block, in the layout a one-device program holds it.
+
+    Each device places its block's bit patterns in a zero tensor of the whole shape and the blocks are summed as
+    integers (exact: one device contributes each element's bits, and -0.0 stays -0.0). Not `all_gather`: XLA
+    lays an all-gather along a minor dim out with that dim major (the spectral MoE's experts {4,3,2,0,1}), and
+    the products reading it then summed in another order than one device's, so ep=2 was not bit-identical
+    (bench/experiments/mesh_divergence.py)."""
+    for i, e in _entries(spec):
+        axes = (e,) if isinstance(e, str) else tuple(e)
+        n = math.prod(jax.lax.axis_size(a) for a in axes)
+        bits, wide = as_bits(x)
+        full = jnp.zeros(x.shape[:i] + (x.shape[i] * n,) + x.shape[i + 1:], wide.dtype)
+        full = jax.lax.dynamic_update_slice_in_dim(full, wide, block_index(axes) * x.shape[i], axis=i)
+        x = jax.lax.bitcast_convert_type(jax.lax.psum(full, e).astype(bits.dtype), x.dtype)
+    return x
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}  # a dtype's bit pattern, by its item size
+
+
+def as_bits(x):
+    """(x's bit pattern as the unsigned integer of its width, that widened to 32 or 64 bits): what a psum adds
+    exactly where one device holds each element's bits and the others zeros."""
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    return bits, bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
+
+
+def local_block(x, spec: P):
+    """This device's block of a whole tensor."""
+    for i, e in _entries(spec):
+        axes = (e,) if isinstance(e, str) else tuple(e)
+        size = x.shape[i] // math.prod(jax.lax.axis_size(a) for a in axes)
+        x = jax.lax.dynamic_slice_in_dim(x, block_index(axes) * size, size, axis=i)
+    return x
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tessera.lower.shard.deterministic import as_bits
+from tessera.lower.shard.collectives import as_bits
 
 
 def _merge_across(x, owned, axes: tuple):

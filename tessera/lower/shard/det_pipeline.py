@@ -176,7 +176,7 @@ def only(params: dict, reads: frozenset) -> dict:
 
 def from_stage(x, here):
     """On every stage, x's bits from the stage where `here` holds (one contributor, summed as integers: exact)."""
-    from tessera.lower.shard.deterministic import as_bits
+    from tessera.lower.shard.collectives import as_bits
 
     bits, wide = as_bits(x)
     summed = jax.lax.psum(jnp.where(here, wide, jnp.zeros_like(wide)), PP)
@@ -190,7 +190,8 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
     amax histories (replicated; a stacked weight's [L, 3, H] sliced to the stage's layers like the weight), or
     None."""
     from tessera.lower import precast
-    from tessera.lower.shard.deterministic import fenced, gather_full, tree_sum
+    from tessera.lower.shard.collectives import gather_full
+    from tessera.lower.shard.deterministic import fenced, tree_sum
 
     prog, specs, sizes = det.prog, det.param_specs, dict(det.mesh.shape)
     S, D = layout.stages, layout.data_axes

@@ -38,7 +38,7 @@ from tessera.lower import fp8_delayed, loss_scale, precast
 from tessera.lower.interpret import stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import det_pipeline, layerwise
-from tessera.lower.shard.collectives import block_index
+from tessera.lower.shard.collectives import gather_full, local_block
 
 def check_canonical(options, batch: int, devices: int) -> None:
     """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise; `tessera
@@ -94,47 +94,6 @@ def gradient_buffers(c: int, devices: int) -> tuple[int, float]:
     if devices == 1:
         return shards, 1.0
     return shards, 3.0 if _power_of_two(c) else c + 1.0
-
-
-def _entries(spec: P):
-    return [(i, e) for i, e in enumerate(spec) if e is not None]
-
-
-def gather_full(x, spec: P):
-    """The whole tensor from this device's block, in the layout a one-device program holds it.
-
-    Each device places its block's bit patterns in a zero tensor of the whole shape and the blocks are summed as
-    integers (exact: one device contributes each element's bits, and -0.0 stays -0.0). Not `all_gather`: XLA
-    lays an all-gather along a minor dim out with that dim major (the spectral MoE's experts {4,3,2,0,1}), and
-    the products reading it then summed in another order than one device's, so ep=2 was not bit-identical
-    (bench/experiments/mesh_divergence.py)."""
-    for i, e in _entries(spec):
-        axes = (e,) if isinstance(e, str) else tuple(e)
-        n = math.prod(jax.lax.axis_size(a) for a in axes)
-        bits, wide = as_bits(x)
-        full = jnp.zeros(x.shape[:i] + (x.shape[i] * n,) + x.shape[i + 1:], wide.dtype)
-        full = jax.lax.dynamic_update_slice_in_dim(full, wide, block_index(axes) * x.shape[i], axis=i)
-        x = jax.lax.bitcast_convert_type(jax.lax.psum(full, e).astype(bits.dtype), x.dtype)
-    return x
-
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}  # a dtype's bit pattern, by its item size
-
-
-def as_bits(x):
-    """(x's bit pattern as the unsigned integer of its width, that widened to 32 or 64 bits): what a psum adds
-    exactly where one device holds each element's bits and the others zeros."""
-    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-    return bits, bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
-
-
-def local_block(x, spec: P):
-    """This device's block of a whole tensor."""
-    for i, e in _entries(spec):
-        axes = (e,) if isinstance(e, str) else tuple(e)
-        size = x.shape[i] // math.prod(jax.lax.axis_size(a) for a in axes)
-        x = jax.lax.dynamic_slice_in_dim(x, block_index(axes) * size, size, axis=i)
-    return x
 
 
 def state_specs(tree, param_specs: dict):

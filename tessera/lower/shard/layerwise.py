@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
-from tessera.lower.shard.collectives import block_index
+from tessera.lower.shard.collectives import block_index, gather_full
 
 
 def _entry_axes(e) -> tuple[str, ...]:
@@ -71,8 +71,6 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
     of the spec, not in `axes`, along which the devices computed alike (deterministic tp's or ep's group: a
     vocab-split table every device of the group uses whole): the cotangent is the same on each of them, so the VJP
     keeps this device's block along it and sums over `axes` only."""
-    from tessera.lower.shard.deterministic import gather_full
-
     spec = trailing(spec, full_ndim, held.ndim)
     wide_dtype = held.wide.dtype
     dim = entries_with(spec, own)[0] if own is not None else None

@@ -163,7 +163,7 @@ def gather(spec: str, extra: dict, steps: int) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from tessera.lower.shard.deterministic import gather_full
+    from tessera.lower.shard.collectives import gather_full
 
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("ep", "dp"))
     bits = np.random.default_rng(0).integers(0, 2 ** 32, (4, 8, 6), dtype=np.uint64).astype(np.uint32)
