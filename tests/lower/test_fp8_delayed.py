@@ -308,7 +308,8 @@ def test_a_checkpoint_resumes_the_histories_bit_identically(runs, tmp_path):
 
 
 def test_plan_and_manifest_report_the_history(runs):
-    from tessera.run.plan import _numerics_rows, delayed_history_bytes
+    from tessera.run.plan import delayed_history_bytes
+    from tessera.run.plan_text import _numerics_rows
 
     prog = runs["delayed"][0]
     report = prog.numerics_report()
