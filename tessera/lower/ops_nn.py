@@ -285,18 +285,6 @@ def _chunked_columns(ctx, xs, w, b, dim: int, spec: str, name: str):
     return y.astype(xs.dtype)
 
 
-def _heads_of_chunks(y):
-    """[k, B, S, H/k, D] -> [B, S, H, D] (chunk j holds heads j·H/k ...)."""
-    y = jnp.moveaxis(y, 0, 2)
-    return y.reshape(y.shape[:2] + (y.shape[2] * y.shape[3],) + y.shape[4:])
-
-
-def _chunks_of_heads(x, k: int):
-    """[B, S, H, D] -> [k, B, S, H/k, D]."""
-    b, s, h, d = x.shape
-    return jnp.moveaxis(x.reshape(b, s, k, h // k, d), 2, 0)
-
-
 def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
     """An empty KV cache: k, v [B, C, kv_heads, head_dim], pos [B, C] (-1 = empty); C = ir.ops_nn.cache_len."""
     c = cache_len(max_len, attrs["window"])
@@ -338,8 +326,8 @@ def _attention(ctx, op, attrs, ins, params, cache):
     chunks = _tensor_chunks(ctx)
     if chunks is not None:  # deterministic tp: q, k, v by chunks of heads, the input's gradient a tree over them
         xs = det_tensor.fan_out(x, chunks[0], chunks[1])
-        q, k, v = (_heads_of_chunks(_chunked_columns(ctx, xs, p[n], p.get(f"{n}_bias"), 1, "kbse,kehd->kbshd", n))
-                   for n in ("q", "k", "v"))
+        q, k, v = (det_tensor.unchunked(_chunked_columns(ctx, xs, p[n], p.get(f"{n}_bias"), 1, "kbse,kehd->kbshd",
+                                                         n), 2) for n in ("q", "k", "v"))
     else:
         q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
         k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
@@ -374,7 +362,7 @@ def _attention(ctx, op, attrs, ins, params, cache):
     store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None or chunks is not None)
     if chunks is not None:  # row-parallel o: each chunk of heads' partial product, summed in the canonical tree
         kc = chunks[0]
-        parts = accum_ref.einsum("kbshd,khde->kbse", _chunks_of_heads(out, kc),
+        parts = accum_ref.einsum("kbshd,khde->kbse", det_tensor.chunked(out, 2, kc),
                                  det_tensor.chunked(p["o"].astype(out.dtype), 0, kc), accum=ctx.accum_dtype,
                                  preferred_element_type=store)
         y = det_tensor.reduce_chunks(parts, chunks[1])

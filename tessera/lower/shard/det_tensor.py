@@ -86,16 +86,10 @@ def per_chunk(fn, k: int, q, kk, v, sinks):
     D]. XLA:CPU's attention backward is not the same bits on a slice of the heads as inside all of them (the query
     and key gradients of heads 2-3 of 4 computed alone differed, fp32), so each chunk is attended alone on every
     mesh, one device included: the same computation on the same shapes."""
-    def cut(x):
-        if x is None:
-            return [None] * k
-        b, s, h, d = x.shape
-        return list(jnp.moveaxis(x.reshape(b, s, k, h // k, d), 2, 0))
-
     sink_parts = [None] * k if sinks is None else list(chunked(sinks, 0, k))
-    outs = [fenced(fn, qj, kj, vj, sj) for qj, kj, vj, sj in zip(cut(q), cut(kk), cut(v), sink_parts)]
-    out = jnp.stack(outs, axis=2)  # [B, S, k, H/k, D]
-    return out.reshape(out.shape[:2] + (out.shape[2] * out.shape[3],) + out.shape[4:])
+    outs = [fenced(fn, qj, kj, vj, sj) for qj, kj, vj, sj in zip(chunked(q, 2, k), chunked(kk, 2, k), chunked(v, 2, k),
+                                                                  sink_parts)]
+    return unchunked(jnp.stack(outs), 2)
 
 
 def chunked(w, dim: int, k: int):
