@@ -94,6 +94,14 @@ def as_bits(x):
     return bits, bits.astype(jnp.uint64 if x.dtype.itemsize == 8 else jnp.uint32)
 
 
+def from_owner(x, mine, axes):
+    """x's bits from the device where `mine` holds (a predicate broadcast against x: per element, or one for all),
+    zeros elsewhere, summed as integers over `axes`: exact where one device owns each element (-0.0 kept)."""
+    bits, wide = as_bits(x)
+    summed = jax.lax.psum(jnp.where(mine, wide, jnp.zeros_like(wide)), axes)
+    return jax.lax.bitcast_convert_type(summed.astype(bits.dtype), x.dtype)
+
+
 def local_block(x, spec: P):
     """This device's block of a whole tensor."""
     for i, e in _entries(spec):

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tessera.lower.shard.collectives import as_bits
+from tessera.lower.shard.collectives import from_owner
 
 
 def _merge_across(x, owned, axes: tuple):
@@ -30,9 +30,7 @@ def _merge_across(x, owned, axes: tuple):
     patterns summed over `axes` (one device contributes each row: exact)."""
     if not axes:
         return x
-    bits, wide = as_bits(x)
-    wide = jnp.where(owned.reshape(owned.shape + (1,) * (x.ndim - 1)), wide, 0)
-    return jax.lax.bitcast_convert_type(jax.lax.psum(wide, axes).astype(bits.dtype), x.dtype)
+    return from_owner(x, owned.reshape(owned.shape + (1,) * (x.ndim - 1)), axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -176,11 +176,9 @@ def only(params: dict, reads: frozenset) -> dict:
 
 def from_stage(x, here):
     """On every stage, x's bits from the stage where `here` holds (one contributor, summed as integers: exact)."""
-    from tessera.lower.shard.collectives import as_bits
+    from tessera.lower.shard.collectives import from_owner
 
-    bits, wide = as_bits(x)
-    summed = jax.lax.psum(jnp.where(here, wide, jnp.zeros_like(wide)), PP)
-    return jax.lax.bitcast_convert_type(summed.astype(bits.dtype), x.dtype)
+    return from_owner(x, here, PP)
 
 
 def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: int, ls, narrow: dict):
