@@ -89,15 +89,18 @@ def default_autotune_dir() -> Path:
 
 def configure_autotune_cache() -> dict:
     """Keep XLA:GPU's autotuning results (the GEMM algorithm or Triton tiling it timed fastest for each fusion) on
-    disk, so every later compile of the same fusion on this machine takes the same kernel. XLA times the candidates
-    anew in each process otherwise, and the winner changes with the timing noise: on one H100, three processes of
-    the same deterministic run (gpt_oss_tiny, llama_tiny in bf16, the Llama-1B shape at 4 layers; 20 steps, each
-    compiled afresh) parted in the last bits at steps 3-5 (the 1B shape's loss 2.9e-2 apart by step 20); with this
-    cache (the flag in XLA_FLAGS as the processes started) the three were bit-identical, at the same speed (turning
-    autotuning off instead, XLA's level 0, was also bit-identical and 19x slower). It never overrides the person: an
-    XLA_FLAGS that names the flag is theirs, TESSERA_AUTOTUNE_CACHE=off leaves it unset and a directory there moves
-    it. A directory holding whitespace cannot be passed in XLA_FLAGS and is not used (said in the record). Returns
-    the record for the manifest (`autotune_cache`; `autotune_record` adds the entries the directory holds)."""
+    disk, so every later compile of the same fusion on this machine takes the same kernel.
+
+    Where XLA autotunes (fast mode, or XLA_FLAGS turning deterministic mode's flag off), it times the candidates anew
+    in each process, and the winner moves with the timing noise: on one H100, three processes of one run that lacked
+    `--xla_gpu_deterministic_ops` (gpt_oss_tiny, llama_tiny in bf16, the Llama-1B shape at 4 layers; 20 steps, each
+    compiled afresh) parted in the last bits at steps 3-5; with this cache the three were bit-identical at the same
+    speed (bench/SCALING.md). Deterministic mode's flag makes XLA take each fusion's first candidate without timing
+    any, so it is reproducible without the cache and leaves the directory empty (`autotune_record`'s `autotuning`).
+    It never overrides the person: an XLA_FLAGS that names the flag is theirs, TESSERA_AUTOTUNE_CACHE=off leaves it
+    unset and a directory there moves it. A directory holding whitespace cannot be passed in XLA_FLAGS and is not used
+    (said in the record). Returns the record for the manifest (`autotune_cache`; `autotune_record` adds the entries
+    the directory holds and whether XLA times kernels at all)."""
     global _autotune
     if not (_autotune.get("set_by") == "tessera" and _autotune.get("flags") == os.environ.get("XLA_FLAGS")):
         _autotune = _autotune_setting()
@@ -125,11 +128,35 @@ def _autotune_setting() -> dict:
 _autotune: dict = {"set_by": "user", "dir": None}  # configure_autotune_cache's record, until it is called
 
 
+# XLA's autotuner times no candidates under these flags (it takes each fusion's first: autotuner_pass.cc,
+# `select_first_config`), so its choice is a function of the program and nothing is kept.
+FIRST_CANDIDATE = {"--xla_gpu_deterministic_ops": "true", "--xla_gpu_exclude_nondeterministic_ops": "true",
+                   "--xla_gpu_autotune_level": "0"}
+
+
+def _flag(flags: str, name: str) -> str | None:
+    """The value of XLA_FLAGS' last `name=value` (XLA's own rule: the last one wins); None when absent."""
+    given = [f.split("=", 1)[1] if "=" in f else "true" for f in flags.split() if f.split("=", 1)[0] == name]
+    return given[-1].lower() if given else None
+
+
+def autotuning(flags: str | None = None) -> str:
+    """How XLA:GPU picks each fusion's kernel under `flags` (default: XLA_FLAGS now): "timed" (each process times the
+    candidates, the cache keeps the winners), or "first candidate (FLAG)": no timing, nothing to keep."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    for name, value in FIRST_CANDIDATE.items():
+        if _flag(flags, name) in (value, "1" if value == "true" else value):
+            return f"first candidate ({name}={value})"
+    return "timed"
+
+
 def autotune_record() -> dict:
     """The manifest's `autotune_cache`: where XLA's GPU autotuning results are kept (`dir`, null when not), who chose
-    (`set_by`), and how many result files the directory holds now (`entries`; 0 after a GPU run means XLA did not
-    take the setting: it read XLA_FLAGS before tessera set them)."""
+    (`set_by`), how XLA picks kernels (`autotuning`: "timed", or "first candidate (FLAG)" in deterministic mode, which
+    times none), and how many result files the directory holds now (`entries`; 0 after a GPU run whose autotuning was
+    "timed" means XLA did not take the setting: it read XLA_FLAGS before tessera set them)."""
     record = {k: v for k, v in _autotune.items() if k != "flags"}
+    record["autotuning"] = autotuning()
     if record.get("dir"):
         where = Path(record["dir"])
         record["entries"] = sum(1 for p in where.rglob("*") if p.is_file()) if where.is_dir() else 0

@@ -66,7 +66,7 @@ def _autotune(monkeypatch, tmp_path, flags=None, choice=None):
         else:
             monkeypatch.setenv(var, value)
     record = configure_autotune_cache()
-    assert {k: v for k, v in autotune_record().items() if k != "entries"} == record
+    assert {k: v for k, v in autotune_record().items() if k not in ("entries", "autotuning")} == record
     return record, os.environ.get("XLA_FLAGS", "")
 
 
@@ -78,7 +78,22 @@ def test_autotune_results_are_kept_beside_the_compiled_programs(monkeypatch, tmp
     from tessera.run.environment import autotune_record, configure_autotune_cache
 
     assert configure_autotune_cache() == record and os.environ["XLA_FLAGS"] == flags  # again: tessera's, said so
-    assert autotune_record()["entries"] == 0  # XLA:CPU autotunes nothing; on a GPU, 0 means XLA missed the flag
+    # deterministic mode's flag: XLA times no kernels, so nothing is kept (measured on one H100: entries 0)
+    assert autotune_record()["autotuning"] == "first candidate (--xla_gpu_deterministic_ops=true)"
+    assert autotune_record()["entries"] == 0
+
+
+def test_the_record_says_when_xla_times_kernels():
+    from tessera.run.environment import autotuning
+
+    assert autotuning("") == "timed"
+    assert autotuning("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false") == "timed"  # last wins
+    assert autotuning("--xla_gpu_deterministic_ops=false --xla_gpu_deterministic_ops") == (
+        "first candidate (--xla_gpu_deterministic_ops=true)")
+    assert autotuning("--xla_gpu_exclude_nondeterministic_ops=1") == (
+        "first candidate (--xla_gpu_exclude_nondeterministic_ops=true)")
+    assert autotuning("--xla_gpu_autotune_level=0") == "first candidate (--xla_gpu_autotune_level=0)"
+    assert autotuning("--xla_gpu_autotune_level=4 --xla_gpu_deterministic_ops_x=true") == "timed"
 
 
 def test_the_persons_autotune_setting_wins(monkeypatch, tmp_path):
@@ -113,4 +128,5 @@ sys.exit(main(["run", "specs/llama_tiny.yaml", "--set", "task.steps=1", "--set",
     assert out.returncode == 0, out.stderr[-3000:]
     assert "JAX_IMPORTED_BEFORE False" in out.stdout
     record = json.loads((tmp_path / "run" / "manifest.json").read_text())["autotune_cache"]
-    assert record == {"set_by": "tessera", "dir": str(tmp_path / "xdg" / "tessera" / "autotune"), "entries": 0}
+    assert record == {"set_by": "tessera", "dir": str(tmp_path / "xdg" / "tessera" / "autotune"), "entries": 0,
+                      "autotuning": "first candidate (--xla_gpu_deterministic_ops=true)"}  # llama_tiny: deterministic
