@@ -475,13 +475,8 @@ def check_canonical_tp(exp, graph: Graph) -> list[Diagnostic]:
 
 
 def check_canonical_ep(exp, graph: Graph) -> list[Diagnostic]:
-    """parallel.canonical_ep cuts every moe op's experts into that many chunks (tessera/lower/shard/det_expert.py);
-    it does not yet go with parallel.canonical_tp."""
-    chunks = exp.parallel.canonical_ep
-    if exp.parallel.deterministic and (chunks or 1) > 1 and (exp.parallel.canonical_tp or 1) > 1:
-        return [Diagnostic(f"parallel.canonical_ep = {chunks} with parallel.canonical_tp is not supported yet: one "
-                           "of them splits the compute at a time", span=exp.span("parallel.canonical_ep"),
-                           key="parallel.canonical_ep", hint="keep one of the two")]
+    """parallel.canonical_ep cuts every moe op's experts into that many chunks (tessera/lower/shard/det_expert.py;
+    with parallel.canonical_tp as well, each chunk's hidden dim into canonical_tp chunks)."""
     return _canonical_chunk_problems(exp, graph, "ep", ("moe",), ("experts",), "experts", first_only=True)
 
 

@@ -199,19 +199,13 @@ def pipeline_record(exp, graph, layout: cost.Layout) -> dict | None:
     return det_pipeline.record(stages, why)
 
 
-def _tensor_layout(exp, graph, layout: cost.Layout, shapes: dict, specs: dict, axis: str | None = None):
-    """(det_tensor.Layout or None, why): whether deterministic tp (or ep) splits the compute on this mesh (the train
-    step's `Deterministic.tensor_layout`: tp if it does, else ep; `axis` asks for one)."""
+def _tensor_layout(exp, graph, layout: cost.Layout, shapes: dict, specs: dict):
+    """(det_tensor.Layout or None, {axis: why}): where deterministic tp and ep split the compute on this mesh (the
+    train step's `Deterministic.tensor_layout`)."""
     from tessera.lower.shard import det_tensor
 
-    def one(a):
-        chunks = exp.parallel.canonical_tp if a == det_tensor.TP else exp.parallel.canonical_ep
-        return det_tensor.plan(graph, shapes, layout.mesh, specs, _canonical(exp), int(chunks or 1), a)
-
-    if axis is not None:
-        return one(axis)
-    tp = one(det_tensor.TP)
-    return tp if tp[0] is not None else one(det_tensor.EP)
+    chunks = {det_tensor.TP: int(exp.parallel.canonical_tp or 1), det_tensor.EP: int(exp.parallel.canonical_ep or 1)}
+    return det_tensor.plan(graph, shapes, layout.mesh, specs, _canonical(exp), chunks)
 
 
 def tensor_record(exp, graph, layout: cost.Layout, axis: str = "tp") -> dict | None:
@@ -225,10 +219,7 @@ def tensor_record(exp, graph, layout: cost.Layout, axis: str = "tp") -> dict | N
     if not _per_layer(exp, graph):
         return det_tensor.record(size, det_pipeline.NOT_PER_LAYER, axis)
     shapes, specs = _shapes_and_specs(_held(exp, graph), layout)
-    chosen = _tensor_layout(exp, graph, layout, shapes, specs)[0]
-    if chosen is not None and chosen.axis != axis:
-        return det_tensor.record(size, f"{chosen.axis} splits the compute (one axis at a time)", axis)
-    return det_tensor.record(size, _tensor_layout(exp, graph, layout, shapes, specs, axis)[1], axis)
+    return det_tensor.record(size, _tensor_layout(exp, graph, layout, shapes, specs)[1][axis], axis)
 
 
 def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> dict:
@@ -267,7 +258,7 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         n = layout.per_device(t)
         params += n * bits(t.dtype) / 8
         opt += optimizer_states(exp) * n * array_bits(t.dtype) / 8
-        slice_of = tensor.size if tensor is not None and path in tensor.chunked else 1
+        slice_of = tensor.slice_of(path) if tensor is not None else 1
         rows.append({"numel": t.numel() // slice_of, "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})

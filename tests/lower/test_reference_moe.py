@@ -129,14 +129,17 @@ def test_experts_in_canonical_chunks_compute_the_same_moe():
             moe.moe(x, top_k=2, chunks=(4, ()), **w)  # a hidden dim of 6
 
 
-def test_experts_in_canonical_chunks_of_experts_compute_the_same_moe():
-    """Deterministic ep's chunks of the experts (expert_chunks=(0, Q, Q, ()): all of them on one device) give the
-    unchunked block and its gradients, in float64 to rounding (an expert's products are the same; the chunks' rows
-    are merged, not summed)."""
+@pytest.mark.parametrize("tp_chunks", [None, (2, ())], ids=["ep", "ep+tp"])
+def test_experts_in_canonical_chunks_of_experts_compute_the_same_moe(tp_chunks):
+    """Deterministic ep's chunks of the experts (expert_chunks=(0, Q, Q, ()): all of them on one device), alone and
+    with tp's chunks of each expert chunk's hidden dim, give the unchunked block and its gradients, in float64 to
+    rounding (an expert's products are the same; the chunks' rows are merged, not summed)."""
     with float64():
         x, w = _random_moe(np.random.default_rng(3))
-        plain, cut = (jax.jit(jax.value_and_grad(lambda x, w, c=c: moe.moe(x, top_k=2, expert_chunks=c, **w).sum(),
-                                                   argnums=(0, 1)))(x, w) for c in (None, (0, 2, 2, ())))
+        plain, cut = (jax.jit(jax.value_and_grad(lambda x, w, c=c, t=t: moe.moe(x, top_k=2, expert_chunks=c, chunks=t,
+                                                                             **w).sum(),
+                                                   argnums=(0, 1)))(x, w)
+                      for c, t in ((None, None), ((0, 2, 2, ()), tp_chunks)))
         np.testing.assert_allclose(cut[0], plain[0], rtol=1e-12)
         for a, b in zip(jax.tree.leaves(cut[1]), jax.tree.leaves(plain[1])):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

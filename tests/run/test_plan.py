@@ -270,6 +270,10 @@ def test_plan_says_where_deterministic_ep_splits_the_experts(capsys):
     plan = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--set", "mesh.ep=2", "--set", "mesh.dp=4")
     assert plan["experts"]["split_compute"] is False
     assert plan["experts"]["why_not"].startswith("parallel.canonical_ep is not set")
+    plan = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--set", "mesh.ep=2", "--set", "mesh.tp=2",
+                    "--set", "mesh.dp=2", "--set", "parallel.canonical_ep=2", "--set", "parallel.canonical_tp=2")
+    assert plan["experts"] == {"ep": 2, "split_compute": True, "why_not": None}  # both at once
+    assert plan["tensor"] == {"tp": 2, "split_compute": True, "why_not": None}
 
 
 def test_plan_reports_each_parameters_storage_and_compute_type(capsys):

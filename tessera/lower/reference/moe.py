@@ -195,10 +195,12 @@ def _operand(w, dtype):
 
 
 def _expert_chunks(xs, sorted_expert, bounds, group_sizes, gate, up, down, gate_bias, up_bias, down_bias, act,
-                   ragged_dot, ct, dtype, expert_chunks):
+                   ragged_dot, ct, dtype, expert_chunks, chunks=None):
     """`moe`'s expert products by canonical chunks of experts (deterministic ep): [T*k, D] in the sorted order, each
-    row from its expert's chunk, the down bias added there."""
-    from tessera.lower.shard import det_expert
+    row from its expert's chunk, the down bias added there. With `chunks` (deterministic tp as well), each expert
+    chunk's hidden dim in canonical chunks inside it, their down partials summed in the canonical tree before the
+    chunk's bias."""
+    from tessera.lower.shard import det_expert, det_tensor
 
     first, k, _, axes = expert_chunks  # (the chunks' total count is the router's experts over `per`)
     per = gate.shape[0] // k  # experts a chunk
@@ -211,11 +213,25 @@ def _expert_chunks(xs, sorted_expert, bounds, group_sizes, gate, up, down, gate_
         gs = jax.lax.dynamic_slice_in_dim(group_sizes, q * per, per)
         mine = lambda w: w[j * per:(j + 1) * per]  # noqa: E731
         row_expert = jnp.clip(sorted_expert - q * per, 0, per - 1)
-        bias = lambda b: take_groups(mine(b).astype(ct), row_expert)  # noqa: E731 (a one-hot product's gradient)
-        g = det_expert.rolled(ragged_dot, xk[j], _operand(mine(gate), dtype), gs, start) + bias(gate_bias)
-        u = det_expert.rolled(ragged_dot, xk[j], _operand(mine(up), dtype), gs, start) + bias(up_bias)
-        h = act(g.astype(dtype), u.astype(dtype))
-        parts.append(det_expert.rolled(ragged_dot, h, _operand(mine(down), dtype), gs, start) + bias(down_bias))
+        bias = lambda b: take_groups(b.astype(ct), row_expert)  # noqa: E731 (a one-hot product's gradient)
+        rd = functools.partial(det_expert.rolled, ragged_dot, group_sizes=gs, start=start)
+        if chunks is None:
+            g = rd(xk[j], _operand(mine(gate), dtype)) + bias(mine(gate_bias))
+            u = rd(xk[j], _operand(mine(up), dtype)) + bias(mine(up_bias))
+            y = rd(act(g.astype(dtype), u.astype(dtype)), _operand(mine(down), dtype))
+        else:
+            kt, taxes = chunks
+            cut = lambda w, dim: det_tensor.chunked(w, dim, kt)  # noqa: E731
+            gate_c, up_c = cut(_operand(mine(gate), dtype), 2), cut(_operand(mine(up), dtype), 2)
+            down_c, gb, ub = cut(_operand(mine(down), dtype), 1), cut(mine(gate_bias), 1), cut(mine(up_bias), 1)
+            xt = det_tensor.fan_out(xk[j], kt, taxes)
+            sub = []
+            for i in range(kt):
+                g = rd(xt[i], gate_c[i]) + bias(gb[i])
+                u = rd(xt[i], up_c[i]) + bias(ub[i])
+                sub.append(rd(act(g.astype(dtype), u.astype(dtype)), down_c[i]))
+            y = det_tensor.reduce_chunks(jnp.stack(sub), taxes)
+        parts.append(y + bias(mine(down_bias)))
     return det_expert.merge_rows(jnp.stack(parts), chunk_of_row, first, axes)
 
 
@@ -234,7 +250,7 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     sorted copies' gradient through `fan_out`. `expert_chunks` ((first, k, Q, axes): deterministic ep,
     tessera/lower/shard/det_expert.py): the experts in Q canonical chunks of which gate/up/down hold k from the
     first-th; each chunk's products run over the whole sorted buffer rolled so its rows come first, the rows merged
-    from the chunk that owns them.
+    from the chunk that owns them. Both: each expert chunk's hidden dim cut into `chunks`' k inside it.
     """
     t, d = x.shape
     n_experts = gate.shape[0] if expert_chunks is None else router.shape[-1]  # a device's chunks: the router's count
@@ -254,7 +270,8 @@ def moe(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias
     rd = lambda name: base if fp8_history is None else functools.partial(base, history=fp8_history[name])  # noqa: E731
     if expert_chunks is not None:
         y = _expert_chunks(xs, sorted_expert, bounds, group_sizes, gate, up, down, gate_bias, up_bias, down_bias,
-                           act, functools.partial(ragged_dot, preferred_element_type=ct), ct, x.dtype, expert_chunks)
+                           act, functools.partial(ragged_dot, preferred_element_type=ct), ct, x.dtype, expert_chunks,
+                           chunks)
     elif chunks is None:
         g = rd("gate")(xs, _operand(gate, x.dtype)) + take_groups(gate_bias.astype(ct), sorted_expert)  # [T*k, F]
         u = rd("up")(xs, _operand(up, x.dtype)) + take_groups(up_bias.astype(ct), sorted_expert)

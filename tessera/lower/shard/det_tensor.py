@@ -117,16 +117,19 @@ SPEC_KEY = {TP: "parallel.canonical_tp", EP: "parallel.canonical_ep"}
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where deterministic tp (or ep) splits compute: `size` devices a group along `axis`, `data_axes` the other axes
-    > 1 (mesh order), `chunked` the parameters split over the axis that its chunked ops read (each device computes
-    with its slice), and `whole` the other ones split over it (gathered whole and computed alike on every device of
-    the group, e.g. a vocab-split embedding table)."""
-    axis: str
-    size: int
-    chunks: int
+    """Where deterministic tp and ep split compute: `groups` {axis: (devices, canonical chunks)} of the axes that split
+    it (tp, ep; mesh order), `data_axes` the other axes > 1 (mesh order), `chunked` {path: the group axes it is split
+    over and read split by their chunked ops (each device computes with its slice)} and `whole` {path: the group axes
+    it is split over but gathered whole and computed alike on every device of the group (e.g. a vocab-split embedding
+    table, the router of ep-split experts)}."""
+    groups: dict
     data_axes: tuple[str, ...]
-    chunked: frozenset[str]
-    whole: frozenset[str]
+    chunked: dict
+    whole: dict
+
+    def slice_of(self, path: str) -> int:
+        """How many devices share the path's parameter as they compute: its chunked axes' sizes multiplied."""
+        return math.prod(self.groups[a][0] for a in self.chunked.get(path, ()))
 
 
 def _readers(region, out: dict) -> dict[str, set[str]]:
@@ -141,10 +144,9 @@ def _readers(region, out: dict) -> dict[str, set[str]]:
     return out
 
 
-def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunks: int,
-         axis: str = TP) -> tuple[Layout | None, str]:
-    """(Layout, "") where the deterministic train step splits compute over `axis` (tp: attention, MLP and experts'
-    hidden dims; ep: the experts), else (None, why it acts as a data axis)."""
+def _axis_plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, chunks: int, axis: str, readers: dict):
+    """({path: "chunked" | "whole"} of the parameters split over `axis`, "") where `axis` can split the compute on
+    its own terms (the C condition is the layout's), else (None, why it acts as a data axis)."""
     tp = mesh_shape.get(axis, 1)
     key = SPEC_KEY[axis]
     if tp <= 1:
@@ -159,12 +161,7 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
         return None, "pp splits the layers (the pipelined step computes every chunk on its stage)"
     if graph.losses:
         return None, "a model with loss entries"
-    data_axes = tuple(a for a, n in mesh_shape.items() if n > 1 and a != axis)
-    n_d = math.prod(mesh_shape[a] for a in data_axes)
-    if c % n_d or (c // n_d) & (c // n_d - 1):
-        return None, f"C = {c} over {n_d} data devices is not a power of two of shards each"
-    readers = _readers(graph.body, {})
-    chunked, whole = set(), set()
+    kinds = {}
     for path, spec in param_specs.items():
         dims = layerwise.entries_with(spec, axis)
         if not dims:
@@ -175,13 +172,40 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
         if readers.get(path) and readers[path] <= set(CHUNKED_OPS[axis]) and (axis != EP or "/experts/" in path):
             if shapes[path].shape[dims[0]] % chunks:
                 return None, f"{path}'s dim {dims[0]} ({shapes[path].shape[dims[0]]}) does not split into {chunks} chunks"
-            chunked.add(path)
+            kinds[path] = "chunked"
         else:
-            whole.add(path)
-    if not chunked:
+            kinds[path] = "whole"
+    if "chunked" not in kinds.values():
         what = "attention, MLP or expert" if axis == TP else "expert"
         return None, f"no {what} parameter is split over {axis}"
-    return Layout(axis, tp, chunks, data_axes, frozenset(chunked), frozenset(whole)), ""
+    return kinds, ""
+
+
+def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunks: dict) -> tuple[Layout | None, dict]:
+    """(Layout or None, {axis: why it acts as a data axis, "" where it splits}) of the deterministic train step on
+    this mesh: tp splits attention, MLP and the experts' hidden dims, ep the experts, each where its
+    `chunks[axis]` (parallel.canonical_tp / canonical_ep) allows, both together where both do (the expert products
+    then by chunk of experts and, inside each, by chunk of the hidden dim). Only axes of the mesh get a why."""
+    readers = _readers(graph.body, {})
+    axes = [a for a in mesh_shape if a in (TP, EP) and mesh_shape[a] > 1]
+    kinds, why = {}, {}
+    for a in axes:
+        kinds[a], why[a] = _axis_plan(graph, shapes, mesh_shape, param_specs, int(chunks.get(a) or 1), a, readers)
+    groups = [a for a in axes if kinds[a] is not None]
+    if not groups:
+        return None, why
+    data_axes = tuple(a for a, n in mesh_shape.items() if n > 1 and a not in groups)
+    n_d = math.prod(mesh_shape[a] for a in data_axes)
+    if c % n_d or (c // n_d) & (c // n_d - 1):
+        return None, {**why, **{a: f"C = {c} over {n_d} data devices is not a power of two of shards each"
+                                for a in groups}}
+    chunked, whole = {}, {}
+    for a in groups:
+        for path, kind in kinds[a].items():
+            into = chunked if kind == "chunked" else whole
+            into[path] = into.get(path, ()) + (a,)
+    layout = Layout({a: (mesh_shape[a], int(chunks[a])) for a in groups}, data_axes, chunked, whole)
+    return layout, why
 
 
 def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, narrow: dict):
@@ -197,21 +221,25 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     cast = precast.cast(params, narrow)
 
     def gather(k, held):
-        full_ndim = len(det.whole_shapes[k])
-        if k in layout.whole:  # computed whole on every device of the group: its own block of the cotangent kept
-            return layerwise.gather_at_use(held, specs[k], full_ndim, D, sizes, own=layout.axis)
-        spec = layerwise.without(specs[k], layout.axis) if k in layout.chunked else specs[k]
-        return layerwise.gather_at_use(held, spec, full_ndim, D, sizes)
+        spec = specs[k]
+        for a in layout.chunked.get(k, ()):  # read split: gathered over the data axes only
+            spec = layerwise.without(spec, a)
+        # computed whole on every device of a group: the VJP keeps this device's block of the cotangent along it
+        return layerwise.gather_at_use(held, spec, len(det.whole_shapes[k]), D, sizes, own=layout.whole.get(k, ()))
 
     at_use = det.at_use
+    chunks = {}
+    if TP in layout.groups:
+        t, total = layout.groups[TP]
+        chunks["tensor"] = (total // t, (TP,))
+    if EP in layout.groups:
+        e, total = layout.groups[EP]
+        chunks["experts"] = (jax.lax.axis_index(EP) * (total // e), total // e, total, (EP,))
 
     def scaled(p, sh):
         p = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in specs else v for k, v in p.items()}
         p = {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in at_use else v for k, v in p.items()}
         hooks = {k: functools.partial(gather, k) for k in at_use}
-        k_here = layout.chunks // layout.size
-        chunks = ({"tensor": (k_here, (TP,))} if layout.axis == TP else
-                  {"experts": (jax.lax.axis_index(EP) * k_here, k_here, layout.chunks, (EP,))})
         s, count, terms = det.shard_sums(p, sh, param_use=hooks, **chunks)
         return (s if ls is None else s * ls.scale), (count, terms)
 

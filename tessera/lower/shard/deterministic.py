@@ -374,19 +374,18 @@ class Deterministic:
 
     def tensor_layout(self, c: int):
         """The layout (det_tensor.Layout) where the train step splits compute over tp (attention, MLP and experts'
-        hidden dims) or ep (the experts), else None (they then act as data axes; `tensor_record` says why)."""
+        hidden dims), ep (the experts) or both, else None (they then act as data axes; `tensor_record` says why)."""
+        return self._tensor_plan(c)[0]
+
+    def _tensor_plan(self, c: int):
         from tessera.lower.shard import det_tensor
 
-        return self._tensor_plan(c, det_tensor.TP)[0] or self._tensor_plan(c, det_tensor.EP)[0]
-
-    def _tensor_plan(self, c: int, axis: str):
-        from tessera.lower.shard import det_tensor
-
+        opts = self.prog.options
         if self.prog.graph.attrs.get("fp8"):
-            return None, "fp8 compute (each chunk would scale by its own amax)"
-        chunks = self.prog.options.canonical_tp if axis == det_tensor.TP else self.prog.options.canonical_ep
+            why = "fp8 compute (each chunk would scale by its own amax)"
+            return None, {a: why for a in (det_tensor.TP, det_tensor.EP)}
         return det_tensor.plan(self.prog.graph, self.prog.param_shapes(), dict(self.mesh.shape), self.param_specs, c,
-                               chunks, axis)
+                               {det_tensor.TP: opts.canonical_tp, det_tensor.EP: opts.canonical_ep})
 
     def tensor_record(self, c: int, opt_state, axis: str = "tp") -> dict | None:
         """On a tp (or ep) mesh, what the manifest records of whether the train step splits compute over that axis
@@ -398,10 +397,7 @@ class Deterministic:
             return None
         if not (_blockwise(opt_state) and self._per_layer(c)):
             return det_tensor.record(size, det_pipeline.NOT_PER_LAYER, axis)
-        layout = self.tensor_layout(c)
-        if layout is not None and layout.axis != axis:
-            return det_tensor.record(size, f"{layout.axis} splits the compute (one axis at a time)", axis)
-        return det_tensor.record(size, self._tensor_plan(c, axis)[1], axis)
+        return det_tensor.record(size, self._tensor_plan(c)[1][axis], axis)
 
     def _per_layer(self, c: int) -> bool:
         """Whether the step gathers the parameters per layer (`per_layer`), on every mesh of that C and on one

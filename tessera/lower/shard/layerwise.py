@@ -63,17 +63,17 @@ def blocks_of_all(x, spec: P, axes: tuple[str, ...], sizes: dict[str, int], chun
 
 
 def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], sizes: dict[str, int],
-                  own: str | None = None):
+                  own: tuple[str, ...] = ()):
     """The whole tensor of a `Held` block (its narrow copy's where it has one; `spec` the PartitionSpec of the whole
     parameter, of `full_ndim` dims, held a layer's slice inside a repeat), whose VJP gives `wide` this device's
     block of the devices' cotangents, widened to wide's type and summed in device order over `axes` (`narrow`, a
-    constant of the step, gets none). On a mesh only: one device reads its parameters as they are. `own`: a mesh axis
+    constant of the step, gets none). On a mesh only: one device reads its parameters as they are. `own`: mesh axes
     of the spec, not in `axes`, along which the devices computed alike (deterministic tp's or ep's group: a
     vocab-split table every device of the group uses whole): the cotangent is the same on each of them, so the VJP
-    keeps this device's block along it and sums over `axes` only."""
+    keeps this device's block along each and sums over `axes` only."""
     spec = trailing(spec, full_ndim, held.ndim)
     wide_dtype = held.wide.dtype
-    dim = entries_with(spec, own)[0] if own is not None else None
+    own = (own,) if isinstance(own, str) else tuple(own)
 
     @jax.custom_vjp
     def use(wide, narrow):
@@ -83,11 +83,13 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
         return use(wide, narrow), None
 
     def bwd(_, g):
-        if own is None:
-            return block_sum(g, spec, axes, sizes, wide_dtype), None
-        size = g.shape[dim] // sizes[own]
-        mine = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(own) * size, size, axis=dim)
-        return block_sum(mine, without(spec, own), axes, sizes, wide_dtype), None
+        rest = spec
+        for a in own:
+            dim = entries_with(spec, a)[0]
+            size = g.shape[dim] // sizes[a]
+            g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(a) * size, size, axis=dim)
+            rest = without(rest, a)
+        return block_sum(g, rest, axes, sizes, wide_dtype), None
 
     use.defvjp(fwd, bwd)
     return use(held.wide, held.narrow)

@@ -169,16 +169,17 @@ def test_canonical_tp_must_cut_every_head_and_hidden_dim_and_refuses_fp8():
         assert message in d.message and d.key == "parallel.canonical_tp" and d.span is not None, d.message
 
 
-def test_canonical_ep_must_cut_the_experts_and_goes_alone():
+def test_canonical_ep_must_cut_the_experts():
     """parallel.canonical_ep (deterministic ep, tessera/lower/shard/det_expert.py) is refused at its key where it does
-    not divide the experts, beside canonical_tp, and with fp8 compute."""
+    not divide the experts and with fp8 compute; beside canonical_tp it is accepted (both split the compute)."""
     from tessera.ir.check import check_experiment
 
     spec = ROOT / "specs" / "gpt_oss_tiny.yaml"
     check_experiment(load_experiment(spec, overrides={"parallel.canonical_ep": 2, "mesh.ep": 2, "mesh.dp": 4}))
+    check_experiment(load_experiment(spec, overrides={"parallel.canonical_ep": 2, "parallel.canonical_tp": 2,
+                                                      "mesh.ep": 2, "mesh.tp": 2, "mesh.dp": 2}))
     for over, message in [
         ({"parallel.canonical_ep": 3}, "does not divide layers/moe/router's experts"),
-        ({"parallel.canonical_ep": 2, "parallel.canonical_tp": 2}, "with parallel.canonical_tp is not supported"),
         ({"parallel.canonical_ep": 2, "numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
          "with fp8 compute")]:
         with pytest.raises(TesseraError) as e:

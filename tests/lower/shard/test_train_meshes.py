@@ -89,14 +89,15 @@ def _bf16_pp_jobs() -> list[dict]:
 TP = {"parallel.deterministic": True, "parallel.canonical_tp": 2, "numerics.default": "bf16 @accum(fp32)"}
 
 
-# and deterministic ep splitting the experts' compute (parallel.canonical_ep: tessera/lower/shard/det_expert.py)
-EP = {"parallel.deterministic": True, "parallel.canonical_ep": 2, "numerics.default": "bf16 @accum(fp32)"}
+# and, with deterministic ep splitting the experts' compute as well (parallel.canonical_ep:
+# tessera/lower/shard/det_expert.py), each expert chunk's hidden dim in tp's chunks inside it
+EP = {**TP, "parallel.canonical_ep": 2}
 
 
 def _tp_jobs() -> list[dict]:
     return [{"kind": "train", "spec": GPT_OSS, "steps": 3, "name": f"canonical {kind} {name}", "det": True,
              "overrides": {**over, **mesh}}
-            for kind, over in (("tp", TP), ("ep", EP))
+            for kind, over in (("tp", TP), ("tp+ep", EP))
             for name, mesh in (("1 device", {}), ("fsdp=2,tp=2,ep=2", MESHES["fsdp=2,tp=2,ep=2"]))]
 
 
@@ -225,10 +226,16 @@ def test_deterministic_tp_splits_the_layers_compute_with_one_devices_bits(result
         "parallel.canonical_tp is not set")
 
 
-def test_deterministic_ep_splits_the_experts_compute_with_one_devices_bits(results):
-    ref = results[("gpt_oss", "train", True, "canonical ep 1 device")]
-    got = results[("gpt_oss", "train", True, "canonical ep fsdp=2,tp=2,ep=2")]
+def test_deterministic_tp_and_ep_split_the_compute_together_with_one_devices_bits(results):
+    """canonical_tp and canonical_ep: attention and MLP by tp's chunks, the experts by ep's chunks and each expert
+    chunk's hidden dim by tp's inside it, on fsdp=2 x tp=2 x ep=2: one device's bits."""
+    ref = results[("gpt_oss", "train", True, "canonical tp+ep 1 device")]
+    got = results[("gpt_oss", "train", True, "canonical tp+ep fsdp=2,tp=2,ep=2")]
     assert got["experts"] == {"ep": 2, "split_compute": True, "why_not": None} and ref["experts"] is None
-    assert got["tensor"]["split_compute"] is False  # tp stays a data axis: canonical_tp is not set
+    assert got["tensor"] == {"tp": 2, "split_compute": True, "why_not": None}
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"] and got["checksum"] == ref["checksum"]
+    assert got["checksum"] != results[("gpt_oss", "train", True, "canonical tp 1 device")]["checksum"]
+    # with canonical_tp alone, ep stays a data axis, and says so
+    alone = results[("gpt_oss", "train", True, "canonical tp fsdp=2,tp=2,ep=2")]["experts"]
+    assert alone["split_compute"] is False and alone["why_not"].startswith("parallel.canonical_ep is not set")
     assert got["checksum"] != results[("gpt_oss", "train", True, "canonical tp 1 device")]["checksum"]
