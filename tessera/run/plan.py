@@ -202,10 +202,11 @@ def pipeline_record(exp, graph, layout: cost.Layout) -> dict | None:
 def _tensor_layout(exp, graph, layout: cost.Layout, shapes: dict, specs: dict):
     """(det_tensor.Layout or None, {axis: why}): where deterministic tp and ep split the compute on this mesh (the
     train step's `Deterministic.tensor_layout`)."""
-    from tessera.lower.shard import det_tensor
+    from tessera.lower.shard import det_pipeline, det_tensor
 
     chunks = {det_tensor.TP: int(exp.parallel.canonical_tp or 1), det_tensor.EP: int(exp.parallel.canonical_ep or 1)}
-    return det_tensor.plan(graph, shapes, layout.mesh, specs, _canonical(exp), chunks)
+    pipe = det_pipeline.plan(graph, shapes, layout.mesh, specs, _canonical(exp))[0]
+    return det_tensor.plan(graph, shapes, layout.mesh, specs, _canonical(exp), chunks, pipe)
 
 
 def tensor_record(exp, graph, layout: cost.Layout, axis: str = "tp") -> dict | None:
@@ -249,9 +250,9 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
                                  for p in pipe.pre_reads & pipe.post_reads)
     # on a tp mesh whose tp splits the attention and MLP compute (tessera/lower/shard/det_tensor.py): a tp group's
     # shards (C over the data devices), each chunked parameter gathered as its tp slice
-    tensor = _tensor_layout(exp, graph, layout, stacked_shapes, specs)[0] if pipe is None else None
-    if tensor is not None:
-        m = c // math.prod(layout.mesh[a] for a in tensor.data_axes)
+    tensor = _tensor_layout(exp, graph, layout, stacked_shapes, specs)[0]
+    if tensor is not None:  # (inside a pipeline's stages too: the group's devices run the same shards)
+        m = c // math.prod(layout.mesh[a] for a in tensor.data_axes) + (2 if pipe is not None else 0)
     params = opt = 0.0
     rows = []
     for path, t in held_types.items():

@@ -181,18 +181,21 @@ def from_stage(x, here):
     return from_owner(x, here, PP)
 
 
-def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: int, ls, narrow: dict):
+def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: int, ls, narrow: dict, tensor=None):
     """`Deterministic._per_layer_grads`' results (this device's gradient blocks summed over all C shards; per-shard
     loss sums and counts in canonical order; no terms; delayed fp8 scaling's amaxes, [1, *history] each: their max
     over the C shards) by the 1F1B schedule over the pp stages. Inside the train step's shard_map. `history`: the
     amax histories (replicated; a stacked weight's [L, 3, H] sliced to the stage's layers like the weight), or
-    None."""
+    None. `tensor` (det_tensor.Layout): tp and/or ep split each stage's layers' compute too (their devices then run
+    the same shards, no data axes; the ends are computed alike on them, each keeping its block of their gradients)."""
     from tessera.lower import precast
+    from tessera.lower.shard import det_tensor
     from tessera.lower.shard.collectives import gather_full
     from tessera.lower.shard.deterministic import fenced, tree_sum
 
     prog, specs, sizes = det.prog, det.param_specs, dict(det.mesh.shape)
-    S, D = layout.stages, layout.data_axes
+    S = layout.stages
+    D = tuple(a for a in layout.data_axes if tensor is None or a not in tensor.groups)
     n_d = math.prod(sizes[a] for a in D)
     m = c // n_d
     stage = jax.lax.axis_index(PP)
@@ -203,20 +206,18 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
     cast = precast.cast(params, narrow)
 
     hooks = None
-    if D:
-        def gather(k, held):
-            return layerwise.gather_at_use(held, specs[k], len(det.whole_shapes[k]), D, sizes)
-
+    if D or tensor is not None:
+        gather = det_tensor.gathers(det, tensor, D)
         hooks = {k: (lambda held, k=k: gather(k, held)) for k in stacked}
-    ctx = prog.lower_ctx(mode="train", param_use=hooks,
-                         layer_remat=layerwise.saveable_but_gathers if hooks else None)
+    ctx = prog.lower_ctx(mode="train", param_use=hooks, layer_remat=layerwise.saveable_but_gathers if hooks else None,
+                         **det_tensor.device_chunks(tensor))
     local_n = _split_body(prog.graph.body)[1].attrs["n"] // S
     embed, run_layers, head = pieces(prog, ctx, local_n)
 
     def layers(blocks, x):  # blocks: held blocks on a mesh with data axes, else the parameters as read (and the
         # stage's amax histories beside them, read as they are)
         held = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in stacked else v
-                for k, v in blocks.items()} if D else blocks
+                for k, v in blocks.items()} if hooks else blocks
         return run_layers(held, x)
 
     # this data device's shards of the batch: j·n_d + d for j < m, [m, rows, ...] per leaf
@@ -233,7 +234,7 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
     whole_ends = {k: gather_full(cast[k] if k in narrow else params[k], specs[k]) for k in ends}
     # differentiated at the held blocks through the gathers' VJPs; without data axes at the narrow copies, as one
     # device's step is (widened at the store)
-    layer_blocks = {k: (params[k] if D else cast[k]) for k in stacked}
+    layer_blocks = {k: (params[k] if hooks else cast[k]) for k in stacked}
     # delayed fp8 scaling: each history beside its weight (a stacked one's rows of this stage's layers); its
     # cotangent, a shard's amaxes, is max-combined over the shards (exact, in any order)
     history = history or {}
@@ -291,7 +292,8 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
         leaf = dict(g_blocks)
         for k in ends:
             g = head_side[k] + g_embed[k] if k in tied else (g_embed[k] if k in layout.pre_reads else g_head[k])
-            leaf[k] = layerwise.block_sum(g, specs[k], D, sizes, wide[k])
+            g, spec = layerwise.own_block(g, specs[k], tensor.whole.get(k, ()) if tensor else (), sizes)
+            leaf[k] = layerwise.block_sum(g, spec, D, sizes, wide[k])
         acc = {k: acc[k].at[b].set(jnp.where(ok_b, leaf[k].astype(wide[k]), acc[k][b])) for k in acc}
         s = s * scale if ls is not None else s  # the scaled loss, as `Deterministic._per_layer_grads` returns it
         sums = sums.at[b].set(jnp.where(ok_b, s.astype(sums.dtype), sums[b]))

@@ -157,8 +157,6 @@ def _axis_plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, chunks:
                       "canonical_shards it is part of the numbers)")
     if chunks % tp:
         return None, f"{key} = {chunks} is not a multiple of {axis} = {tp}"
-    if mesh_shape.get("pp", 1) > 1:
-        return None, "pp splits the layers (the pipelined step computes every chunk on its stage)"
     if graph.losses:
         return None, "a model with loss entries"
     kinds = {}
@@ -181,16 +179,25 @@ def _axis_plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, chunks:
     return kinds, ""
 
 
-def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunks: dict) -> tuple[Layout | None, dict]:
+def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunks: dict,
+         pipeline=None) -> tuple[Layout | None, dict]:
     """(Layout or None, {axis: why it acts as a data axis, "" where it splits}) of the deterministic train step on
     this mesh: tp splits attention, MLP and the experts' hidden dims, ep the experts, each where its
     `chunks[axis]` (parallel.canonical_tp / canonical_ep) allows, both together where both do (the expert products
-    then by chunk of experts and, inside each, by chunk of the hidden dim). Only axes of the mesh get a why."""
+    then by chunk of experts and, inside each, by chunk of the hidden dim). Only axes of the mesh get a why.
+    `pipeline` (det_pipeline.Layout, where pp splits the layers): the chunks run inside each stage's layers, pp is
+    then no data axis, and a parameter read split must be a layer's (the stages compute the ends whole)."""
     readers = _readers(graph.body, {})
+    if pipeline is not None:
+        mesh_shape = {a: n for a, n in mesh_shape.items() if a != "pp"}
     axes = [a for a in mesh_shape if a in (TP, EP) and mesh_shape[a] > 1]
     kinds, why = {}, {}
     for a in axes:
         kinds[a], why[a] = _axis_plan(graph, shapes, mesh_shape, param_specs, int(chunks.get(a) or 1), a, readers)
+        ends = sorted(p for p, kind in (kinds[a] or {}).items() if kind == "chunked" and pipeline is not None
+                      and p in pipeline.pre_reads | pipeline.post_reads)
+        if ends:
+            kinds[a], why[a] = None, f"{ends[0]} is read split outside the layers, which the pipeline's ends compute whole"
     groups = [a for a in axes if kinds[a] is not None]
     if not groups:
         return None, why
@@ -208,6 +215,36 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
     return layout, why
 
 
+def gathers(det, layout: Layout | None, data_axes: tuple[str, ...]):
+    """gather(path, held) -> the parameter as this device computes with it, its VJP summing the data devices' block
+    gradients in device order: gathered over `data_axes` and the mesh axes the layout does not read it split over
+    (its own tp or ep slice kept), and where it is computed whole on every device of a group, that device's block of
+    the cotangent kept along the group's axis."""
+    specs, sizes = det.param_specs, dict(det.mesh.shape)
+
+    def gather(k, held):
+        spec = specs[k]
+        for a in (layout.chunked.get(k, ()) if layout is not None else ()):  # read split: its slice stays
+            spec = layerwise.without(spec, a)
+        own = layout.whole.get(k, ()) if layout is not None else ()
+        return layerwise.gather_at_use(held, spec, len(det.whole_shapes[k]), data_axes, sizes, own=own)
+
+    return gather
+
+
+def device_chunks(layout: Layout | None) -> dict:
+    """This device's chunks as `Program.logits` and `lower_ctx` take them: {tensor: (T / tp, (tp,)), experts:
+    (first, Q / ep, Q, (ep,))} for the layout's group axes (inside shard_map: ep's first chunk is its place)."""
+    out = {}
+    if layout is not None and TP in layout.groups:
+        t, total = layout.groups[TP]
+        out["tensor"] = (total // t, (TP,))
+    if layout is not None and EP in layout.groups:
+        e, total = layout.groups[EP]
+        out["experts"] = (jax.lax.axis_index(EP) * (total // e), total // e, total, (EP,))
+    return out
+
+
 def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, narrow: dict):
     """`Deterministic._per_layer_grads`' results (this device's gradient blocks summed over all C shards; per-shard
     loss sums and counts in canonical order; no terms, no amaxes) with tp splitting the attention and MLP compute.
@@ -220,21 +257,9 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     m = c // n_d
     cast = precast.cast(params, narrow)
 
-    def gather(k, held):
-        spec = specs[k]
-        for a in layout.chunked.get(k, ()):  # read split: gathered over the data axes only
-            spec = layerwise.without(spec, a)
-        # computed whole on every device of a group: the VJP keeps this device's block of the cotangent along it
-        return layerwise.gather_at_use(held, spec, len(det.whole_shapes[k]), D, sizes, own=layout.whole.get(k, ()))
-
+    gather = gathers(det, layout, D)
     at_use = det.at_use
-    chunks = {}
-    if TP in layout.groups:
-        t, total = layout.groups[TP]
-        chunks["tensor"] = (total // t, (TP,))
-    if EP in layout.groups:
-        e, total = layout.groups[EP]
-        chunks["experts"] = (jax.lax.axis_index(EP) * (total // e), total // e, total, (EP,))
+    chunks = device_chunks(layout)
 
     def scaled(p, sh):
         p = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in specs else v for k, v in p.items()}

@@ -294,7 +294,7 @@ class Deterministic:
             history = fp8_delayed.history_of(opt)  # delayed fp8 scaling's amax histories (lower/fp8_delayed.py)
             if pipelined is not None:  # pp splits the layers' compute (tessera/lower/shard/det_pipeline.py)
                 grads, sums, counts, terms, amaxes = det_pipeline.pipelined_grads(self, pipelined, params, history,
-                                                                                  batch, c, ls, narrow)
+                                                                                  batch, c, ls, narrow, tensor)
                 return self._block_update(params, opt, None, sums, counts, terms, amaxes, ls, c, blocks=grads)
             if tensor is not None:  # tp splits the attention and MLP compute (tessera/lower/shard/det_tensor.py)
                 from tessera.lower.shard import det_tensor  # (it imports this module)
@@ -385,7 +385,8 @@ class Deterministic:
             why = "fp8 compute (each chunk would scale by its own amax)"
             return None, {a: why for a in (det_tensor.TP, det_tensor.EP)}
         return det_tensor.plan(self.prog.graph, self.prog.param_shapes(), dict(self.mesh.shape), self.param_specs, c,
-                               {det_tensor.TP: opts.canonical_tp, det_tensor.EP: opts.canonical_ep})
+                               {det_tensor.TP: opts.canonical_tp, det_tensor.EP: opts.canonical_ep},
+                               self.pipeline_layout(c))
 
     def tensor_record(self, c: int, opt_state, axis: str = "tp") -> dict | None:
         """On a tp (or ep) mesh, what the manifest records of whether the train step splits compute over that axis

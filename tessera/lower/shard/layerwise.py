@@ -83,16 +83,22 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
         return use(wide, narrow), None
 
     def bwd(_, g):
-        rest = spec
-        for a in own:
-            dim = entries_with(spec, a)[0]
-            size = g.shape[dim] // sizes[a]
-            g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(a) * size, size, axis=dim)
-            rest = without(rest, a)
+        g, rest = own_block(g, spec, own, sizes)
         return block_sum(g, rest, axes, sizes, wide_dtype), None
 
     use.defvjp(fwd, bwd)
     return use(held.wide, held.narrow)
+
+
+def own_block(g, spec, own: tuple[str, ...], sizes: dict[str, int]):
+    """(this device's block of g along the `own` axes of `spec`, the spec without them): the cotangent of a tensor
+    that the devices along those axes computed alike, cut to the block this device holds."""
+    for a in own:
+        dim = entries_with(spec, a)[0]
+        size = g.shape[dim] // sizes[a]
+        g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(a) * size, size, axis=dim)
+        spec = without(spec, a)
+    return g, spec
 
 
 def entries_with(spec, axis: str) -> list[int]:

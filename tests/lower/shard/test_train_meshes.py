@@ -77,10 +77,12 @@ def _fp8_jobs() -> list[dict]:
 
 
 # bf16 through the pipelined pp step: one device's bits only since both compute a shard's loss as fenced(embed) |
-# layers | fenced(head) (det_pipeline.pieces); before, the stages drifted from one device within a few steps
+# layers | fenced(head) (det_pipeline.pieces); before, the stages drifted from one device within a few steps. With
+# canonical_tp, tp splits each stage's attention and MLP compute as well (det_pipeline.pipelined_grads' `tensor`)
 def _bf16_pp_jobs() -> list[dict]:
     return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"bf16 {name}", "det": True,
-             "overrides": {"parallel.deterministic": True, "numerics.default": "bf16", **mesh}}
+             "overrides": {"parallel.deterministic": True, "numerics.default": "bf16", "parallel.canonical_tp": 2,
+                           **mesh}}
             for name, mesh in (("1 device", {}), ("pp=2,tp=2,dp=2", MESHES["pp=2,tp=2,dp=2"]))]
 
 
@@ -150,7 +152,8 @@ def test_deterministic_pp_splits_the_layers_where_the_stages_allow(results):
 def test_bf16_through_the_pipelined_pp_step_is_bit_identical_to_one_device(results):
     ref, got = results[("llama", "train", True, "bf16 1 device")], results[("llama", "train", True,
                                                                            "bf16 pp=2,tp=2,dp=2")]
-    assert got["pipeline"]["split_compute"] is True
+    assert got["pipeline"]["split_compute"] is True  # pp splits the layers, tp each stage's heads and hidden dims
+    assert got["tensor"] == {"tp": 2, "split_compute": True, "why_not": None}
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
 
