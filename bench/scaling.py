@@ -2,6 +2,8 @@
 
     python bench/scaling.py                      # every section, sized to the GPUs this host has
     python bench/scaling.py --sections determinism --steps 8
+    python bench/scaling.py --sections determinism --steps 20 --repeat 2 --canonical-tp 2 --canonical-ep 2 \
+        --det-set model.args.layers=8          # tp, ep and pp splitting the compute (issue 36's table)
 
 Each configuration runs as its own process (`CUDA_VISIBLE_DEVICES` picks its GPUs), through the
 same code path as `tessera run`, and reports what its manifest recorded plus the peak memory per GPU
@@ -14,12 +16,13 @@ Sections:
                the graph's FLOPs, tokens/s.
   determinism  the same short training run of a small model on 1, 2, 4, 8 GPUs and different meshes:
                losses and final checksums must be bit-identical; the cost of deterministic mode
-               against the fast collectives.
+               against fast mode on each mesh (det step / fast step).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -61,7 +64,10 @@ def worker(spec: str, overrides: list[str], out: str, report: str) -> None:
 def run_one(spec: str, gpus: int, overrides: list[str], tmp: Path, attempt: int = 0) -> dict:
     """One configuration in a fresh process on the first `gpus` GPUs; returns its report. `attempt` tells the
     repeats of one configuration apart (each its own run directory and report)."""
-    tag = "-".join(o.replace("=", "").replace(".", "_") for o in overrides)[:80] or "base"
+    tag = "-".join(o.replace("=", "").replace(".", "_") for o in overrides)
+    if len(tag) > 80:  # cut for the path, with a digest of the whole: configurations whose overrides differ past
+        tag = f"{tag[:64]}-{hashlib.sha256(tag.encode()).hexdigest()[:12]}"  # the cut must not share a run directory
+    tag = tag or "base"
     tag = f"{Path(spec).stem}-{tag}" + (f"-again{attempt}" if attempt else "")
     out, report = tmp / f"{Path(spec).stem}-{gpus}-{tag}", tmp / f"{tag}-{gpus}.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
@@ -139,31 +145,34 @@ def _trajectory(report: dict) -> tuple[list, list, str]:
 
 def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, limit: int = 0,
                         spec: str = "specs/gpt_oss_tiny.yaml", repeat: int = 1, extra: list[str] = (),
-                        canonical_tp: int = 1) -> None:
-    """Each mesh's deterministic run against the first (one GPU); with repeat > 1 each configuration runs again
-    in fresh processes (compiled again unless a persistent cache holds it), each compared with its first."""
+                        canonical_tp: int = 1, canonical_ep: int = 1) -> None:
+    """Each mesh's deterministic run against the first (one GPU), and its step time against fast mode's on the same
+    mesh; with repeat > 1 each configuration runs again in fresh processes (compiled again unless a persistent cache
+    holds it), each compared with its first."""
     if canonical_tp > 1:  # every run with tp's canonical chunks (one GPU included): tp then splits the layers' compute
         extra = [*extra, f"parallel.canonical_tp={canonical_tp}"]
+    if canonical_ep > 1:  # likewise ep's chunks of the experts
+        extra = [*extra, f"parallel.canonical_ep={canonical_ep}"]
     base = [f"task.steps={steps}", "task.eval_every=0", "checkpoint.every=0", *extra]
-    meshes = {1: [[]], 2: [["mesh.dp=2"], ["mesh.tp=2"], ["mesh.ep=2"], ["mesh.fsdp=2"]],
-              4: [["mesh.dp=2", "mesh.tp=2"], ["mesh.fsdp=2", "mesh.ep=2"]],
-              8: [["mesh.dp=8"], ["mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"]]}
+    meshes = {1: [[]], 2: [["mesh.dp=2"], ["mesh.tp=2"], ["mesh.ep=2"], ["mesh.fsdp=2"], ["mesh.pp=2"]],
+              4: [["mesh.dp=2", "mesh.tp=2"], ["mesh.fsdp=2", "mesh.ep=2"], ["mesh.tp=2", "mesh.ep=2"],
+                  ["mesh.pp=2", "mesh.tp=2"]],
+              8: [["mesh.dp=8"], ["mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"], ["mesh.pp=2", "mesh.tp=2", "mesh.ep=2"]]}
 
     print(f"\n## determinism: {spec} {' '.join(extra)}, {steps} steps, deterministic mode, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"(each configuration run {repeat} time(s) in fresh processes; 'again' compares the repeats with the "
           f"first: losses, grad norms and checksum all equal)" if repeat > 1 else "")
     print("| GPUs | mesh | loss vs 1 GPU | grad norm vs 1 GPU | checksum identical | again | tokens/s (det) | "
-          "tokens/s (fast) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "tokens/s (fast) | det step / fast step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     reference = None
     for n in mesh_sets(gpus):
-        for i, overrides in enumerate(meshes[n][:limit or None]):
+        for overrides in meshes[n][:limit or None]:
             det = run_one(spec, n, base + overrides + ["parallel.deterministic=true"], tmp)
-            # the cost of determinism: the fast collectives on the first mesh of each size
-            quick = (run_one(spec, n, base + overrides + ["parallel.deterministic=false"], tmp)
-                     if fast and i == 0 else {})
+            # the cost of determinism: fast mode's collectives on the same mesh
+            quick = run_one(spec, n, base + overrides + ["parallel.deterministic=false"], tmp) if fast else {}
             if "error" in det:
-                print(f"| {n} | {' '.join(overrides) or '-'} | failed: {det['error']} | | | | | |")
+                print(f"| {n} | {' '.join(overrides) or '-'} | failed: {det['error']} | | | | | | |")
                 continue
             losses, norms, checksum = _trajectory(det)
             reference = reference or (losses, norms, checksum)
@@ -174,11 +183,14 @@ def section_determinism(gpus: int, tmp: Path, steps: int, fast: bool = True, lim
                              "identical" if _trajectory(r) == (losses, norms, checksum) else
                              f"differs ({_first_difference(_trajectory(r)[0], losses)} in the loss)")
             fast_tps = quick["manifest"].get("tokens_per_s") if "manifest" in quick else None
-            split = [f"{k} splits" for k in ("tensor", "pipeline") if (det["manifest"].get(k) or {}).get("split_compute")]
+            det_tps = det["manifest"].get("tokens_per_s") or 0
+            split = [f"{axis} splits" for k, axis in (("tensor", "tp"), ("experts", "ep"), ("pipeline", "pp"))
+                     if (det["manifest"].get(k) or {}).get("split_compute")]
             label = " ".join(overrides) + (f" ({', '.join(split)})" if split else "")
+            cost = f"{fast_tps / det_tps:.2f}x" if fast_tps and det_tps else "-"
             print(f"| {n} | {label or '-'} | {_first_difference(losses, reference[0])} | "
                   f"{_first_difference(norms, reference[1])} | {checksum == reference[2]} | "
-                  f"{'; '.join(again) or '-'} | {det['manifest'].get('tokens_per_s') or 0:,.0f} | {fast_tps or 0:,.0f} |", flush=True)
+                  f"{'; '.join(again) or '-'} | {det_tps:,.0f} | {fast_tps or 0:,.0f} | {cost} |", flush=True)
 
 
 def main() -> None:
@@ -195,6 +207,8 @@ def main() -> None:
     parser.add_argument("--det-set", action="append", default=[], help="determinism: an override of the spec")
     parser.add_argument("--canonical-tp", type=int, default=1,
                         help="determinism: parallel.canonical_tp for every run (tp meshes then split the compute)")
+    parser.add_argument("--canonical-ep", type=int, default=1,
+                        help="determinism: parallel.canonical_ep for every run (ep meshes then split the experts)")
     parser.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS for every configuration")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -218,7 +232,7 @@ def main() -> None:
             elif name == "determinism":
                 section_determinism(gpus, Path(tmp), args.steps, fast=not args.no_fast, limit=args.det_meshes,
                                     spec=args.det_spec, repeat=args.repeat, extra=args.det_set,
-                                    canonical_tp=args.canonical_tp)
+                                    canonical_tp=args.canonical_tp, canonical_ep=args.canonical_ep)
             else:
                 parser.error(f"unknown section {name!r}")
 
