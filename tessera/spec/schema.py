@@ -143,8 +143,8 @@ class Parallel(Section):
         None, ge=1, description="deterministic mode: the experts of every moe op are cut into this many canonical "
         "chunks (a power of two dividing the experts), each chunk's grouped products computed on their own on every "
         "mesh, one device included; a mesh whose ep divides it then splits the experts' compute over ep. null or 1: "
-        "no chunks, ep acts as a data axis. It changes the one-device numbers, like canonical_shards. Not yet with "
-        "canonical_tp. Ignored in fast mode")
+        "no chunks, ep acts as a data axis. With canonical_tp too, each chunk's hidden dim is cut into tp's chunks "
+        "inside it. It changes the one-device numbers, like canonical_shards. Ignored in fast mode")
     expert_capacity: float | None = Field(
         None, gt=0, description="expert parallel capacity factor (fast mode): each destination shard receives at "
         "most ceil(factor · T·k / ep) copies from each source device routing T tokens; copies beyond it are "
