@@ -4,6 +4,8 @@
     python bench/scaling.py --sections determinism --steps 8
     python bench/scaling.py --sections determinism --steps 20 --repeat 2 --canonical-tp 2 --canonical-ep 2 \
         --det-set model.args.layers=8          # tp, ep and pp splitting the compute (issue 36's table)
+    JAX_PLATFORMS=cpu python bench/scaling.py --sections determinism --gpus 4 --steps 2 ...
+                                               # the same table on 4 host devices: a dry run of the script
 
 Each configuration runs as its own process (`CUDA_VISIBLE_DEVICES` picks its GPUs), through the
 same code path as `tessera run`, and reports what its manifest recorded plus the peak memory per GPU
@@ -53,7 +55,7 @@ def worker(spec: str, overrides: list[str], out: str, report: str) -> None:
     peaks = [d.memory_stats().get("peak_bytes_in_use", 0) for d in jax.local_devices() if d.memory_stats()]
     Path(report).write_text(json.dumps({
         "manifest": {k: manifest.get(k) for k in ("metrics", "params_checksum", "speed", "tokens_per_s",
-                                                    "status", "error", "parallel", "tensor", "pipeline")},
+                                                    "status", "error", "parallel", "tensor", "experts", "pipeline")},
         "peak_gib_per_gpu": max(peaks) / GIB if peaks else None,
         "plan_gib_per_gpu": plan["memory_per_device"]["total"] / GIB,
         "plan": {"flops": plan.get("flops"), "collectives": plan.get("collectives")},
@@ -61,16 +63,25 @@ def worker(spec: str, overrides: list[str], out: str, report: str) -> None:
     }))
 
 
+def run_tag(spec: str, overrides: list[str], attempt: int = 0) -> str:
+    """A configuration's name in its run directory and report: the overrides spelled out, cut at 80 characters
+    with a digest of the whole (configurations whose overrides differ past the cut must not share a directory: a
+    fast run had resumed the deterministic run of the same mesh), and which repeat it is."""
+    tag = "-".join(o.replace("=", "").replace(".", "_") for o in overrides)
+    if len(tag) > 80:
+        tag = f"{tag[:64]}-{hashlib.sha256(tag.encode()).hexdigest()[:12]}"
+    tag = f"{Path(spec).stem}-{tag or 'base'}"
+    return tag + (f"-again{attempt}" if attempt else "")
+
+
 def run_one(spec: str, gpus: int, overrides: list[str], tmp: Path, attempt: int = 0) -> dict:
     """One configuration in a fresh process on the first `gpus` GPUs; returns its report. `attempt` tells the
     repeats of one configuration apart (each its own run directory and report)."""
-    tag = "-".join(o.replace("=", "").replace(".", "_") for o in overrides)
-    if len(tag) > 80:  # cut for the path, with a digest of the whole: configurations whose overrides differ past
-        tag = f"{tag[:64]}-{hashlib.sha256(tag.encode()).hexdigest()[:12]}"  # the cut must not share a run directory
-    tag = tag or "base"
-    tag = f"{Path(spec).stem}-{tag}" + (f"-again{attempt}" if attempt else "")
+    tag = run_tag(spec, overrides, attempt)
     out, report = tmp / f"{Path(spec).stem}-{gpus}-{tag}", tmp / f"{tag}-{gpus}.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
+    if env.get("JAX_PLATFORMS") == "cpu":  # a dry run of the table on the CPU: `gpus` host devices
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={gpus}".strip()
     cmd = [sys.executable, __file__, "--worker", spec, "--out", str(out), "--report", str(report)]
     for o in overrides:
         cmd += ["--set", o]

@@ -296,3 +296,16 @@ def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path, monkeypatch):
     assert results.commit(tmp_path) == head.stdout.strip() + "+dirty"
     monkeypatch.setenv("BENCH_COMMIT", "abc1234")  # a copied tree whose .git is not its own
     assert results.commit(tmp_path) == "abc1234"
+
+
+def test_scaling_configurations_never_share_a_run_directory():
+    """bench/scaling.py names each configuration's run directory after its overrides, cut for the path: two that
+    differ only past the cut (a deterministic and a fast run of one mesh with long overrides) stay apart."""
+    from bench.scaling import run_tag
+
+    base = ["task.steps=20", "task.eval_every=0", "checkpoint.every=0", "parallel.canonical_tp=2",
+            "parallel.canonical_ep=2", "mesh.tp=2", "mesh.ep=2"]
+    det, fast = (run_tag("specs/gpt_oss_tiny.yaml", base + [f"parallel.deterministic={m}"]) for m in ("true", "false"))
+    assert det != fast and len(det) < 120 and det.startswith("gpt_oss_tiny-task_steps20")
+    assert run_tag("specs/x.yaml", ["mesh.dp=2"]) == "x-mesh_dp2"
+    assert run_tag("specs/x.yaml", [], attempt=2) == "x-base-again2"
