@@ -197,7 +197,8 @@ def plan(graph, shapes: dict, mesh_shape: dict, param_specs: dict, c: int, chunk
         ends = sorted(p for p, kind in (kinds[a] or {}).items() if kind == "chunked" and pipeline is not None
                       and p in pipeline.pre_reads | pipeline.post_reads)
         if ends:
-            kinds[a], why[a] = None, f"{ends[0]} is read split outside the layers, which the pipeline's ends compute whole"
+            why[a] = f"{ends[0]} is read split outside the layers, which the pipeline's ends compute whole"
+            kinds[a] = None
     groups = [a for a in axes if kinds[a] is not None]
     if not groups:
         return None, why
