@@ -48,3 +48,30 @@ def test_llama_in_two_stages_of_two_layers_splits_and_knows_its_pieces():
 def test_where_pp_stays_a_data_axis_it_says_why(spec, mesh, c, over, why):
     layout, reason = _plan(spec, mesh, c, **over)
     assert layout is None and reason.startswith(why), reason
+
+
+def test_tp_splits_each_stages_layers_and_refuses_a_split_read_outside_them():
+    """det_tensor.plan on a pp mesh whose stages split the layers: pp is no data axis of tp's step, and a parameter
+    that tp's chunked ops read outside the layers (which the pipeline's ends compute whole) keeps tp a data axis."""
+    import dataclasses
+
+    from tessera.lower.shard import det_tensor
+
+    graph = program_graph(load_experiment(ROOT / "specs" / "llama_tiny.yaml", overrides={"model.args.layers": 4}))
+    dims = {p: tuple(d.size for d in v.type.dims) for p, v in graph.params.items()}
+    shapes = {p: types.SimpleNamespace(shape=s) for p, s in dims.items()}
+    split = {p for p, s in dims.items() if p.startswith("layers/") and ("/attn/" in p or "/mlp/" in p) and len(s) >= 3}
+    specs = {p: (P("pp", *[None] * (len(s) - 2), "tp") if p in split else P("pp") if p.startswith("layers/") else P())
+             for p, s in dims.items()}
+    mesh = {"pp": 2, "tp": 2, "dp": 2}
+    pipe, why = det_pipeline.plan(graph, shapes, mesh, specs, 8)
+    assert why == "" and pipe.data_axes == ("tp", "dp")
+    layout, whys = det_tensor.plan(graph, shapes, mesh, specs, 8, {"tp": 2}, pipe)
+    assert whys == {"tp": ""} and layout.data_axes == ("dp",) and set(layout.chunked) == split
+    assert all(layout.slice_of(p) == 2 for p in split)
+    ends = dataclasses.replace(pipe, pre_reads=pipe.pre_reads | {sorted(split)[0]})
+    layout, whys = det_tensor.plan(graph, shapes, mesh, specs, 8, {"tp": 2}, ends)
+    assert layout is None and whys["tp"] == (f"{sorted(split)[0]} is read split outside the layers, which the "
+                                             "pipeline's ends compute whole")
+    layout, whys = det_tensor.plan(graph, shapes, mesh, specs, 8, {"tp": 2})  # no pipeline: pp is a data axis
+    assert layout.data_axes == ("pp", "dp")
