@@ -60,7 +60,7 @@ def test_tp_splits_each_stages_layers_and_refuses_a_split_read_outside_them():
     graph = program_graph(load_experiment(ROOT / "specs" / "llama_tiny.yaml", overrides={"model.args.layers": 4}))
     dims = {p: tuple(d.size for d in v.type.dims) for p, v in graph.params.items()}
     shapes = {p: types.SimpleNamespace(shape=s) for p, s in dims.items()}
-    split = {p for p, s in dims.items() if p.startswith("layers/") and ("/attn/" in p or "/mlp/" in p) and len(s) >= 3}
+    split = {p for p, s in dims.items() if p.startswith("layers/") and ("/attention/" in p or "/mlp/" in p) and len(s) >= 3}
     specs = {p: (P("pp", *[None] * (len(s) - 2), "tp") if p in split else P("pp") if p.startswith("layers/") else P())
              for p, s in dims.items()}
     mesh = {"pp": 2, "tp": 2, "dp": 2}
