@@ -33,21 +33,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from tessera.lower.kernels._vma import common, out_struct
+from tessera.lower.kernels.fp8_gemv import Fp8GemvConfig
 from tessera.lower.kernels.mxfp4_matmul import _steps
 
 
 @dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    """One program per (block_n columns, K split); `rows` weight rows a step, loads `ahead` steps early; splits=0:
-    enough K splits for about `programs` programs."""
+class GemvConfig(Fp8GemvConfig):
+    """fp8_gemv's configuration (one program per (block_n columns, K split), `rows` weight rows a step, loads
+    `ahead` steps early; splits=0: enough K splits for about `programs` programs), 512 columns a program."""
     block_n: int = 512
-    rows: int = 8
-    splits: int = 0
-    num_warps: int = 4
-    num_stages: int = 1
-    ahead: int = 1
-    programs: int = 528
-    interpret: bool = False
 
 
 def _kernel(x_ref, *refs, cfg: GemvConfig, k: int, ns: tuple[int, ...], tiles: tuple[int, ...], per: int):
