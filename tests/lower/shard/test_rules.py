@@ -21,6 +21,15 @@ def _exp(**over):
     return load_experiment(SPEC, overrides={k.replace("__", "."): v for k, v in over.items()})
 
 
+def _refusal(spec, over: dict) -> list:
+    """`tessera check`'s diagnostics for `spec` with `over`, which it must refuse."""
+    from tessera.ir.check import check_experiment
+
+    with pytest.raises(TesseraError) as e:
+        check_experiment(load_experiment(spec, overrides=over))
+    return e.value.diagnostics
+
+
 def test_rules_drop_size_one_axes_and_give_batch_priority():
     rules = AxisRules.from_experiment(_exp(mesh__fsdp=2, mesh__tp=2, mesh__dp=2))
     assert rules.axes("batch") == ("dp", "fsdp") and rules.axes("experts") == ()  # ep=1 splits nothing
@@ -163,9 +172,7 @@ def test_canonical_tp_must_cut_every_head_and_hidden_dim_and_refuses_fp8():
         ({"parallel.canonical_tp": 4}, "does not divide layers/attention/k's kv_heads (2)"),
         ({"parallel.canonical_tp": 2, "numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
          "with fp8 compute")]:
-        with pytest.raises(TesseraError) as e:
-            check_experiment(load_experiment(spec, overrides=over))
-        d = e.value.diagnostics[0]
+        d = _refusal(spec, over)[0]
         assert message in d.message and d.key == "parallel.canonical_tp" and d.span is not None, d.message
 
 
@@ -182,9 +189,7 @@ def test_canonical_ep_must_cut_the_experts():
         ({"parallel.canonical_ep": 3}, "does not divide layers/moe/router's experts"),
         ({"parallel.canonical_ep": 2, "numerics.default": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"},
          "with fp8 compute")]:
-        with pytest.raises(TesseraError) as e:
-            check_experiment(load_experiment(spec, overrides=over))
-        d = e.value.diagnostics[0]
+        d = _refusal(spec, over)[0]
         assert message in d.message and d.key == "parallel.canonical_ep" and d.span is not None, d.message
 
 
@@ -205,9 +210,7 @@ def test_canonical_shards_set_in_the_spec_lift_the_cap_of_eight():
          "(parallel.canonical_shards), which do not split over 16 devices", "use 16 (a multiple of 16 dividing"),
         ({"task.batch": 32, "mesh.dp": 16}, "into 8 canonical shards, which do not split over 16 devices",
          "set parallel.canonical_shards to a multiple of the device count")]:
-        with pytest.raises(TesseraError) as e:
-            check_experiment(load_experiment(spec, overrides=over))
-        (d,) = e.value.diagnostics
+        (d,) = _refusal(spec, over)
         assert message in d.message and hint in d.hint, (d.message, d.hint)
         assert d.key == ("task.batch" if "parallel.canonical_shards" not in over else "parallel.canonical_shards")
     # fast mode ignores it, as it ignores the canonical shards
