@@ -292,7 +292,7 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
         leaf = dict(g_blocks)
         for k in ends:
             g = head_side[k] + g_embed[k] if k in tied else (g_embed[k] if k in layout.pre_reads else g_head[k])
-            g, spec = layerwise.own_block(g, specs[k], tensor.whole.get(k, ()) if tensor else (), sizes)
+            g, spec = layerwise.own_block(g, specs[k], tensor.whole.get(k, ()) if tensor else ())
             leaf[k] = layerwise.block_sum(g, spec, D, sizes, wide[k])
         acc = {k: acc[k].at[b].set(jnp.where(ok_b, leaf[k].astype(wide[k]), acc[k][b])) for k in acc}
         s = s * scale if ls is not None else s  # the scaled loss, as `Deterministic._per_layer_grads` returns it

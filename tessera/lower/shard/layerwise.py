@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
-from tessera.lower.shard.collectives import block_index, gather_full
+from tessera.lower.shard.collectives import block_index, gather_full, local_block
 
 
 def _entry_axes(e) -> tuple[str, ...]:
@@ -73,7 +73,6 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
     keeps this device's block along each and sums over `axes` only."""
     spec = trailing(spec, full_ndim, held.ndim)
     wide_dtype = held.wide.dtype
-    own = (own,) if isinstance(own, str) else tuple(own)
 
     @jax.custom_vjp
     def use(wide, narrow):
@@ -83,20 +82,18 @@ def gather_at_use(held: Held, spec: P, full_ndim: int, axes: tuple[str, ...], si
         return use(wide, narrow), None
 
     def bwd(_, g):
-        g, rest = own_block(g, spec, own, sizes)
+        g, rest = own_block(g, spec, own)
         return block_sum(g, rest, axes, sizes, wide_dtype), None
 
     use.defvjp(fwd, bwd)
     return use(held.wide, held.narrow)
 
 
-def own_block(g, spec, own: tuple[str, ...], sizes: dict[str, int]):
+def own_block(g, spec, own: tuple[str, ...]):
     """(this device's block of g along the `own` axes of `spec`, the spec without them): the cotangent of a tensor
     that the devices along those axes computed alike, cut to the block this device holds."""
+    g = local_block(g, P(*(e if e in own else None for e in tuple(spec))))
     for a in own:
-        dim = entries_with(spec, a)[0]
-        size = g.shape[dim] // sizes[a]
-        g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(a) * size, size, axis=dim)
         spec = without(spec, a)
     return g, spec
 
