@@ -75,7 +75,7 @@ import numpy as np
 from tessera.ir.types import Region
 from tessera.lower.interpret import eval_region, eval_repeat
 from tessera.lower.reference.losses import token_cross_entropy
-from tessera.lower.shard.deterministic import fenced
+from tessera.lower.fence import fenced
 from tessera.lower.shard.pipeline import split_body
 
 

@@ -14,6 +14,9 @@ H200: 7.3 of 12.9 ms a token), while the step itself reads each weight once. The
 traced and lowered once per period (a jitted function per phase, which XLA inlines): a 24-layer generate
 program on the CPU traced in 1.3 s instead of 8.8 and lowered in 1.2 s instead of 3.0; on a GPU every
 layer's kernels were lowered again before (GPT-OSS-20B: 8.2 s of tracing and 19.6 s of lowering, H200).
+Deterministic training runs its canonical shards' layers unrolled too (tessera/lower/shard/layerwise.py), each
+layer rematerialised as the scan's body is and fenced (tessera/lower/fence.py): a computation of its own, as the
+scan's body was.
 
 A weight-shared repeat (`axis = none`) reads its one set of parameters at every step; with `grad = "last"` its
 first n - 1 steps run on stop_gradient'ed inputs and parameters and only the last keeps residuals. `loop` is
@@ -23,6 +26,7 @@ lowered in tessera/lower/loop.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -32,6 +36,7 @@ from tessera.ir.ops_recurrence import invariant
 from tessera.ir.registry import get_op
 from tessera.ir.types import Op, ParamRef, PerLayer, Region, Value
 from tessera.lower.context import REMAT_SAVED, LowerCtx
+from tessera.lower.fence import fenced
 from tessera.lower.fp8_delayed import HISTORY
 from tessera.lower.table import get_lowering
 
@@ -201,7 +206,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     """One `repeat` op on its carried inputs: a lax.scan over its stacked parameters (n / period steps),
     or with `ctx.unroll` its n layers one after another over per-layer parameters and states."""
     if ctx.unroll:
-        return _eval_unrolled(op, ins, params, ctx, state)
+        return _eval_unrolled(op, ins, params, ctx, state, remat)
     if op.attrs.get("grad") == "last" and state is None:
         return _last_step_grad(op, ins, params, ctx, remat), None
     n, region, axis = op.attrs["n"], op.region, op.scope_name
@@ -250,9 +255,10 @@ def _last_step_grad(op: Op, ins: list, params: dict, ctx: LowerCtx, remat: str) 
     return out
 
 
-def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list | None):
+def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list | None, remat: str = "none"):
     """`repeat` as n unrolled layers; layer i reads `params[path][i]` for a split parameter (a list)
-    and `state[i]`, and gets its static attributes."""
+    and `state[i]`, and gets its static attributes. In a train step each layer is rematerialised as the scan's
+    body is (the spec's remat policy, else `ctx.layer_remat`)."""
     n, region, axis = op.attrs["n"], op.region, op.scope_name
     if _stacked_paths(op, params):
         raise ValueError(f"an unrolled repeat needs its stacked parameters split first (split_layers): "
@@ -264,8 +270,16 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
         # layers i and i + p have the same static attributes: one jitted function traces and lowers them
         # (kernels included) once, and XLA inlines its calls, so the program is the same as written out
         if j not in phases:
-            phases[j] = jax.jit(lambda index, carry, here, st: eval_region(
-                region, [index, *carry], here, ctx, st, layer=j, scope=axis))
+            fn = lambda index, carry, here, st: eval_region(  # noqa: E731
+                region, [index, *carry], here, ctx, st, layer=j, scope=axis)
+            if ctx.mode == "train" and (remat in REMAT_POLICIES or ctx.layer_remat is not None):
+                policy = REMAT_POLICIES[remat] if remat in REMAT_POLICIES else ctx.layer_remat
+                fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
+            # an unrolled train step is deterministic mode's: each layer (its VJP too) a computation of its own,
+            # whose arithmetic then does not depend on its neighbours, a mesh's gathers or their absence; unfenced,
+            # XLA:CPU computed attention's q and k gradients a bit apart on dp=2 and one device (the scan's body
+            # kept them apart as a fence does)
+            phases[j] = functools.partial(fenced, jax.jit(fn)) if ctx.mode == "train" else jax.jit(fn)
         return phases[j]
 
     carry, new_states = list(ins), []

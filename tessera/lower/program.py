@@ -250,14 +250,16 @@ class Program:
                         deterministic=self.options.deterministic, **kw)
 
     def logits(self, params, tokens, mode: str = "train", *, shard=None, aux=None, param_use=None,
-               layer_remat=None, tensor=None, experts=None):
+               layer_remat=None, tensor=None, experts=None, unroll: bool = False):
         """Logits [batch, seq, vocab] of int32 tokens [batch, seq], traced under `mode` ("train", "forward");
         `shard`: inside shard_map, the ShardEnv the lowerings see local blocks by; `aux`: a dict the
         lowerings add step counters to; `param_use`: {path: fn} applied to a parameter where an op reads it
         (deterministic mode's per-layer gathers); `layer_remat`: the checkpoint policy of a repeat's layers where
         the spec's remat is none (LowerCtx.layer_remat); `tensor`: deterministic tp's chunks on a tp mesh
-        (LowerCtx.tensor; by default all of them where the spec sets parallel.canonical_tp)."""
+        (LowerCtx.tensor; by default all of them where the spec sets parallel.canonical_tp); `unroll`: the repeat's
+        layers unrolled over parameters split into their layers (LowerCtx.unroll)."""
         ctx = self.lower_ctx(mode=mode, shard=shard, aux=aux, param_use=param_use, layer_remat=layer_remat,
+                             unroll=unroll,
                              **({"tensor": tensor} if tensor is not None else {}),
                              **({"experts": experts} if experts is not None else {}))
         (logits,), _ = eval_region(self.graph.body, [tokens], params, ctx, remat=self.options.remat)

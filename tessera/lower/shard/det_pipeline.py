@@ -191,7 +191,8 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
     from tessera.lower import precast
     from tessera.lower.shard import det_tensor
     from tessera.lower.shard.collectives import gather_full
-    from tessera.lower.shard.deterministic import fenced, tree_sum
+    from tessera.lower.fence import fenced
+    from tessera.lower.shard.deterministic import tree_sum
 
     prog, specs, sizes = det.prog, det.param_specs, dict(det.mesh.shape)
     S = layout.stages
@@ -209,14 +210,15 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
     if D or tensor is not None:
         gather = det_tensor.gathers(det, tensor, D)
         hooks = {k: (lambda held, k=k: gather(k, held)) for k in stacked}
+    unroll = det.unrolled  # each stage's layers unrolled over weights split once here (layerwise.py)
     ctx = prog.lower_ctx(mode="train", param_use=hooks, layer_remat=layerwise.saveable_but_gathers if hooks else None,
-                         **det_tensor.device_chunks(tensor))
+                         unroll=unroll, **det_tensor.device_chunks(tensor))
     local_n = _split_body(prog.graph.body)[1].attrs["n"] // S
     embed, run_layers, head = pieces(prog, ctx, local_n)
 
     def layers(blocks, x):  # blocks: held blocks on a mesh with data axes, else the parameters as read (and the
         # stage's amax histories beside them, read as they are)
-        held = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in stacked else v
+        held = {k: layerwise.held(v, layer_cast[k] if k in narrow else None) if k in stacked else v
                 for k, v in blocks.items()} if hooks else blocks
         return run_layers(held, x)
 
@@ -235,6 +237,10 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
     # differentiated at the held blocks through the gathers' VJPs; without data axes at the narrow copies, as one
     # device's step is (widened at the store)
     layer_blocks = {k: (params[k] if hooks else cast[k]) for k in stacked}
+    layer_cast = {k: cast[k] for k in stacked}
+    if unroll:
+        layer_blocks, layer_cast = (layerwise.split(t, dict.fromkeys(stacked, local_n))
+                                    for t in (layer_blocks, layer_cast))
     # delayed fp8 scaling: each history beside its weight (a stacked one's rows of this stage's layers); its
     # cotangent, a shard's amaxes, is max-combined over the shards (exact, in any order)
     history = history or {}
@@ -289,7 +295,7 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
         amax.update({h: jnp.where(first if weight_of(h) in layout.pre_reads else last,
                                   g_embed[h] if weight_of(h) in layout.pre_reads else g_head[h], 0.0) for h in h_ends})
         seen = {h: jnp.where(ok_b, jnp.maximum(seen[h], amax[h]), seen[h]) for h in seen}
-        leaf = dict(g_blocks)
+        leaf = {k: layerwise.restack(g) for k, g in g_blocks.items()}
         for k in ends:
             g = head_side[k] + g_embed[k] if k in tied else (g_embed[k] if k in layout.pre_reads else g_head[k])
             g, spec = layerwise.own_block(g, specs[k], tensor.whole.get(k, ()) if tensor else ())

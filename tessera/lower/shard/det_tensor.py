@@ -32,9 +32,10 @@ import jax.numpy as jnp
 
 from tessera.ir.types import ParamRef
 from tessera.lower import precast
+from tessera.lower.fence import fenced
 from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
-from tessera.lower.shard.deterministic import fenced, opaque_map, ordered_sum, tree_sum
+from tessera.lower.shard.deterministic import opaque_map, ordered_sum, tree_sum
 
 
 def _across(x, axes: tuple):
@@ -256,17 +257,20 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     specs, sizes, D = det.param_specs, dict(det.mesh.shape), layout.data_axes
     n_d = math.prod(sizes[a] for a in D)
     m = c // n_d
-    cast = precast.cast(params, narrow)
+    cast, held, unroll = precast.cast(params, narrow), params, det.unrolled
+    if unroll:  # each layer's weights their own buffers, split once here (layerwise.py)
+        cast, held = (layerwise.split(t, det.stacked) for t in (cast, params))
 
     gather = gathers(det, layout, D)
     at_use = det.at_use
     chunks = device_chunks(layout)
 
     def scaled(p, sh):
-        p = {k: layerwise.Held(v, cast[k] if k in narrow else None) if k in specs else v for k, v in p.items()}
-        p = {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in at_use else v for k, v in p.items()}
+        p = {k: layerwise.held(v, cast[k] if k in narrow else None) if k in specs else v for k, v in p.items()}
+        p = {k: layerwise.each(functools.partial(gather, k), v) if k in specs and k not in at_use else v
+             for k, v in p.items()}
         hooks = {k: functools.partial(gather, k) for k in at_use}
-        s, count, terms = det.shard_sums(p, sh, param_use=hooks, **chunks)
+        s, count, terms = det.shard_sums(p, sh, param_use=hooks, unroll=unroll, **chunks)
         return (s if ls is None else s * ls.scale), (count, terms)
 
     # this data device's shards j·n_d + d, j < m, of the batch (held in blocks over every axis): [m, rows, ...]
@@ -279,8 +283,10 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
 
     local = {k: mine(v) for k, v in batch.items() if v is not None}
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
-    (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(params, sh), local, m)
-    grads = {k: tree_sum(g.astype(params[k].dtype)) for k, g in grads.items()}  # the levels above the devices
+    (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(held, sh), local, m)
+    # the levels above the devices (each layer's own where split, then stacked again)
+    grads = {k: layerwise.restack(layerwise.each(lambda x, k=k: tree_sum(x.astype(params[k].dtype)), g))
+             for k, g in grads.items()}
     if D:
         sums, counts = (layerwise.canonical_order(jax.lax.all_gather(a, D, axis=0, tiled=True), n_d, m)
                         for a in (sums, counts))

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from tessera.diagnostics import TesseraError
 from tessera.ir.check import MAX_CANONICAL, canonical_problems, canonical_shards  # noqa: F401 (re-exported)
 from tessera.lower import fp8_delayed, loss_scale, precast
+from tessera.lower.fence import fenced
 from tessera.lower.interpret import stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import det_pipeline, layerwise
@@ -119,22 +120,6 @@ def opaque_map(fn, xs, n: int):
     return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, init)
 
 
-def fenced(fn, *args, when=True):
-    """fn(*args) as a computation of its own: the branch of a conditional whose predicate XLA cannot know, so
-    nothing outside is fused with what fn computes, and fn's arithmetic (where XLA:CPU contracts a product and a
-    sum into an fma, in which order elementwise work runs) is the same whatever surrounds it: the gathers of a
-    mesh's blocks before it, the slices of them after it, or neither on one device. The branch never taken
-    returns zeros (never run; the taken branch adds no copies to the one-device program). A conditional rather
-    than `opaque_map`'s loop: a loop of one over inputs it does not change would invite XLA's loop-invariant code
-    motion to move the work back out. `when`: a predicate (a traced one included: a pipeline stage's) under which
-    fn runs at all; otherwise the zeros (its VJP, a conditional on the same predicate, skips the backward too)."""
-    fn = jax.jit(fn)  # traced once: the branch reuses the trace that gives the shapes (XLA inlines it)
-    shapes = jax.eval_shape(fn, *args)
-    zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
-    pred = jnp.bool_(True) if when is True else jnp.asarray(when, jnp.bool_)
-    return jax.lax.cond(jax.lax.optimization_barrier(pred), fn, zeros, *args)
-
-
 def per_layer(graph, c: int) -> bool:
     """Whether deterministic mode gathers each parameter where its layer reads it (tessera/lower/shard/layerwise.py):
     a language model whose canonical shard count C is a power of two (its train step also needs an elementwise
@@ -170,6 +155,18 @@ class Deterministic:
         """Each parameter's whole shape, by path."""
         return {k: tuple(v.shape) for k, v in self.prog.param_shapes().items()}
 
+    @functools.cached_property
+    def stacked(self) -> dict[str, int]:
+        """{path: layers} of the parameters the model's repeat holds stacked."""
+        return stacked_layers(self.prog.graph.body, self.prog.param_shapes())
+
+    @functools.cached_property
+    def unrolled(self) -> bool:
+        """Whether the per-layer step's shard loop runs the layers unrolled over weights split into their layers
+        before it (layerwise.py), on every mesh alike: all but delayed fp8 scaling, whose amax histories ride
+        stacked beside their weights through the layer scan."""
+        return not str(self.prog.graph.attrs.get("fp8") or "").startswith("delayed")
+
     def _precast(self, fn, params: dict, batch: dict, c: int) -> dict:
         """params with those whose only use in one shard's fn(params, shard) is a single narrowing cast already cast
         (tessera/lower/precast.py): once here, not once per canonical shard in the loop. Values and gradients are
@@ -203,13 +200,16 @@ class Deterministic:
         check_canonical(self.prog.options, b, self.devices)
         return c, {k: P(self.axes or None, *([None] * (jnp.ndim(v) - 1))) for k, v in batch.items()}
 
-    def shard_sums(self, params, shard: dict, param_use=None, tensor=None, experts=None):
+    def shard_sums(self, params, shard: dict, param_use=None, tensor=None, experts=None, unroll: bool = False):
         """(loss sum, count, {term: sum}) of one canonical shard: the same function on the same shapes everywhere.
         A language model's: its tokens' cross-entropy and how many count; a model with loss entries: its
         weighted objective on the shard (a mean over the shard's samples), counted once, and its terms. `tensor`:
         on a tp mesh whose tp splits the compute, this device's chunks (det_tensor.tensor_grads); `experts`: ep's
-        likewise."""
+        likewise; `unroll`: the layers unrolled (`unrolled`), over `params` split into their layers where the caller
+        split them before the shard loop (any still stacked are split here)."""
         extra = {k: v for k, v in (("tensor", tensor), ("experts", experts)) if v is not None}
+        if unroll:
+            params, extra["unroll"] = layerwise.split(params, self.stacked), True
         if self.prog.graph.losses:
             total, terms = self.prog.objective(params, shard)
             return total, jnp.ones((), total.dtype), terms
@@ -260,13 +260,16 @@ class Deterministic:
 
         def body(params, batch):
             if self._per_layer(c):  # each parameter gathered where its layer reads it, as the train step does
-                tokens = batch["tokens"]
+                tokens, unroll = batch["tokens"], self.unrolled
                 narrow = self.precast_types(tokens.shape[0] * self.devices, tokens.shape[1])
-                cast, hooks = precast.cast(params, narrow), None
+                cast, hooks, held = precast.cast(params, narrow), None, params
+                if unroll:
+                    cast, held = (layerwise.split(t, self.stacked) for t in (cast, params))
                 if self.axes:
                     top, hooks = self._layer_gathers()
-                    cast = top({k: layerwise.Held(v, cast[k] if k in narrow else None) for k, v in params.items()})
-                sums, counts, _ = self._per_shard(lambda sh: self.shard_sums(cast, sh, param_use=hooks), batch, c)
+                    cast = top({k: layerwise.held(v, cast[k] if k in narrow else None) for k, v in held.items()})
+                sums, counts, _ = self._per_shard(
+                    lambda sh: self.shard_sums(cast, sh, param_use=hooks, unroll=unroll), batch, c)
                 return tree_sum(sums) / jnp.maximum(tree_sum(counts), 1.0)
             return self._mean_loss({k: gather_full(v, self.param_specs[k]) for k, v in params.items()}, batch, c)
 
@@ -421,8 +424,8 @@ class Deterministic:
             return layerwise.gather_at_use(held, self.param_specs[k], len(self.whole_shapes[k]), self.axes, sizes)
 
         def top(p):
-            return {k: gather(k, v) if isinstance(v, layerwise.Held) and k not in self.at_use else v
-                    for k, v in p.items()}
+            return {k: layerwise.each(functools.partial(gather, k), v) if k in self.param_specs and k not in self.at_use
+                    else v for k, v in p.items()}
 
         return top, {k: functools.partial(gather, k) for k in self.at_use}
 
@@ -434,16 +437,18 @@ class Deterministic:
         n, m = self.devices, c // self.devices
         # One device: the gradient is taken at the parameters as the shard loop reads them (the narrow copy where
         # precast.py finds one, widened at the tree). A mesh: at the held blocks, through each gather's VJP.
-        one = not self.axes
+        one, unroll = not self.axes, self.unrolled
         cast = precast.cast(params, narrow)
         diff = cast if one else params
+        if unroll:  # each layer's weights their own buffers, split once here (layerwise.py)
+            cast, diff = (layerwise.split(t, self.stacked) for t in (cast, diff))
         top, hooks = (None, None) if one else self._layer_gathers()
 
         def scaled(p, sh):  # blocks in; the ones read by one op gathered there, the rest once per shard here
             if not one:
-                p = top({k: layerwise.Held(v, cast[k] if k in narrow else None) if k in self.param_specs else v
+                p = top({k: layerwise.held(v, cast[k] if k in narrow else None) if k in self.param_specs else v
                          for k, v in p.items()})
-            s, count, terms = self.shard_sums(p, sh, param_use=hooks)
+            s, count, terms = self.shard_sums(p, sh, param_use=hooks, unroll=unroll)
             return (s if ls is None else s * ls.scale), (count, terms)
 
         inputs = fp8_delayed.merged(diff, history)
@@ -451,7 +456,9 @@ class Deterministic:
         local = layerwise.interleaved(batch, self.axes, n, m)
         (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
         grads, amaxes = fp8_delayed.split(grads, history)
-        grads = {k: tree_sum(g.astype(params[k].dtype)) for k, g in grads.items()}  # the levels above the devices
+        # the levels above the devices (each layer's own where split, then stacked again)
+        grads = {k: layerwise.restack(layerwise.each(lambda x, k=k: tree_sum(x.astype(params[k].dtype)), g))
+                 for k, g in grads.items()}
         gathered = self._gathered((sums, counts, terms, amaxes))
         sums, counts, terms, amaxes = jax.tree.map(lambda a: layerwise.canonical_order(a, n, m), gathered)
         return grads, sums, counts, terms, amaxes

@@ -13,6 +13,12 @@ the identity and every VJP a single piece), so the gradients are the same bits o
 A parameter read by more than one op, inside a weight-shared repeat or a region other than a stacked `repeat`, or
 stacked with its layers dim split over the mesh (pp) is gathered once per canonical shard before the model runs
 (`use_plan`): its gradient's uses are then summed within the shard before the tree, as on one device.
+
+The shard loop reads the layers unrolled over weights split into their layers before the loop (`split`, the
+lowering's `LowerCtx.unroll`), on every mesh and one device alike: inside a layer scan XLA:GPU copies each layer's
+slice of every stacked weight a GEMM reads and zero-fills the stacked gradients, once per canonical shard, where
+split weights are read in place and each layer's gradient is its own buffer (`restack` stacks them again after the
+shards' sum).
 """
 
 from __future__ import annotations
@@ -179,6 +185,38 @@ class Held:
     @property
     def ndim(self):
         return self.wide.ndim
+
+
+def held(wide, narrow=None):
+    """`Held(wide, narrow)`, or a list of them for a parameter split into its layers (lists of the layers' arrays)."""
+    if isinstance(wide, list):
+        return [Held(w, n) for w, n in zip(wide, narrow if narrow is not None else [None] * len(wide))]
+    return Held(wide, narrow)
+
+
+def each(fn, v):
+    """fn of v, or of each layer's element where v is split into its layers (a list)."""
+    return [fn(x) for x in v] if isinstance(v, list) else fn(v)
+
+
+def split(params: dict, layers: dict[str, int]) -> dict:
+    """params with each parameter of `layers` ({path: n}) held stacked [n, ...] (a pytree's leaves alike) as the
+    list of its n layers; one held with its layers dim split over the mesh stays a block (gathered whole, it is
+    split where the shard reads it). Each layer is a `lax.split` piece: differentiated inside a shard, the pieces'
+    cotangents concatenate once."""
+    def pieces(v, n):
+        leaves, tree = jax.tree.flatten(v)
+        if isinstance(v, list) or leaves[0].shape[:1] != (n,):
+            return v
+        cut = [[jnp.squeeze(x, 0) for x in jax.lax.split(a, [1] * n)] for a in leaves]
+        return [jax.tree.unflatten(tree, [c[i] for c in cut]) for i in range(n)]
+
+    return {k: (pieces(v, layers[k]) if k in layers else v) for k, v in params.items()}
+
+
+def restack(g):
+    """A gradient split into its layers (a list) stacked again [n, ...]; any other as it is."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *g) if isinstance(g, list) else g
 
 
 def trailing(spec: P, full_ndim: int, ndim: int) -> P:

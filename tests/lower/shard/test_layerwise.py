@@ -73,6 +73,7 @@ def test_the_remat_policy_recomputes_fp8_values_it_would_otherwise_turn_to_nan()
     step on a mesh had a NaN loss). An fp8 product under the policy: loss and gradients bitwise those without remat,
     where `everything_saveable` gives NaN."""
     import jax
+    import jax.extend
     import jax.numpy as jnp
 
     from tessera.lower.reference import fp8
@@ -89,3 +90,50 @@ def test_the_remat_policy_recomputes_fp8_values_it_would_otherwise_turn_to_nan()
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
     nan = jax.jit(jax.value_and_grad(jax.checkpoint(f, policy=jax.checkpoint_policies.everything_saveable)))(w, x)
     assert jnp.isnan(nan[0])  # the jax behaviour the policy works around; if this fails, jax fixed it
+
+
+def test_split_cuts_whole_stacks_into_layers_and_restack_undoes_it():
+    stack = jnp.arange(24.0).reshape(4, 3, 2)
+    packed = {"codes": jnp.arange(8).reshape(4, 2), "scales": jnp.arange(4.0)}  # a pytree stacked alike
+    out = layerwise.split({"w": stack, "p": packed, "half": stack[:2], "shared": jnp.ones(3)},
+                          {"w": 4, "p": 4, "half": 4})
+    assert isinstance(out["w"], list) and len(out["w"]) == 4 and out["w"][2].shape == (3, 2)
+    np.testing.assert_array_equal(np.asarray(out["w"][3]), np.asarray(stack[3]))
+    assert np.asarray(out["p"][1]["codes"]).tolist() == [2, 3] and float(out["p"][1]["scales"]) == 1.0
+    assert not isinstance(out["half"], list)  # its layers dim split over a mesh: a block, split where it is read
+    assert out["shared"].shape == (3,)
+    np.testing.assert_array_equal(np.asarray(layerwise.restack(out["w"])), np.asarray(stack))
+    assert layerwise.restack(out["shared"]) is out["shared"]
+    held = layerwise.held(out["w"], out["w"])
+    assert len(held) == 4 and all(isinstance(h, layerwise.Held) for h in held)
+
+
+def test_the_deterministic_step_runs_no_layer_scan_in_its_shard_loop():
+    """One device's deterministic step reads each layer's weights as their own buffers (the layers unrolled over
+    split weights): no scan over stacked weights is left inside the canonical shards' loop."""
+    import jax
+    import jax.extend
+
+    from tessera.lower.program import compile_experiment
+    from tessera.run.optim import build_optimizer, current_lr
+
+    exp = load_experiment(ROOT / "specs/llama_tiny.yaml", overrides={"parallel.deterministic": True, "task.batch": 2,
+                                                                       "task.seq_len": 16})
+    prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
+    assert prog.deterministic_executor().unrolled
+    state = prog.init_train_state(prog.init(0))
+    batch = {k: np.zeros((2, 16), np.int32) for k in ("tokens", "targets")}
+
+    stacks = {tuple(v.shape) for k, v in prog.param_shapes().items() if k in prog.stacked()}
+
+    def eqns(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from eqns(sub)
+
+    every = list(eqns(jax.make_jaxpr(prog.train_step_fn())(state, batch).jaxpr))
+    prims = {e.primitive.name for e in every}
+    assert "while" in prims and "cond" in prims  # the shard loop; each layer fenced
+    scanned = [tuple(v.aval.shape) for e in every if e.primitive.name == "scan" for v in e.invars]
+    assert stacks and not stacks & set(scanned)  # no scan over the stacked weights (the embedding's own scan stays)
