@@ -16,7 +16,8 @@ rematerialised as the scan's body was and fenced (tessera/lower/fence.py: on the
 gradients came a bit apart on dp=2 and one device), so a GEMM reads its weight in place and each layer's gradient
 is its own buffer. On the CPU its one-device bits are the scan's for llama_tiny (fp32 and bf16) and gpt_oss_tiny in
 fp32 (gpt_oss_tiny in bf16 moved), and every mesh of the test suite is one device's bits. "scan" patches
-`Deterministic.unrolled` to False. Each variant is timed as `tessera run`'s bench task times `train_step`.
+`Deterministic.unrolled` to False. Each variant is timed as `tessera run`'s bench task times `train_step`; the
+peak device memory printed is the process's so far (run `--only scan` and `--only unrolled` apart to compare it).
 Not measured on a GPU yet (session 36 had no device time left): run this before anything else.
 """
 
@@ -73,8 +74,10 @@ def main(argv=None) -> int:
             loss = float(step())
         del holder[:]  # the state freed before the next variant compiles
         times[name] = t["median_s"]
+        stats = jax.devices()[0].memory_stats() or {}  # the process's peak so far: one variant a process (--only)
+        peak = f", peak {stats['peak_bytes_in_use'] / 2 ** 30:.1f} GiB" if "peak_bytes_in_use" in stats else ""
         print(f"{name:<12} {t['median_s'] * 1e3:8.2f} ms a step (spread {t['min_s'] * 1e3:.2f}-{t['max_s'] * 1e3:.2f}), "
-              f"compile {t['compile_s']:.1f} s, loss after {args.steps + 4} steps {loss:.6f}", flush=True)
+              f"compile {t['compile_s']:.1f} s, loss after {args.steps + 4} steps {loss:.6f}{peak}", flush=True)
     for name in names:
         print(f"{name:<12} {times[names[0]] / times[name]:5.3f}x {names[0]}", flush=True)
     return 0
