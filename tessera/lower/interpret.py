@@ -205,7 +205,9 @@ def split_layers(region: Region, params: dict) -> dict:
 def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | None, remat: str):
     """One `repeat` op on its carried inputs: a lax.scan over its stacked parameters (n / period steps),
     or with `ctx.unroll` its n layers one after another over per-layer parameters and states."""
-    if ctx.unroll:
+    # a train step unrolls only a stacked repeat whose parameters come split (deterministic mode's shard loop); a
+    # weight-shared recurrence (its one-step gradient included) or a stack left whole stays a scan
+    if ctx.unroll and (ctx.mode != "train" or (op.attrs.get("axis") is not None and not _stacked_paths(op, params))):
         return _eval_unrolled(op, ins, params, ctx, state, remat)
     if op.attrs.get("grad") == "last" and state is None:
         return _last_step_grad(op, ins, params, ctx, remat), None

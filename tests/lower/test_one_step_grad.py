@@ -94,15 +94,17 @@ def _close(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["train", "forward"])
-def test_repeat_gradient_is_one_step_at_the_stopped_state(tmp_path, mode):
+# unroll: as deterministic mode's shard loop lowers a train step (its stacked layers unrolled): a weight-shared
+# repeat stays a scan with its one-step gradient
+@pytest.mark.parametrize("mode,unroll", [("train", False), ("forward", False), ("train", True)])
+def test_repeat_gradient_is_one_step_at_the_stopped_state(tmp_path, mode, unroll):
     graph = _graph(tmp_path, REPEAT)
     params = _params(graph)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 4)), jnp.float32)
     probe = jnp.asarray(np.random.default_rng(2).standard_normal((5, 4)), jnp.float32)
 
     def run(p, x):
-        (h,), _ = eval_region(graph.body, [x], p, LowerCtx(mode=mode))
+        (h,), _ = eval_region(graph.body, [x], p, LowerCtx(mode=mode, unroll=unroll))
         return h
 
     np.testing.assert_allclose(run(params, x), _full(params, x, 4), rtol=1e-5, atol=1e-6)  # every step's value
