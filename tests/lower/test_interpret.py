@@ -78,4 +78,11 @@ def test_unrolled_repeat_refuses_stacked_parameters(tiny):
     prog, params = tiny
     tokens = jnp.zeros((1, 3), jnp.int32)
     with pytest.raises(ValueError, match="split_layers"):
-        eval_region(prog.graph.body, [tokens], params, LowerCtx(unroll=True))
+        eval_region(prog.graph.body, [tokens], params, LowerCtx(mode="forward", unroll=True))
+    # a train step (deterministic mode's shard loop) unrolls only a stack that comes split; one left whole stays a scan
+    (got,), _ = eval_region(prog.graph.body, [tokens], params, LowerCtx(mode="train", unroll=True))
+    (want,), _ = eval_region(prog.graph.body, [tokens], params, LowerCtx(mode="train"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    (split,), _ = eval_region(prog.graph.body, [tokens], split_layers(prog.graph.body, params),
+                              LowerCtx(mode="train", unroll=True))
+    np.testing.assert_allclose(np.asarray(split), np.asarray(want), rtol=1e-5, atol=1e-6)
