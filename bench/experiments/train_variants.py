@@ -43,28 +43,31 @@ VARIANTS = {
 }
 
 
-def main(argv=None) -> int:
+def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), description: str = __doc__) -> int:
+    """Time each of `variants` ({name: patches}) on the spec with `overrides` before the person's `--set`s; other
+    experiments (det_unrolled) call it with their own. The peak device memory printed is the process's so far: one
+    variant a process (`--only`) to compare it."""
     from tessera.lower import program
     from tessera.lower.program import compile_experiment
     from tessera.run.optim import build_optimizer, current_lr
     from tessera.run.tasks.bench import time_calls
     from tessera.spec import load_experiment
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description.splitlines()[0])
     ap.add_argument("--spec", default="specs/bench/llama_1b_train.yaml")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--only", default=None)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
-    names = args.only.split(",") if args.only else list(VARIANTS)
-    exp = load_experiment(args.spec, args.set)
+    names = args.only.split(",") if args.only else list(variants)
+    exp = load_experiment(args.spec, [*overrides, *args.set])
     b, s = int(exp.task.batch), int(exp.task.seq_len)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.spec} {args.set}, batch {b} x {s}", flush=True)
     tokens = np.random.default_rng(0).integers(0, compile_experiment(exp).vocab, (b, s), dtype=np.int32)
     batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": np.ones((b, s), np.float32)}
     times = {}
     for name in names:
-        with patched(VARIANTS[name]):
+        with patched(variants[name]):
             program._PROGRAMS.clear()  # a Program of its own: programs are cached on the spec's hash
             prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)  # as `tessera run`
             holder = [prog.init_train_state(prog.init(0))]
@@ -74,14 +77,15 @@ def main(argv=None) -> int:
                 return m["loss"]
 
             t = time_calls(step, 2, args.steps)
-        loss = float(step())
+            loss = float(step())
         del holder[:]  # the state freed before the next variant compiles
         times[name] = t["median_s"]
+        stats = jax.devices()[0].memory_stats() or {}
+        peak = f", peak {stats['peak_bytes_in_use'] / 2 ** 30:.1f} GiB" if "peak_bytes_in_use" in stats else ""
         print(f"{name:<24} {t['median_s'] * 1e3:8.2f} ms a step (spread {t['min_s'] * 1e3:.2f}-{t['max_s'] * 1e3:.2f}), "
-              f"compile {t['compile_s']:.1f} s, loss after {args.steps + 4} steps {loss:.4f}", flush=True)
-    first = times[names[0]]
+              f"compile {t['compile_s']:.1f} s, loss after {args.steps + 4} steps {loss:.6f}{peak}", flush=True)
     for name in names:
-        print(f"{name:<24} {first / times[name]:5.3f}x {names[0]}", flush=True)
+        print(f"{name:<24} {times[names[0]] / times[name]:5.3f}x {names[0]}", flush=True)
     return 0
 
 
