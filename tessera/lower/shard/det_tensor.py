@@ -35,7 +35,7 @@ from tessera.lower import precast
 from tessera.lower.fence import fenced
 from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
-from tessera.lower.shard.deterministic import opaque_map, ordered_sum, tree_sum
+from tessera.lower.shard.deterministic import opaque_map, ordered_sum, shards_summed, tree_sum
 
 
 def _across(x, axes: tuple):
@@ -284,9 +284,7 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     local = {k: mine(v) for k, v in batch.items() if v is not None}
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(held, sh), local, m)
-    # the levels above the devices (each layer's own where split, then stacked again)
-    grads = {k: layerwise.restack(layerwise.each(lambda x, k=k: tree_sum(x.astype(params[k].dtype)), g))
-             for k, g in grads.items()}
+    grads = shards_summed(grads, {k: v.dtype for k, v in params.items()})  # the levels above the devices
     if D:
         sums, counts = (layerwise.canonical_order(jax.lax.all_gather(a, D, axis=0, tiled=True), n_d, m)
                         for a in (sums, counts))

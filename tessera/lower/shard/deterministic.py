@@ -67,6 +67,13 @@ def token_sum(x):
     return tree_sum(x.reshape(-1))
 
 
+def shards_summed(grads: dict, widths: dict) -> dict:
+    """Each path's per-shard gradients [m, ...] (a list of them, one a layer, where the shard loop read the weights
+    split into their layers) widened to `widths[path]` and tree-summed over the m shards, stacked again."""
+    return {k: layerwise.restack(layerwise.each(lambda x, k=k: tree_sum(x.astype(widths[k])), g))
+            for k, g in grads.items()}
+
+
 def ordered_sum(x, axes: tuple):
     """The sum over the n devices of `axes` of each one's x, added in one fixed balanced binary tree in device
     order (tree_sum over [x of device 0, ..., x of device n-1]), on every device. Each device sends the others its
@@ -456,9 +463,7 @@ class Deterministic:
         local = layerwise.interleaved(batch, self.axes, n, m)
         (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
         grads, amaxes = fp8_delayed.split(grads, history)
-        # the levels above the devices (each layer's own where split, then stacked again)
-        grads = {k: layerwise.restack(layerwise.each(lambda x, k=k: tree_sum(x.astype(params[k].dtype)), g))
-                 for k, g in grads.items()}
+        grads = shards_summed(grads, {k: v.dtype for k, v in params.items()})  # the levels above the devices
         gathered = self._gathered((sums, counts, terms, amaxes))
         sums, counts, terms, amaxes = jax.tree.map(lambda a: layerwise.canonical_order(a, n, m), gathered)
         return grads, sums, counts, terms, amaxes
