@@ -243,6 +243,15 @@ def test_deterministic_training_on_a_mesh_is_planned_as_compiled():
     assert c["ours_bytes"] == mem["total"]  # the compile's "ours" counts as the plan does
 
 
+def test_deterministic_dp_is_planned_as_compiled():
+    """dp=8 runs one canonical shard a device, then sums the whole gradients across the devices (`ordered_sum`): four
+    gradients at once (the plan counted the shard loop's two, 0.77 of the compiled step)."""
+    plan = _plan_llama_on("mesh.dp=8", "model.args.layers=8", "parallel.remat=dots")
+    c, mem = plan["compile"], plan["memory_per_device"]
+    assert c["status"] == "ok" and mem["gradients"] == 4 * plan["params"]["bytes"]
+    assert abs(mem["total"] / c["compiler_bytes"]["total"] - 1) < 0.10, (mem, c["compiler_bytes"])
+
+
 def test_deterministic_pp_is_planned_as_compiled():
     """Deterministic training on pp=2 x dp=4 with stages of 4 layers: the pipelined step (each stage's layers, the
     other axis a data axis over the canonical shards: tessera/lower/shard/det_pipeline.py) is counted within 10 % of

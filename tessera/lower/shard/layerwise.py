@@ -301,7 +301,7 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
     return jax.lax.all_gather(sums, tuple(order), axis=0, tiled=True) if order else sums
 
 
-def planned_bytes(held: list[dict], m: int) -> dict[str, float]:
+def planned_bytes(held: list[dict], m: int, devices: int = 1) -> dict[str, float]:
     """Per-device bytes the per-layer step holds besides each device's blocks of the parameters and optimizer state,
     for `tessera plan`. `held`: per parameter {numel, block (elements a device holds), wide and narrow (bytes an
     element, narrow 0 where none), at_use, layers (its stack's depth, 1 if not stacked)}; m: canonical shards a
@@ -311,13 +311,20 @@ def planned_bytes(held: list[dict], m: int) -> dict[str, float]:
     fenced layer's forward returned a copy of its gathered weights as residuals; since it hands them on in place
     this count came to 0.98-1.07 of the compiled steps' bytes for llama_tiny at d_model 256 on the CPU (fsdp=8
     with and without remat, pp=2 x dp=4, tp=2 x fsdp=4), 0.86-1.04 with 2. Gradients: each iteration's summed
-    blocks and their tree sum."""
-    params = grads = 0.0
+    blocks and their tree sum; a parameter every one of `devices` (> 1) holds whole is summed across them in
+    `ordered_sum` after the shard loop, which holds four of its gradients (the device's sum, the all-to-all's
+    pieces in and out, the gathered sum) where fewer than three shards ran: on dp=4 and dp=8 (m = 2 and 1) llama_tiny
+    compiled to the same 114.4 MB of temporaries, four gradients, where m + 1 counted two or three."""
+    params = grads = replicated = 0.0
     for p in held:
         params += p["block"] * p["narrow"]
         if not p["at_use"]:
             params += p["numel"] * (p["narrow"] or p["wide"])
-        grads += (m + 1) * p["block"] * p["wide"]
+        if devices > 1 and p["block"] == p["numel"]:
+            replicated += p["block"] * p["wide"]
+        else:
+            grads += (m + 1) * p["block"] * p["wide"]
+    grads += max(m + 1, 4) * replicated
     layer = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
     single = max((p["numel"] * 4.0 for p in held if p["at_use"] and p["layers"] == 1), default=0.0)
     return {"params": params + 2.5 * max(layer, single), "gradients": grads}

@@ -64,7 +64,12 @@ def test_the_plan_counts_gathered_layers_and_gradient_blocks():
             {"numel": 80, "block": 10, "wide": 4, "narrow": 0, "at_use": False, "layers": 1}]
     got = layerwise.planned_bytes(held, m=2)
     assert got["gradients"] == 3 * (100 * 4 + 10 * 4)  # each iteration's blocks and their sum
-    assert got["params"] == 100 * 2 + 80 * 4 + 3 * (800 * 4 / 8)  # narrow blocks, the tied whole, a layer
+    assert got["params"] == 100 * 2 + 80 * 4 + 2.5 * (800 * 4 / 8)  # narrow blocks, the tied whole, a layer
+    # held whole on each of 4 devices: the cross-device sum's four gradients where fewer than three shards ran
+    whole = [{"numel": 80, "block": 80, "wide": 4, "narrow": 0, "at_use": False, "layers": 1}]
+    assert layerwise.planned_bytes(whole, m=1, devices=4)["gradients"] == 4 * 80 * 4
+    assert layerwise.planned_bytes(whole, m=8, devices=4)["gradients"] == 9 * 80 * 4
+    assert layerwise.planned_bytes(whole, m=1)["gradients"] == 2 * 80 * 4  # one device: no exchange
 
 
 def test_the_remat_policy_recomputes_fp8_values_it_would_otherwise_turn_to_nan():
