@@ -210,7 +210,7 @@ def pipelined_grads(det, layout: Layout, params: dict, history, batch: dict, c: 
     if D or tensor is not None:
         gather = det_tensor.gathers(det, tensor, D)
         hooks = {k: (lambda held, k=k: gather(k, held)) for k in stacked}
-    unroll = det.unrolled  # each stage's layers unrolled over weights split once here (layerwise.py)
+    unroll = det.unrolls(c)  # each stage's layers unrolled over weights split once here (layerwise.py)
     ctx = prog.lower_ctx(mode="train", param_use=hooks, layer_remat=layerwise.saveable_but_gathers if hooks else None,
                          unroll=unroll, **det_tensor.device_chunks(tensor))
     local_n = _split_body(prog.graph.body)[1].attrs["n"] // S

@@ -257,7 +257,7 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
     specs, sizes, D = det.param_specs, dict(det.mesh.shape), layout.data_axes
     n_d = math.prod(sizes[a] for a in D)
     m = c // n_d
-    cast, held, unroll = precast.cast(params, narrow), params, det.unrolled
+    cast, held, unroll = precast.cast(params, narrow), params, det.unrolls(c)
     if unroll:  # each layer's weights their own buffers, split once here (layerwise.py)
         cast, held = (layerwise.split(t, det.stacked) for t in (cast, params))
 

@@ -148,6 +148,9 @@ def _per_spec(fn, specs, tree):
                         is_leaf=lambda s: isinstance(s, P))
 
 
+UNROLL_FROM = 4  # canonical shards from which the shard loop runs the layers unrolled (`Deterministic.unrolls`)
+
+
 class Deterministic:
     """The deterministic loss and train step of a program on its plan's mesh (one device included)."""
 
@@ -167,12 +170,15 @@ class Deterministic:
         """{path: layers} of the parameters the model's repeat holds stacked."""
         return stacked_layers(self.prog.graph.body, self.prog.param_shapes())
 
-    @functools.cached_property
-    def unrolled(self) -> bool:
-        """Whether the per-layer step's shard loop runs the layers unrolled over weights split into their layers
-        before it (layerwise.py), on every mesh alike: all but delayed fp8 scaling, whose amax histories ride
-        stacked beside their weights through the layer scan."""
-        return not str(self.prog.graph.attrs.get("fp8") or "").startswith("delayed")
+    def unrolls(self, c: int) -> bool:
+        """Whether the per-layer step's shard loop over C canonical shards runs the layers unrolled over weights
+        split into their layers before it (layerwise.py) rather than as the layer scan, on every mesh alike (C, not
+        a device's share of it, decides). The scan copies each layer's slice of the stacked weights in every shard
+        (C copies of the weights a step); unrolled pays one split of the weights and one restacking of the
+        gradients. Measured on one H100 (bench/experiments/det_unrolled.py): Llama-1B at C = 8 410.1 -> 382.0 ms,
+        GPT-OSS-20B's layers at C = 2 170.3 -> 179.3 ms; so from `UNROLL_FROM` shards. Never under delayed fp8
+        scaling, whose amax histories ride stacked beside their weights through the layer scan."""
+        return c >= UNROLL_FROM and not str(self.prog.graph.attrs.get("fp8") or "").startswith("delayed")
 
     def _precast(self, fn, params: dict, batch: dict, c: int) -> dict:
         """params with those whose only use in one shard's fn(params, shard) is a single narrowing cast already cast
@@ -267,7 +273,7 @@ class Deterministic:
 
         def body(params, batch):
             if self._per_layer(c):  # each parameter gathered where its layer reads it, as the train step does
-                tokens, unroll = batch["tokens"], self.unrolled
+                tokens, unroll = batch["tokens"], self.unrolls(c)
                 narrow = self.precast_types(tokens.shape[0] * self.devices, tokens.shape[1])
                 cast, hooks, held = precast.cast(params, narrow), None, params
                 if unroll:
@@ -444,7 +450,7 @@ class Deterministic:
         n, m = self.devices, c // self.devices
         # One device: the gradient is taken at the parameters as the shard loop reads them (the narrow copy where
         # precast.py finds one, widened at the tree). A mesh: at the held blocks, through each gather's VJP.
-        one, unroll = not self.axes, self.unrolled
+        one, unroll = not self.axes, self.unrolls(c)
         cast = precast.cast(params, narrow)
         diff = cast if one else params
         if unroll:  # each layer's weights their own buffers, split once here (layerwise.py)

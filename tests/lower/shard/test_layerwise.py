@@ -8,6 +8,7 @@ import types
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from tessera.lower.interpret import stacked_layers
@@ -113,21 +114,25 @@ def test_split_cuts_whole_stacks_into_layers_and_restack_undoes_it():
     assert len(held) == 4 and all(isinstance(h, layerwise.Held) for h in held)
 
 
-def test_the_deterministic_step_runs_no_layer_scan_in_its_shard_loop():
-    """One device's deterministic step reads each layer's weights as their own buffers (the layers unrolled over
-    split weights): no scan over stacked weights is left inside the canonical shards' loop."""
+@pytest.mark.parametrize("shards", [4, 2])
+def test_the_deterministic_step_runs_no_layer_scan_in_its_shard_loop(shards):
+    """One device's deterministic step over C >= UNROLL_FROM canonical shards reads each layer's weights as their
+    own buffers (the layers unrolled over split weights): no scan over stacked weights is left inside the canonical
+    shards' loop. Under it, the layer scan (its per-shard weight copies cost less than a split and a restacking)."""
     import jax
     import jax.extend
 
     from tessera.lower.program import compile_experiment
+    from tessera.lower.shard.deterministic import UNROLL_FROM
     from tessera.run.optim import build_optimizer, current_lr
 
-    exp = load_experiment(ROOT / "specs/llama_tiny.yaml", overrides={"parallel.deterministic": True, "task.batch": 2,
-                                                                       "task.seq_len": 16})
+    exp = load_experiment(ROOT / "specs/llama_tiny.yaml", overrides={
+        "parallel.deterministic": True, "task.batch": shards, "task.seq_len": 16, "parallel.canonical_shards": shards})
     prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
-    assert prog.deterministic_executor().unrolled
+    unrolled = shards >= UNROLL_FROM
+    assert prog.deterministic_executor().unrolls(shards) is unrolled
     state = prog.init_train_state(prog.init(0))
-    batch = {k: np.zeros((2, 16), np.int32) for k in ("tokens", "targets")}
+    batch = {k: np.zeros((shards, 16), np.int32) for k in ("tokens", "targets")}
 
     stacks = {tuple(v.shape) for k, v in prog.param_shapes().items() if k in prog.stacked()}
 
@@ -139,6 +144,6 @@ def test_the_deterministic_step_runs_no_layer_scan_in_its_shard_loop():
 
     every = list(eqns(jax.make_jaxpr(prog.train_step_fn())(state, batch).jaxpr))
     prims = {e.primitive.name for e in every}
-    assert "while" in prims and "cond" in prims  # the shard loop; each layer fenced
+    assert "while" in prims and "cond" in prims  # the shard loop; each layer fenced (or the embedding and head)
     scanned = [tuple(v.aval.shape) for e in every if e.primitive.name == "scan" for v in e.invars]
-    assert stacks and not stacks & set(scanned)  # no scan over the stacked weights (the embedding's own scan stays)
+    assert stacks and bool(stacks & set(scanned)) is not unrolled  # the embedding's own scan stays either way
