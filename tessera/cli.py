@@ -103,14 +103,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     """Re-run a manifest's spec and say whether every number is bit-identical."""
     import json
-    import types
     from pathlib import Path
 
-    try:  # only its parallel.deterministic matters here; replay itself reports an unreadable manifest
-        parallel = json.loads(Path(args.manifest).read_text())["spec"].get("parallel") or {}
-        _before_jax(types.SimpleNamespace(parallel=types.SimpleNamespace(
-            deterministic=bool(parallel.get("deterministic", True)))))
-    except (OSError, ValueError, KeyError, AttributeError):
+    from tessera.run.environment import recorded_settings
+
+    try:  # deterministic mode and whether the task trains; replay itself reports an unreadable manifest
+        _before_jax(recorded_settings(json.loads(Path(args.manifest).read_text())["spec"]))
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         pass
     from tessera.run.replay import replay_command
 

@@ -82,6 +82,17 @@ def request_deterministic_kernels(exp) -> None:
     os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)
 
 
+def recorded_settings(spec: dict):
+    """What `request_deterministic_kernels` reads (parallel.deterministic, the task's kind and what it times) from a
+    manifest's recorded spec, so `tessera replay` settles the process as the run it replays did, before JAX starts
+    and without loading the spec's files."""
+    from types import SimpleNamespace
+
+    parallel, task = spec.get("parallel") or {}, spec.get("task") or {}
+    return SimpleNamespace(parallel=SimpleNamespace(deterministic=bool(parallel.get("deterministic", True))),
+                           task=SimpleNamespace(kind=task.get("kind"), what=tuple(task.get("what") or ())))
+
+
 # ---- where compiled programs and kernel choices are kept ---------------------------------------------------------
 
 OFF = ("off", "0", "false", "no")

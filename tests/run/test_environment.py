@@ -10,6 +10,7 @@ import pytest
 from tessera.run.environment import (
     DETERMINISTIC_TRAIN_XLA_FLAGS,
     DETERMINISTIC_XLA_FLAGS,
+    recorded_settings,
     request_deterministic_kernels,
 )
 from tessera.spec import load_experiment
@@ -50,3 +51,15 @@ def test_the_persons_dot_merger_setting_wins(monkeypatch):
     mine = f"{MERGER}=64"
     flags = _flags(monkeypatch, ["parallel.deterministic=true", "task.kind=train"], flags=mine).split()
     assert mine in flags and DETERMINISTIC_TRAIN_XLA_FLAGS[0] not in flags
+
+
+@pytest.mark.parametrize("overrides", [["task.kind=train"], ["task.kind=bench", "task.what=[forward, train_step]"],
+                                       ["task.kind=generate", "task.prompts=[hi]"], ["parallel.deterministic=false"]])
+def test_replay_settles_the_process_as_the_run_it_replays(monkeypatch, overrides):
+    """`tessera replay` reads the manifest's recorded spec (resolved, as the manifest keeps it) before JAX starts:
+    the same XLA flags as the run had, the dot-merger one included where it trained."""
+    exp = load_experiment("specs/llama_tiny.yaml", ["parallel.deterministic=true", *overrides])
+    ran = _flags(monkeypatch, ["parallel.deterministic=true", *overrides])
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    request_deterministic_kernels(recorded_settings(exp.resolved()))
+    assert os.environ.get("XLA_FLAGS", "") == ran
