@@ -27,18 +27,18 @@ STORE = ROOT / ".commits"
 TREES = ("tessera", "specs", "models")
 
 
-def export(commits: list[str]) -> list[Path]:
-    """Each commit's TREES under STORE/<short hash>/, in order (STORE/ORDER lists them)."""
+def export(commits: list[str], store: Path = STORE) -> list[Path]:
+    """Each commit's TREES under store/<short hash>/, in order (store/ORDER lists them)."""
     done = []
     for commit in commits:
         short = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT, check=True, capture_output=True,
                                text=True).stdout.strip()
-        where = STORE / short
+        where = store / short
         where.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "archive", short, *TREES], cwd=ROOT, check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
         done.append(where)
-    (STORE / "ORDER").write_text("".join(f"{p.name}\n" for p in done))
+    (store / "ORDER").write_text("".join(f"{p.name}\n" for p in done))
     return done
 
 

@@ -309,3 +309,20 @@ def test_scaling_configurations_never_share_a_run_directory():
     assert det != fast and len(det) < 120 and det.startswith("gpt_oss_tiny-task_steps20")
     assert run_tag("specs/x.yaml", ["mesh.dp=2"]) == "x-mesh_dp2"
     assert run_tag("specs/x.yaml", [], attempt=2) == "x-base-again2"
+
+
+def test_across_commits_exports_a_commits_own_trees(tmp_path):
+    """`bench.across_commits export` writes the commit's tessera/, specs/ and models/ as that commit holds them (git
+    archive: a file edited since is the commit's there), and ORDER lists what it wrote."""
+    import subprocess
+
+    from bench import across_commits
+
+    root = across_commits.ROOT
+    (tree,) = across_commits.export(["HEAD"], store=tmp_path)
+    assert (tmp_path / "ORDER").read_text().split() == [tree.name]
+    assert (tree / "specs" / "llama_tiny.yaml").is_file() and (tree / "models" / "llama.tsl").is_file()
+    assert not (tree / "tests").exists()
+    head = subprocess.run(["git", "show", "HEAD:tessera/cli.py"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout
+    assert (tree / "tessera" / "cli.py").read_text() == head
