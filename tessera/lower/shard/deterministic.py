@@ -116,8 +116,11 @@ def opaque_map(fn, xs, n: int):
     first = jax.tree.map(lambda a: a[0], xs)
     fn = jax.jit(fn)  # traced once: the loop's body below reuses the trace that gives the shapes (XLA inlines it)
     shapes = jax.eval_shape(fn, first)
-    # one spare row: slicing row i is then never the whole array, which XLA would hoist out of the loop
-    xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0), xs)
+    # A loop of one gets a spare row: slicing row i is then never the whole array, which XLA would hoist out of
+    # the loop. Only then: the concatenation copies xs, which for the canonical norm's chunks is every gradient
+    # (GPT-OSS-20B's two layers: 4.2 G elements a step).
+    if n == 1:
+        xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0), xs)
     init = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), shapes)
 
     def body(i, acc):
@@ -497,14 +500,15 @@ class Deterministic:
             if grads is not None:
                 grads = normalised(grads, count)
                 metrics["grad_norm"] = optax.tree.norm(grads)
-                metrics["finite"] = loss_scale.all_finite_of(grads)
+                metrics["finite"] = None if ls is None else loss_scale.all_finite_of(grads)
             return count, metrics, amaxes
 
         count, metrics, amaxes = fenced(reduce, grads, sums, counts, terms, amaxes)
         if grads is not None:
             blocks = {k: local_block(g, specs[k]) for k, g in grads.items()}
         else:
-            metrics["grad_norm"], metrics["finite"] = self._canonical_norm(normalised(blocks, count), c)
+            metrics["grad_norm"], metrics["finite"] = self._canonical_norm(normalised(blocks, count), c,
+                                                                           finite=ls is not None)
         finite = metrics.pop("finite")
 
         def update(blocks, count, norm, finite, amaxes, opt, params):
@@ -522,11 +526,12 @@ class Deterministic:
         new, opt, extra = fenced(update, blocks, count, metrics["grad_norm"], finite, amaxes, opt, params)
         return new, opt, {**metrics, **extra}
 
-    def _canonical_norm(self, blocks: dict, c: int):
+    def _canonical_norm(self, blocks: dict, c: int, finite: bool = True):
         """(the global norm, whether every element is finite) of gradients held in blocks, the same bits on every
         mesh: each tensor's C canonical chunks' sums of squares (layerwise.canonical_square_sums; a tensor no dim of
         which C divides is gathered whole and summed once), tree-summed per tensor, then over the tensors in path
-        order. Finiteness is a min over the devices (exact)."""
+        order. Finiteness is a min over the devices (exact); None unless `finite` (only loss scaling reads it: the
+        test reads every gradient once more)."""
         sizes, per = dict(self.mesh.shape), []
         for k in sorted(blocks):
             g, shape = blocks[k], self.whole_shapes[k]
@@ -536,10 +541,12 @@ class Deterministic:
                 sq = opaque_map(lambda w: jnp.sum(w * w), whole[None], 1)
             per.append(tree_sum(sq))
         norm = jnp.sqrt(tree_sum(jnp.stack(per)))
-        finite = loss_scale.all_finite_of(blocks).astype(jnp.int32)
+        if not finite:
+            return norm, None
+        every = loss_scale.all_finite_of(blocks).astype(jnp.int32)
         if self.axes:
-            finite = jax.lax.pmin(finite, self.axes)
-        return norm, finite.astype(bool)
+            every = jax.lax.pmin(every, self.axes)
+        return norm, every.astype(bool)
 
     def _mean_loss_fn(self, batch: dict, c: int):
         """The mean loss at whole params, differentiable: L-BFGS's line search takes values and gradients of it
