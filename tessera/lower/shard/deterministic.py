@@ -489,8 +489,11 @@ class Deterministic:
         prog, specs = self.prog, self.param_specs
 
         def normalised(grads, count):
-            grads = {k: g / count for k, g in grads.items()}
-            return grads if ls is None else {k: g / ls.scale for k, g in grads.items()}
+            return {k: one(g, count) for k, g in grads.items()}
+
+        def one(g, count):  # a gradient as the optimizer reads it: the shards' mean, unscaled
+            g = g / count
+            return g if ls is None else g / ls.scale
 
         def reduce(grads, sums, counts, terms, amaxes):
             count = jnp.maximum(tree_sum(counts), 1.0)
@@ -507,7 +510,7 @@ class Deterministic:
         if grads is not None:
             blocks = {k: local_block(g, specs[k]) for k, g in grads.items()}
         else:
-            metrics["grad_norm"], metrics["finite"] = self._canonical_norm(normalised(blocks, count), c,
+            metrics["grad_norm"], metrics["finite"] = self._canonical_norm(blocks, c, lambda g: one(g, count),
                                                                            finite=ls is not None)
         finite = metrics.pop("finite")
 
@@ -526,24 +529,27 @@ class Deterministic:
         new, opt, extra = fenced(update, blocks, count, metrics["grad_norm"], finite, amaxes, opt, params)
         return new, opt, {**metrics, **extra}
 
-    def _canonical_norm(self, blocks: dict, c: int, finite: bool = True):
+    def _canonical_norm(self, blocks: dict, c: int, prep=None, finite: bool = True):
         """(the global norm, whether every element is finite) of gradients held in blocks, the same bits on every
         mesh: each tensor's C canonical chunks' sums of squares (layerwise.canonical_square_sums; a tensor no dim of
         which C divides is gathered whole and summed once), tree-summed per tensor, then over the tensors in path
         order. Finiteness is a min over the devices (exact); None unless `finite` (only loss scaling reads it: the
-        test reads every gradient once more)."""
+        test reads every gradient once more). `prep` (elementwise: the mean over the shards, unscaled) is applied
+        inside each chunk's reduction: applied before, its result was every gradient written once more as the
+        chunk loop's input."""
+        prep = prep or (lambda g: g)
         sizes, per = dict(self.mesh.shape), []
         for k in sorted(blocks):
             g, shape = blocks[k], self.whole_shapes[k]
-            sq = layerwise.canonical_square_sums(g, self.param_specs[k], shape, c, sizes)
+            sq = layerwise.canonical_square_sums(g, self.param_specs[k], shape, c, sizes, prep)
             if sq is None:
-                whole = gather_full(g, self.param_specs[k]).astype(jnp.float32)
-                sq = opaque_map(lambda w: jnp.sum(w * w), whole[None], 1)
+                whole = gather_full(g, self.param_specs[k])
+                sq = opaque_map(lambda w: layerwise.square_sum(prep(w)), whole[None], 1)
             per.append(tree_sum(sq))
         norm = jnp.sqrt(tree_sum(jnp.stack(per)))
         if not finite:
             return norm, None
-        every = loss_scale.all_finite_of(blocks).astype(jnp.int32)
+        every = loss_scale.all_finite_of({k: prep(g) for k, g in blocks.items()}).astype(jnp.int32)
         if self.axes:
             every = jax.lax.pmin(every, self.axes)
         return norm, every.astype(bool)

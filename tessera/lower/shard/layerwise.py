@@ -278,11 +278,19 @@ def _chunk_dim(shape: tuple[int, ...], k: int) -> int | None:
     return next((i for i, s in enumerate(shape) if s % k == 0), None)
 
 
-def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes: dict[str, int]):
+def square_sum(x):
+    """The fp32 sum of squares of x: a canonical chunk's share of the global norm."""
+    x = x.astype(jnp.float32)
+    return jnp.sum(x * x)
+
+
+def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes: dict[str, int], prep=None):
     """[k] fp32: the sums of squares of a gradient's k canonical chunks (its whole `shape` cut along the first dim k
     divides), from this device's block, on every device: the block is moved so this device holds whole chunks (an
     all-to-all per split dim: exact), each chunk is reduced by the same compiled loop body whatever the mesh
-    (`opaque_map`), and the k sums are gathered in chunk order. None when no dim of `shape` divides by k."""
+    (`opaque_map`), and the k sums are gathered in chunk order. `prep`: an elementwise function of the gradient
+    applied inside each chunk's reduction (the chunk loop's input is then the block itself). None when no dim of
+    `shape` divides by k."""
     from tessera.lower.shard.deterministic import opaque_map
 
     j = _chunk_dim(shape, k)
@@ -290,14 +298,15 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
         return None
     entries = [(i, _entry_axes(e)) for i, e in enumerate(spec) if e is not None]
     entries.sort(key=lambda e: e[0] != j)  # j's own split first: the chunk index is row-major over the moves
-    x, order = block.astype(jnp.float32), []
+    prep = prep or (lambda g: g)
+    x, order = block, []
     for i, names in entries:
         if i != j:
             x = jax.lax.all_to_all(x, names, j, i, tiled=True)
         order += list(names)
     mine = k // math.prod(sizes[a] for a in order) if order else k
     chunks = jnp.moveaxis(x, j, 0).reshape((mine, shape[j] // k) + tuple(s for i, s in enumerate(x.shape) if i != j))
-    sums = opaque_map(lambda c: jnp.sum(c * c), chunks, mine)
+    sums = opaque_map(lambda c: square_sum(prep(c)), chunks, mine)
     return jax.lax.all_gather(sums, tuple(order), axis=0, tiled=True) if order else sums
 
 
