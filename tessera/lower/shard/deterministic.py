@@ -116,9 +116,8 @@ def opaque_map(fn, xs, n: int):
     first = jax.tree.map(lambda a: a[0], xs)
     fn = jax.jit(fn)  # traced once: the loop's body below reuses the trace that gives the shapes (XLA inlines it)
     shapes = jax.eval_shape(fn, first)
-    # A loop of one gets a spare row: slicing row i is then never the whole array, which XLA would hoist out of
-    # the loop. Only then: the concatenation copies xs, which for the canonical norm's chunks is every gradient
-    # (GPT-OSS-20B's two layers: 4.2 G elements a step).
+    # a loop of one gets a spare row (its row i is then not the whole array, which XLA would hoist out of the
+    # loop); only it: the copy, for the canonical norm's chunks, is of every gradient (4.2 G elements, 20b layers)
     if n == 1:
         xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0), xs)
     init = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), shapes)
