@@ -532,8 +532,8 @@ class Deterministic:
         """(the global norm, whether every element is finite) of gradients held in blocks, the same bits on every
         mesh: each tensor's C canonical chunks' sums of squares (layerwise.canonical_square_sums; a tensor no dim of
         which C divides is gathered whole and summed once), tree-summed per tensor, then over the tensors in path
-        order. Finiteness is a min over the devices (exact); None unless `finite` (only loss scaling reads it: the
-        test reads every gradient once more). `prep` (elementwise: the mean over the shards, unscaled) is applied
+        order. Finiteness is a min over the devices (exact); None unless `finite` (only loss scaling reads it, and the
+        check reads every gradient once more). `prep` (elementwise: the mean over the shards, unscaled) is applied
         inside each chunk's reduction: applied before, its result was every gradient written once more as the
         chunk loop's input."""
         prep = prep or (lambda g: g)
