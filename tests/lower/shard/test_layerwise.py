@@ -147,3 +147,20 @@ def test_the_deterministic_step_runs_no_layer_scan_in_its_shard_loop(shards):
     assert "while" in prims and "cond" in prims  # the shard loop; each layer fenced (or the embedding and head)
     scanned = [tuple(v.aval.shape) for e in every if e.primitive.name == "scan" for v in e.invars]
     assert stacks and bool(stacks & set(scanned)) is not unrolled  # the embedding's own scan stays either way
+
+
+def test_the_deterministic_step_copies_no_gradient_for_its_norm_and_tests_none_unscaled():
+    """The canonical norm's chunk loop reads the gradients in place (opaque_map's spare row only for a loop of one:
+    for any count it had copied every gradient each step) and, with no loss scaling, nothing tests every gradient
+    for finiteness (only loss scaling reads it)."""
+    from bench.experiments.step_primitives import elements, equations, step_jaxpr, where_made
+
+    eqns = list(equations(step_jaxpr(str(ROOT / "specs/llama_tiny.yaml"), ["parallel.deterministic=true"])))
+    copied = [e for e in eqns if e.primitive.name == "concatenate" and "opaque_map" in where_made(e)
+              and elements(e) > 1024]
+    tested = [e for e in eqns if e.primitive.name == "is_finite" and "all_finite_of" in where_made(e)]
+    assert any("opaque_map" in where_made(e) for e in eqns)  # the chunk loops are there
+    assert not copied and not tested
+    scaled = list(equations(step_jaxpr(str(ROOT / "specs/llama_tiny.yaml"),
+                                       ["parallel.deterministic=true", "numerics.loss_scale=dynamic"])))
+    assert any(e.primitive.name == "is_finite" and "all_finite_of" in where_made(e) for e in scaled)
