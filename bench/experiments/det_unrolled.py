@@ -28,12 +28,10 @@ as well (`--xla_gpu_dot_merger_threshold_mb=0`, now deterministic training's fla
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from tessera.run.environment import request_deterministic_kernels
+from tessera.run.environment import recorded_settings, request_deterministic_kernels
 
 # deterministic mode's XLA flags for a task that trains (as `tessera run` sets them), before JAX starts
-request_deterministic_kernels(SimpleNamespace(task=SimpleNamespace(kind="train")))
+request_deterministic_kernels(recorded_settings({"task": {"kind": "train"}}))
 
 from bench.experiments import train_variants  # noqa: E402 (it sets the allocator and imports JAX)
 from tessera.lower.shard import deterministic  # noqa: E402

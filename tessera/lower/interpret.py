@@ -222,7 +222,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
         it, layer_params, layer_state = xs
         new_states = []
         inner = ctx if ctx.aux is None else ctx.replace(aux={})  # counters leave the scan as its outputs
-        layers = {path: _unstacked(v, p) for path, v in layer_params.items()}
+        layers = {path: unstacked(v, p) for path, v in layer_params.items()}
         for j in range(p):
             here = dict(shared)
             here.update({path: v[j] for path, v in layers.items()})
@@ -233,10 +233,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
             new_states.append(st)
         return carry, ((None if layer_state is None else new_states), inner.aux)
 
-    if ctx.mode == "train" and remat in REMAT_POLICIES:
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    elif ctx.mode == "train" and ctx.layer_remat is not None:
-        body = jax.checkpoint(body, policy=ctx.layer_remat, prevent_cse=False)
+    body = _rematerialised(body, ctx, remat)
     xs = (jnp.arange(n // p, dtype=jnp.int32), xs_params, state)
     carry, (new_state, aux) = jax.lax.scan(body, tuple(ins), xs, unroll=bool(ctx.scan_unroll))
     for name, per_step in (aux or {}).items():
@@ -244,15 +241,23 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     return list(carry), new_state
 
 
-def _unstacked(tree, p: int) -> list:
-    """The p layers of a period's stacked parameter (a pytree of [p, ...] arrays: MXFP4's codes and scales), split
-    rather than indexed: the gradient of `a[j]` is a zero-padded [p, ...] buffer per layer, and the p of them are
-    added (GPT-OSS, period 2: 3.3 G padded elements a 20b-layers step's jaxpr), where a split's gradient is one
+def _rematerialised(fn, ctx: LowerCtx, remat: str):
+    """A train step's layer (the scan's body, or an unrolled layer) under the spec's remat policy, else
+    `ctx.layer_remat`; fn itself where neither applies."""
+    policy = REMAT_POLICIES.get(remat, ctx.layer_remat) if ctx.mode == "train" else None
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+def unstacked(tree, n: int) -> list:
+    """The n layers of a stacked parameter (a pytree of [n, ...] arrays: MXFP4's codes and scales), split rather
+    than indexed: the gradient of `a[j]` is a zero-padded [n, ...] buffer per layer, and the n of them are added
+    (GPT-OSS, period 2: 3.3 G padded elements a 20b-layers step's jaxpr), where a split's gradient is one
     concatenation (1.6 G). The same values (tiny specs' checksums unchanged); XLA may have fused the pads into
-    the add, so the GPU time saved is unmeasured."""
+    the add, so the GPU time saved is unmeasured. Deterministic mode splits its weights into layers with it too
+    (layerwise.split)."""
     leaves, treedef = jax.tree.flatten(tree)
-    cut = [jax.lax.split(a, [1] * p) if p > 1 else [a] for a in leaves]
-    return [jax.tree.unflatten(treedef, [jax.lax.squeeze(c[j], (0,)) for c in cut]) for j in range(p)]
+    cut = [jax.lax.split(a, [1] * n) if n > 1 else [a] for a in leaves]
+    return [jax.tree.unflatten(treedef, [jax.lax.squeeze(c[j], (0,)) for c in cut]) for j in range(n)]
 
 
 def _last_step_grad(op: Op, ins: list, params: dict, ctx: LowerCtx, remat: str) -> list:
@@ -286,9 +291,7 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
         if j not in phases:
             fn = lambda index, carry, here, st: eval_region(  # noqa: E731
                 region, [index, *carry], here, ctx, st, layer=j, scope=axis)
-            if ctx.mode == "train" and (remat in REMAT_POLICIES or ctx.layer_remat is not None):
-                policy = REMAT_POLICIES[remat] if remat in REMAT_POLICIES else ctx.layer_remat
-                fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
+            fn = _rematerialised(fn, ctx, remat)
             # an unrolled train step is deterministic mode's: each layer (its VJP too) a computation of its own,
             # whose arithmetic then does not depend on its neighbours, a mesh's gathers or their absence; unfenced,
             # XLA:CPU computed attention's q and k gradients a bit apart on dp=2 and one device (the scan's body
