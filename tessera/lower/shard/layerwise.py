@@ -34,7 +34,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
-from tessera.lower.interpret import unstacked
 from tessera.lower.shard.collectives import block_index, gather_full, local_block
 
 
@@ -200,6 +199,14 @@ def held(wide, narrow=None):
 def each(fn, v):
     """fn of v, or of each layer's element where v is split into its layers (a list)."""
     return [fn(x) for x in v] if isinstance(v, list) else fn(v)
+
+
+def unstacked(tree, n: int) -> list:
+    """The n layers of a stacked parameter (a pytree of [n, ...] arrays: MXFP4's codes and scales) as n pieces of a
+    `lax.split`, whose gradient is one concatenation of the pieces' cotangents."""
+    leaves, treedef = jax.tree.flatten(tree)
+    cut = [jax.lax.split(a, [1] * n) if n > 1 else [a] for a in leaves]
+    return [jax.tree.unflatten(treedef, [jax.lax.squeeze(c[j], (0,)) for c in cut]) for j in range(n)]
 
 
 def split(params: dict, layers: dict[str, int]) -> dict:

@@ -164,3 +164,22 @@ def test_the_deterministic_step_copies_no_gradient_for_its_norm_and_tests_none_u
     scaled = list(equations(step_jaxpr(str(ROOT / "specs/llama_tiny.yaml"),
                                        ["parallel.deterministic=true", "numerics.loss_scale=dynamic"])))
     assert any(e.primitive.name == "is_finite" and "all_finite_of" in where_made(e) for e in scaled)
+
+
+def test_the_layer_scan_indexes_its_periods_weights_not_splits_them():
+    """GPT-OSS's period of two layers reads each layer's weights from the scanned [2, ...] slice by indexing: the
+    index's gradient fuses into the scan's accumulators, where a split's (a concatenation) was a buffer of its own
+    (GPT-OSS-20B's two layers: +6.1 GiB, out of memory on one H100 in deterministic mode). C = 2: the layer scan
+    (under UNROLL_FROM)."""
+    import jax.extend
+
+    from bench.experiments.step_primitives import equations, step_jaxpr
+
+    jaxpr = step_jaxpr(str(ROOT / "specs/gpt_oss_tiny.yaml"),
+                       ["parallel.deterministic=true", "task.batch=2", "parallel.canonical_shards=2"])
+    scans = [e for e in equations(jaxpr) if e.primitive.name == "scan"]
+    periods = {tuple(v.aval.shape[1:]) for s in scans for v in s.invars if v.aval.ndim >= 3 and v.aval.shape[1] == 2}
+    bodies = [e for s in scans for sub in jax.extend.core.jaxprs_in_params(s.params) for e in equations(sub)]
+    assert periods and bodies  # the layer scan over its period's [2, ...] weights is there
+    split = [e for e in bodies if e.primitive.name == "split" and tuple(e.invars[0].aval.shape) in periods]
+    assert not split
