@@ -53,8 +53,16 @@ def fenced(fn, *args, when=True):
         pred, a, res = saved
         return (None, *_branch(pred, backward, a, res, _dropped(ct)))
 
+    run_bwd.exact_transpose = True  # is_fence: this VJP is fn's own (precast.py may see through it)
     run.defvjp(run_fwd, run_bwd)
     return run(pred, *args)
+
+
+def is_fence(eqn) -> bool:
+    """Whether a jaxpr equation is a `fenced` call (a `custom_vjp_call` whose backward is fenced's): its VJP is
+    the one of the function it wraps, so what holds for that function's jaxpr (`call_jaxpr`) holds for it."""
+    bwd = eqn.params.get("bwd")
+    return eqn.primitive.name == "custom_vjp_call" and getattr(getattr(bwd, "f", None), "exact_transpose", False)
 
 
 def _branch(pred, fn, *args):

@@ -10,7 +10,8 @@ The result is exact, not an approximation. The transpose of a cast is the cast b
 is the narrow copy's gradient widened, bit for bit, provided the narrow value reaches the loss through a single
 cast site. Two sites (a tied embedding's lookup and unembedding cast apart), a use of the wide value, a use
 inside a loop body that runs more than once (a weight-shared recurrence: its iterations' cotangents add up in the
-wide type), or a use the analysis cannot see through (a custom derivative rule) keep the parameter as it is.
+wide type), or a use the analysis cannot see through (a custom derivative rule other than `fenced`'s, whose VJP is
+the wrapped function's own) keep the parameter as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+
+from tessera.lower.fence import is_fence
 
 # ops through which a value flows unchanged in number and order of its elements' uses: their transposes move
 # cotangents without adding any up, so a cast after them may move before them
@@ -83,9 +86,14 @@ def _sites(jaxpr: jcore.Jaxpr, var) -> list | None:
             continue
         if name in _TRANSPARENT and i == 0:
             inner = _sites(jaxpr, eqn.outvars[0])
-        elif name in _CALLS and _CALLS[name] in eqn.params:
-            body = _body(eqn.params[_CALLS[name]])
+        elif name in _CALLS and _CALLS[name] in eqn.params or is_fence(eqn):
+            body = _body(eqn.params["call_jaxpr" if is_fence(eqn) else _CALLS[name]])
             inner = _sites(body, body.invars[i])
+        elif name == "optimization_barrier":
+            inner = _sites(jaxpr, eqn.outvars[i])
+        elif name == "cond" and i > 0:  # one branch runs: its cotangent is selected, never added to another's
+            per = [_sites(_body(b), _body(b).invars[i - 1]) for b in eqn.params["branches"]]
+            inner = None if any(x is None for x in per) else [d for x in per for d in x]
         elif name == "scan" and i >= _scanned_from(eqn):
             body = _body(eqn.params["jaxpr"])  # a scanned operand: each iteration reads its own slice once
             inner = _sites(body, body.invars[i])

@@ -77,6 +77,32 @@ def test_through_jit_and_remat_and_gradients_are_the_same_bits():
     assert grad_cast["w"].astype(jnp.float32).tobytes() == grad["w"].tobytes()
 
 
+def test_through_a_fence_but_no_other_custom_vjp_and_gradients_are_the_same_bits():
+    """fenced's VJP is the wrapped function's own, so a cast inside a fenced piece (deterministic mode's head: the
+    unembedding's weight) is hoisted; another custom VJP's backward may compute anything and is not seen through."""
+    from tessera.lower.fence import fenced
+
+    def fn(p, x):
+        return fenced(lambda w, x: jnp.sum(jnp.tanh((x @ w.astype(jnp.bfloat16)).astype(jnp.float32))), p["w"], x)
+
+    @jax.custom_vjp
+    def opaque(w, x):
+        return x @ w.astype(jnp.bfloat16)
+
+    opaque.defvjp(lambda w, x: (opaque(w, x), (w, x)), lambda r, g: (r[1].T.astype(jnp.float32) @ g.astype(
+        jnp.float32), (g @ r[0].T.astype(jnp.bfloat16)).astype(jnp.bfloat16)))
+    params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 8)), jnp.bfloat16)
+    assert precast.hoistable(lambda p, x: jnp.sum(opaque(p["w"], x).astype(jnp.float32)), params, x) == {}
+    dtypes = precast.hoistable(fn, params, x)
+    assert dtypes == {"w": jnp.dtype(jnp.bfloat16)}
+    value, grad = jax.value_and_grad(fn)(params, x)
+    value_cast, grad_cast = jax.value_and_grad(fn)(precast.cast(params, dtypes), x)
+    assert grad_cast["w"].dtype == jnp.bfloat16 and np.abs(np.asarray(grad["w"])).sum() > 0
+    assert value_cast.tobytes() == value.tobytes()
+    assert grad_cast["w"].astype(jnp.float32).tobytes() == grad["w"].tobytes()
+
+
 def test_the_deterministic_train_step_is_bitwise_the_same_with_and_without(monkeypatch):
     """A bf16 Llama with stacked layers under remat, two deterministic steps of 4 canonical shards: the train state
     (parameters and Adam's moments) is the same bits whether the layer weights are cast in the loop or before it."""
