@@ -417,7 +417,8 @@ def ticks_value_and_grad(prog, stages: int, m: int, devices=None):
 
 def main_ticks(argv=None) -> int:
     """--ticks: the schedule over --shards canonical shards on one device against a pp mesh, bit for bit."""
-    from tessera.lower.shard.deterministic import opaque_map, tree_sum
+    from tessera.lower.shard.deterministic import tree_sum
+    from tessera.lower.shard.shard_loop import opaque_map
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ticks", action="store_true")

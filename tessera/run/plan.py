@@ -117,14 +117,15 @@ def _one_objective(exp) -> bool:
     return getattr(getattr(exp.task, "data", None), "kind", None) == "collocation"
 
 
-def gradient_bytes(exp, dtype: str, precast=None) -> float:
+def gradient_bytes(exp, dtype: str, precast=None, folded: bool = False) -> float:
     """Bytes of gradient buffers the train step holds per parameter element of storage type `dtype`.
 
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
     is fp32 or fp64 already; so too a model trained on collocation points (one objective, no canonical
     shards). Several microbatches: one microbatch's gradient plus the fp32 accumulator.
     Deterministic mode (`deterministic.gradient_buffers`; on a mesh per element of the whole parameter): an fp32
-    gradient per canonical shard of the device, plus the reduction's fp32 ones (their tree sum on one device; on
+    gradient per canonical shard of the device (one where the per-layer step, `folded`, sums two as they come),
+    plus the reduction's fp32 ones (their tree sum on one device; on
     dp=8, llama_tiny at d_model 256 compiled to 29.4 MB of temporaries, four whole gradients); for a parameter the
     shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the narrow copy and a narrow
     gradient per shard. (Measured on one H200 with the sum held apart from the update, as it is computed to keep
@@ -134,7 +135,7 @@ def gradient_bytes(exp, dtype: str, precast=None) -> float:
     if exp.parallel.deterministic and not _one_objective(exp):
         from tessera.lower.shard.deterministic import gradient_buffers
 
-        shards, reduction = gradient_buffers(_canonical(exp), exp.mesh.size)
+        shards, reduction = gradient_buffers(_canonical(exp), exp.mesh.size, folded)
         return (precast.itemsize if precast is not None else 4.0) * shards + 4.0 * reduction  # a numpy dtype
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
         return held if held >= 4 else 4.0 + held  # fp32 and fp64 gradients as held; narrower ones widened
@@ -149,12 +150,12 @@ def param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_pe
     narrow = _precast(exp) if train else {}
     if train and _whole_on_mesh(exp) and _per_layer(exp, graph):
         return _per_layer_memory(graph, layout, exp, bits, narrow)
-    whole = train and _whole_on_mesh(exp)
+    whole, folded = train and _whole_on_mesh(exp), train and exp.parallel.deterministic and _per_layer(exp, graph)
     for path, t in _held(exp, graph).items():
         n = layout.per_device(t)
         params += n * bits(t.dtype) / 8
         if train:
-            grads += (t.numel() if whole else n) * gradient_bytes(exp, t.dtype, narrow.get(path))
+            grads += (t.numel() if whole else n) * gradient_bytes(exp, t.dtype, narrow.get(path), folded)
             opt += states * n * array_bits(t.dtype) / 8
             if whole and n < t.numel():  # a split parameter gathered whole for the step (L-BFGS: its states too)
                 params += t.numel() * bits(t.dtype) / 8
@@ -263,7 +264,7 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         rows.append({"numel": t.numel() // slice_of, "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})
-    extra = layerwise.planned_bytes(rows, m, exp.mesh.size)
+    extra = layerwise.planned_bytes(rows, m, exp.mesh.size, folded=pipe is None and tensor is None)
     return {"params": params + extra["params"], "gradients": extra["gradients"] + ring,
             "optimizer": opt + delayed_history_bytes(graph)}
 

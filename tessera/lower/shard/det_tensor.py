@@ -35,7 +35,8 @@ from tessera.lower import precast
 from tessera.lower.fence import fenced
 from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
-from tessera.lower.shard.deterministic import opaque_map, ordered_sum, shards_summed, tree_sum
+from tessera.lower.shard.deterministic import ordered_sum, shards_summed, tree_sum
+from tessera.lower.shard.shard_loop import opaque_map
 
 
 def _across(x, axes: tuple):

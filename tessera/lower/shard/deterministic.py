@@ -40,6 +40,7 @@ from tessera.lower.interpret import stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import det_pipeline, layerwise
 from tessera.lower.shard.collectives import gather_full, local_block
+from tessera.lower.shard.shard_loop import FOLD_UP_TO, opaque_fold, opaque_map
 
 def check_canonical(options, batch: int, devices: int) -> None:
     """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise; `tessera
@@ -93,12 +94,14 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def gradient_buffers(c: int, devices: int) -> tuple[int, float]:
+def gradient_buffers(c: int, devices: int, folded: bool = False) -> tuple[int, float]:
     """The gradients a device holds in the train step, in whole gradients: (its canonical shards' own, typed as the
     shard loop's parameters; fp32 ones of the reduction: the tree sum on one device; on a mesh, when C is a power
     of two, `ordered_sum`'s all-to-all buffers and its gathered sum, otherwise every shard's gathered and their
-    sum). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
+    sum). `folded`: a per-layer step (`per_layer`), whose loop sums up to FOLD_UP_TO shards' gradients as they come
+    (one shard's own at a time). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
     shards = max(1, c // devices)
+    shards = 1 if folded and 1 < shards <= FOLD_UP_TO else shards
     if devices == 1:
         return shards, 1.0
     return shards, 3.0 if _power_of_two(c) else c + 1.0
@@ -108,25 +111,6 @@ def state_specs(tree, param_specs: dict):
     """PartitionSpecs for an optimizer state: sub-dicts keyed like the params get theirs, the rest replicated."""
     is_params = lambda t: isinstance(t, dict) and set(t) == set(param_specs) and len(t) > 0  # noqa: E731
     return jax.tree.map(lambda t: dict(param_specs) if is_params(t) else P(), tree, is_leaf=is_params)
-
-
-def opaque_map(fn, xs, n: int):
-    """fn over the leading axis of xs in a loop XLA cannot unroll, inline or hoist from, so the body
-    compiles to the same arithmetic for every n (a loop of one would otherwise be fused with its surroundings)."""
-    first = jax.tree.map(lambda a: a[0], xs)
-    fn = jax.jit(fn)  # traced once: the loop's body below reuses the trace that gives the shapes (XLA inlines it)
-    shapes = jax.eval_shape(fn, first)
-    # a loop of one gets a spare row (its row i is then not the whole array, which XLA would hoist out of the
-    # loop); only it: the copy, for the canonical norm's chunks, is of every gradient (4.2 G elements, 20b layers)
-    if n == 1:
-        xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0), xs)
-    init = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), shapes)
-
-    def body(i, acc):
-        y = fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))
-        return jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), acc, y)
-
-    return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, init)
 
 
 def per_layer(graph, c: int) -> bool:
@@ -469,9 +453,20 @@ class Deterministic:
         inputs = fp8_delayed.merged(diff, history)
         grad_fn = jax.value_and_grad(scaled, has_aux=True)
         local = layerwise.interleaved(batch, self.axes, n, m)
-        (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
-        grads, amaxes = fp8_delayed.split(grads, history)
-        grads = shards_summed(grads, {k: v.dtype for k, v in params.items()})  # the levels above the devices
+        widths = {k: v.dtype for k, v in params.items()}
+        if 1 < m <= FOLD_UP_TO:  # this device's shards' gradients summed as they come, not stacked (shard_loop.py)
+            def shard(sh):
+                (s, aux), g = grad_fn(inputs, sh)
+                g, amax = fp8_delayed.split(g, history)
+                return (s, aux, amax), g
+
+            widened = lambda g: {k: layerwise.each(lambda x, k=k: x.astype(widths[k]), v) for k, v in g.items()}  # noqa: E731
+            (sums, (counts, terms), amaxes), grads = opaque_fold(shard, local, m, widened)
+            grads = {k: layerwise.restack(g) for k, g in grads.items()}
+        else:
+            (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
+            grads, amaxes = fp8_delayed.split(grads, history)
+            grads = shards_summed(grads, widths)  # the levels above the devices
         gathered = self._gathered((sums, counts, terms, amaxes))
         sums, counts, terms, amaxes = jax.tree.map(lambda a: layerwise.canonical_order(a, n, m), gathered)
         return grads, sums, counts, terms, amaxes

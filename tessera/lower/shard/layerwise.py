@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
 from tessera.lower.shard.collectives import block_index, gather_full, local_block
+from tessera.lower.shard.shard_loop import FOLD_UP_TO, opaque_map
 
 
 def _entry_axes(e) -> tuple[str, ...]:
@@ -298,7 +299,6 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
     (`opaque_map`), and the k sums are gathered in chunk order. `prep`: an elementwise function of the gradient
     applied inside each chunk's reduction (the chunk loop's input is then the block itself). None when no dim of
     `shape` divides by k."""
-    from tessera.lower.shard.deterministic import opaque_map
 
     j = _chunk_dim(shape, k)
     if j is None:
@@ -317,7 +317,7 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
     return jax.lax.all_gather(sums, tuple(order), axis=0, tiled=True) if order else sums
 
 
-def planned_bytes(held: list[dict], m: int, devices: int = 1) -> dict[str, float]:
+def planned_bytes(held: list[dict], m: int, devices: int = 1, folded: bool = False) -> dict[str, float]:
     """Per-device bytes the per-layer step holds besides each device's blocks of the parameters and optimizer state,
     for `tessera plan`. `held`: per parameter {numel, block (elements a device holds), wide and narrow (bytes an
     element, narrow 0 where none), at_use, layers (its stack's depth, 1 if not stacked)}; m: canonical shards a
@@ -330,7 +330,10 @@ def planned_bytes(held: list[dict], m: int, devices: int = 1) -> dict[str, float
     blocks and their tree sum; a parameter every one of `devices` (> 1) holds whole is summed across them in
     `ordered_sum` after the shard loop, which holds four of its gradients (the device's sum, the all-to-all's
     pieces in and out, the gathered sum) where fewer than three shards ran: on dp=4 and dp=8 (m = 2 and 1) llama_tiny
-    compiled to the same 114.4 MB of temporaries, four gradients, where m + 1 counted two or three."""
+    compiled to the same 114.4 MB of temporaries, four gradients, where m + 1 counted two or three. `folded`: the
+    shard loop sums up to FOLD_UP_TO shards' gradients as they come (shard_loop.opaque_fold), holding the sum and
+    one shard's."""
+    held_grads = 2 if folded and m <= FOLD_UP_TO else m + 1
     params = grads = replicated = 0.0
     for p in held:
         params += p["block"] * p["narrow"]
@@ -339,8 +342,8 @@ def planned_bytes(held: list[dict], m: int, devices: int = 1) -> dict[str, float
         if devices > 1 and p["block"] == p["numel"]:
             replicated += p["block"] * p["wide"]
         else:
-            grads += (m + 1) * p["block"] * p["wide"]
-    grads += max(m + 1, 4) * replicated
+            grads += held_grads * p["block"] * p["wide"]
+    grads += max(held_grads, 4) * replicated
     layer = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
     single = max((p["numel"] * 4.0 for p in held if p["at_use"] and p["layers"] == 1), default=0.0)
     return {"params": params + 2.5 * max(layer, single), "gradients": grads}

@@ -156,7 +156,7 @@ def test_the_deterministic_step_copies_no_gradient_for_its_norm_and_tests_none_u
     from bench.experiments.step_primitives import elements, equations, step_jaxpr, where_made
 
     eqns = list(equations(step_jaxpr(str(ROOT / "specs/llama_tiny.yaml"), ["parallel.deterministic=true"])))
-    copied = [e for e in eqns if e.primitive.name == "concatenate" and "opaque_map" in where_made(e)
+    copied = [e for e in eqns if e.primitive.name == "concatenate" and "shard_loop" in where_made(e)
               and elements(e) > 1024]
     tested = [e for e in eqns if e.primitive.name == "is_finite" and "all_finite_of" in where_made(e)]
     assert any("opaque_map" in where_made(e) for e in eqns)  # the chunk loops are there
@@ -183,3 +183,18 @@ def test_the_layer_scan_indexes_its_periods_weights_not_splits_them():
     assert periods and bodies  # the layer scan over its period's [2, ...] weights is there
     split = [e for e in bodies if e.primitive.name == "split" and tuple(e.invars[0].aval.shape) in periods]
     assert not split
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_two_shards_gradients_are_summed_as_they_come_more_are_stacked(shards):
+    """A device's two canonical shards: the running sum (shard_loop.opaque_fold) writes no [2, ...] stack of their
+    gradients (on the CPU 8.5 % fewer bytes compiled, llama_tiny at d_model 256); four are stacked and tree-summed."""
+    from bench.experiments.step_primitives import equations, step_jaxpr
+    from tessera.lower.program import compile_experiment
+
+    over = ["parallel.deterministic=true", f"task.batch={shards}", f"parallel.canonical_shards={shards}"]
+    shapes = {(shards, *v.shape) for v in compile_experiment(
+        load_experiment(ROOT / "specs/llama_tiny.yaml", [*over])).param_shapes().values()}
+    stacked = [e for e in equations(step_jaxpr(str(ROOT / "specs/llama_tiny.yaml"), over))
+               if e.primitive.name == "dynamic_update_slice" and tuple(e.outvars[0].aval.shape) in shapes]
+    assert bool(stacked) is (shards == 4)
