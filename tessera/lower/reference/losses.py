@@ -18,7 +18,11 @@ def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     with jax.named_scope("loss"):  # a row of its own in `tessera profile`
         lf = logits.astype(wide(logits.dtype))
         lse = jax.nn.logsumexp(lf, axis=-1)  # [...]
-        picked = jnp.take_along_axis(lf, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        # the label's logit selected by comparison, not gathered: the gather's gradient is a scatter into the fp32
+        # [..., V] cotangent, which kept it from fusing with the cast back to the logits' type (an fp32 [tokens,
+        # vocab] buffer written and read once more a step); the same values, the same bits
+        hit = labels[..., None].astype(jnp.int32) == jax.lax.broadcasted_iota(jnp.int32, lf.shape, lf.ndim - 1)
+        picked = jnp.sum(jnp.where(hit, lf, 0.0), axis=-1)
         return lse - picked
 
 
