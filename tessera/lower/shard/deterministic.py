@@ -42,6 +42,7 @@ from tessera.lower.shard import det_pipeline, layerwise
 from tessera.lower.shard.collectives import gather_full, local_block
 from tessera.lower.shard.shard_loop import FOLD_UP_TO, opaque_fold, opaque_map
 
+
 def check_canonical(options, batch: int, devices: int) -> None:
     """The batch's canonical shards split evenly over the devices (a TesseraError at task.batch otherwise; `tessera
     check` runs the same rule, tessera.ir.check.check_canonical_batch)."""
@@ -460,7 +461,9 @@ class Deterministic:
                 g, amax = fp8_delayed.split(g, history)
                 return (s, aux, amax), g
 
-            widened = lambda g: {k: layerwise.each(lambda x, k=k: x.astype(widths[k]), v) for k, v in g.items()}  # noqa: E731
+            def widened(g):
+                return {k: layerwise.each(lambda x, k=k: x.astype(widths[k]), v) for k, v in g.items()}
+
             (sums, (counts, terms), amaxes), grads = opaque_fold(shard, local, m, widened)
             grads = {k: layerwise.restack(g) for k, g in grads.items()}
         else:
