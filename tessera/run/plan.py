@@ -264,7 +264,7 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         rows.append({"numel": t.numel() // slice_of, "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})
-    extra = layerwise.planned_bytes(rows, m, exp.mesh.size, folded=pipe is None and tensor is None)
+    extra = layerwise.planned_bytes(rows, m, exp.mesh.size, folded=pipe is None)
     return {"params": params + extra["params"], "gradients": extra["gradients"] + ring,
             "optimizer": opt + delayed_history_bytes(graph)}
 

@@ -35,8 +35,7 @@ from tessera.lower import precast
 from tessera.lower.fence import fenced
 from tessera.lower.shard import layerwise
 from tessera.lower.shard.collectives import block_index
-from tessera.lower.shard.deterministic import ordered_sum, shards_summed, tree_sum
-from tessera.lower.shard.shard_loop import opaque_map
+from tessera.lower.shard.deterministic import ordered_sum, shard_gradients, tree_sum
 
 
 def _across(x, axes: tuple):
@@ -284,8 +283,8 @@ def tensor_grads(det, layout: Layout, params: dict, batch: dict, c: int, ls, nar
 
     local = {k: mine(v) for k, v in batch.items() if v is not None}
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
-    (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(held, sh), local, m)
-    grads = shards_summed(grads, {k: v.dtype for k, v in params.items()})  # the levels above the devices
+    sums, counts, _, _, grads = shard_gradients(lambda sh: grad_fn(held, sh), local, m,
+                                                {k: v.dtype for k, v in params.items()})
     if D:
         sums, counts = (layerwise.canonical_order(jax.lax.all_gather(a, D, axis=0, tiled=True), n_d, m)
                         for a in (sums, counts))

@@ -69,11 +69,27 @@ def token_sum(x):
     return tree_sum(x.reshape(-1))
 
 
-def shards_summed(grads: dict, widths: dict) -> dict:
-    """Each path's per-shard gradients [m, ...] (a list of them, one a layer, where the shard loop read the weights
-    split into their layers) widened to `widths[path]` and tree-summed over the m shards, stacked again."""
-    return {k: layerwise.restack(layerwise.each(lambda x, k=k: tree_sum(x.astype(widths[k])), g))
-            for k, g in grads.items()}
+def shard_gradients(fn, local, m: int, widths: dict, history=None):
+    """(loss sums, counts, terms, amaxes: each [m, ...] in loop order; gradients summed over the m shards) of
+    fn(shard) = ((loss sum, (count, terms)), gradients) over this device's m shards `local`: the gradients (a list
+    of them, one a layer, where the shard loop read the weights split into their layers: stacked again) widened to
+    `widths[path]` and tree-summed, delayed fp8's amaxes (`history`'s cotangents) stacked apart. Two shards are
+    summed as they come (shard_loop.opaque_fold: no stack of them written), more stacked and summed after."""
+    if 1 < m <= FOLD_UP_TO:
+        def shard(sh):
+            (s, aux), g = fn(sh)
+            g, amax = fp8_delayed.split(g, history)
+            return (s, aux, amax), g
+
+        def widened(g):
+            return {k: layerwise.each(lambda x, k=k: x.astype(widths[k]), v) for k, v in g.items()}
+
+        (sums, (counts, terms), amaxes), grads = opaque_fold(shard, local, m, widened)
+        return sums, counts, terms, amaxes, {k: layerwise.restack(g) for k, g in grads.items()}
+    (sums, (counts, terms)), grads = opaque_map(fn, local, m)
+    grads, amaxes = fp8_delayed.split(grads, history)
+    return sums, counts, terms, amaxes, {k: layerwise.restack(layerwise.each(
+        lambda x, k=k: tree_sum(x.astype(widths[k])), g)) for k, g in grads.items()}
 
 
 def ordered_sum(x, axes: tuple):
@@ -454,22 +470,8 @@ class Deterministic:
         inputs = fp8_delayed.merged(diff, history)
         grad_fn = jax.value_and_grad(scaled, has_aux=True)
         local = layerwise.interleaved(batch, self.axes, n, m)
-        widths = {k: v.dtype for k, v in params.items()}
-        if 1 < m <= FOLD_UP_TO:  # this device's shards' gradients summed as they come, not stacked (shard_loop.py)
-            def shard(sh):
-                (s, aux), g = grad_fn(inputs, sh)
-                g, amax = fp8_delayed.split(g, history)
-                return (s, aux, amax), g
-
-            def widened(g):
-                return {k: layerwise.each(lambda x, k=k: x.astype(widths[k]), v) for k, v in g.items()}
-
-            (sums, (counts, terms), amaxes), grads = opaque_fold(shard, local, m, widened)
-            grads = {k: layerwise.restack(g) for k, g in grads.items()}
-        else:
-            (sums, (counts, terms)), grads = opaque_map(lambda sh: grad_fn(inputs, sh), local, m)
-            grads, amaxes = fp8_delayed.split(grads, history)
-            grads = shards_summed(grads, widths)  # the levels above the devices
+        sums, counts, terms, amaxes, grads = shard_gradients(lambda sh: grad_fn(inputs, sh), local, m,
+                                                             {k: v.dtype for k, v in params.items()}, history)
         gathered = self._gathered((sums, counts, terms, amaxes))
         sums, counts, terms, amaxes = jax.tree.map(lambda a: layerwise.canonical_order(a, n, m), gathered)
         return grads, sums, counts, terms, amaxes
