@@ -103,6 +103,16 @@ def _tp_jobs() -> list[dict]:
             for name, mesh in (("1 device", {}), ("fsdp=2,tp=2,ep=2", MESHES["fsdp=2,tp=2,ep=2"]))]
 
 
+# two canonical shards on one device, their gradients summed as they come (shard_loop.opaque_fold, through the
+# layer scan: C = 2), against dp=2 where each device's one shard meets the other's in `ordered_sum`; bf16 (its shard
+# gradients narrow, widened before the add)
+def _fold_jobs() -> list[dict]:
+    return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"C=2 {name}", "det": True,
+             "overrides": {"parallel.deterministic": True, "parallel.canonical_shards": 2, "numerics.default": "bf16",
+                           **mesh}}
+            for name, mesh in (("1 device", {}), ("dp=2", {"mesh.dp": 2}))]
+
+
 def _wide_jobs() -> list[dict]:
     return [{"kind": "train", "spec": LLAMA, "steps": STEPS, "name": f"C=16 {name}", "det": True,
              "overrides": {"parallel.deterministic": True, **WIDE, **mesh}}
@@ -116,7 +126,7 @@ def results():
              + _train_jobs(LLAMA, DET_MESHES["llama"], True) + _tp_jobs(),  # ~100 s of CPU each
              "fast": _train_jobs(LLAMA, FAST_MESHES["llama"], False)
              + _train_jobs(GPT_OSS, FAST_MESHES["gpt_oss"], False) + _gen_jobs(GPT_OSS),
-             "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs()}
+             "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs() + _fold_jobs()}
     procs = {model: start_jobs(jobs, devices=16 if model == "wide" else 8) for model, jobs in plans.items()}
     out = {}
     for model, proc in procs.items():
@@ -170,6 +180,13 @@ def test_fp8_delayed_scaling_on_a_mesh_is_bit_identical_to_one_device(results, m
 def test_sixteen_canonical_shards_on_sixteen_devices_are_bit_identical_to_one_device(results):
     ref, got = results[("llama", "train", True, "C=16 1 device")], results[("llama", "train", True, "C=16 fsdp=4,tp=4")]
     assert got["deterministic"] is True and got["losses"][0] != got["losses"][1]
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
+
+
+def test_two_shards_summed_as_they_come_are_a_meshs_bits(results):
+    ref, got = results[("llama", "train", True, "C=2 dp=2")], results[("llama", "train", True, "C=2 1 device")]
+    assert got["losses"][0] != got["losses"][-1]
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
 
