@@ -1,4 +1,5 @@
-"""The running tree sum of a device's canonical shards' gradients: measured, and not wired into the train step yet.
+"""The running tree sum of a device's canonical shards' gradients: measured, and not wired into the train step yet
+(for two shards, where the tree is one add, `tessera/lower/shard/shard_loop.opaque_fold` is: session 38).
 
 Deterministic mode stacks the m gradients of a device's canonical shards and tree-sums them (`tree_sum`), holding m +
 1 gradients. `opaque_fold` folds each shard's gradient into `tree_sum`'s tree as it arrives (a binary counter over the
