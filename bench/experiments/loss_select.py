@@ -14,8 +14,16 @@ expected saved, unmeasured. "gather" patches the gathered form back in everywher
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import sys
+
+from tessera.run.environment import recorded_settings, request_deterministic_kernels
+
+# deterministic mode's XLA flags when the person asks for that mode (as `tessera run` sets them), before JAX starts
+if "parallel.deterministic=true" in sys.argv:
+    request_deterministic_kernels(recorded_settings({"task": {"kind": "train"}}))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from bench.experiments import train_variants  # noqa: E402 (it sets the allocator and imports JAX)
 from tessera.lower import ops_core  # noqa: E402
@@ -36,7 +44,7 @@ VARIANTS = {"select": [],
 
 
 def main(argv=None) -> int:
-    argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    argv = list(argv) if argv is not None else sys.argv[1:]
     if "--spec" not in argv:
         argv = ["--spec", "specs/bench/gpt_oss_20b_layers_train.yaml", *argv]
     return train_variants.main(argv, VARIANTS, (), __doc__)
