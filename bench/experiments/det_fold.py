@@ -11,7 +11,7 @@ holds the fp32 sum as the loop's carry and adds each shard's gradients (past an 
 place: on the CPU, llama_tiny at d_model 256 compiled to 200.1 MB a device against 218.7 (one device, C = 2) and
 50.1 against 54.7 (fsdp=4, C = 8), the 20b-layers step's temporaries 103.9 GiB against 106.0, no copy added in the
 loop; the same bits (tests/lower/shard/test_shard_loop.py, and the fsdp=2 x tp=2 mesh of test_train_meshes). "stack"
-patches `deterministic.FOLD_UP_TO` to 1 (the default spec's C = 2 on one device then stacks)."""
+patches `deterministic.folds` to never (the default spec's C = 2 on one device then stacks)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ request_deterministic_kernels(recorded_settings({"task": {"kind": "train"}}))
 from bench.experiments import train_variants  # noqa: E402 (it sets the allocator and imports JAX)
 from tessera.lower.shard import deterministic  # noqa: E402
 
-VARIANTS = {"fold": [], "stack": [(deterministic, "FOLD_UP_TO", 1)]}
+VARIANTS = {"fold": [], "stack": [(deterministic, "folds", lambda m: False)]}
 
 
 def main(argv=None) -> int:

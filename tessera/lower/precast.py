@@ -86,8 +86,8 @@ def _sites(jaxpr: jcore.Jaxpr, var) -> list | None:
             continue
         if name in _TRANSPARENT and i == 0:
             inner = _sites(jaxpr, eqn.outvars[0])
-        elif name in _CALLS and _CALLS[name] in eqn.params or is_fence(eqn):
-            body = _body(eqn.params["call_jaxpr" if is_fence(eqn) else _CALLS[name]])
+        elif is_fence(eqn) or name in _CALLS and _CALLS[name] in eqn.params:
+            body = _body(eqn.params["call_jaxpr" if name == "custom_vjp_call" else _CALLS[name]])
             inner = _sites(body, body.invars[i])
         elif name == "optimization_barrier":
             inner = _sites(jaxpr, eqn.outvars[i])

@@ -40,7 +40,7 @@ from tessera.lower.interpret import stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import det_pipeline, layerwise
 from tessera.lower.shard.collectives import gather_full, local_block
-from tessera.lower.shard.shard_loop import FOLD_UP_TO, opaque_fold, opaque_map
+from tessera.lower.shard.shard_loop import folds, opaque_fold, opaque_map
 
 
 def check_canonical(options, batch: int, devices: int) -> None:
@@ -75,7 +75,7 @@ def shard_gradients(fn, local, m: int, widths: dict, history=None):
     of them, one a layer, where the shard loop read the weights split into their layers: stacked again) widened to
     `widths[path]` and tree-summed, delayed fp8's amaxes (`history`'s cotangents) stacked apart. Two shards are
     summed as they come (shard_loop.opaque_fold: no stack of them written), more stacked and summed after."""
-    if 1 < m <= FOLD_UP_TO:
+    if folds(m):
         def shard(sh):
             (s, aux), g = fn(sh)
             g, amax = fp8_delayed.split(g, history)
@@ -115,10 +115,10 @@ def gradient_buffers(c: int, devices: int, folded: bool = False) -> tuple[int, f
     """The gradients a device holds in the train step, in whole gradients: (its canonical shards' own, typed as the
     shard loop's parameters; fp32 ones of the reduction: the tree sum on one device; on a mesh, when C is a power
     of two, `ordered_sum`'s all-to-all buffers and its gathered sum, otherwise every shard's gathered and their
-    sum). `folded`: a per-layer step (`per_layer`), whose loop sums up to FOLD_UP_TO shards' gradients as they come
-    (one shard's own at a time). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
+    sum). `folded`: a per-layer step (`per_layer`), whose loop sums a device's shards' gradients as they come where
+    `folds` (one shard's own at a time). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
     shards = max(1, c // devices)
-    shards = 1 if folded and 1 < shards <= FOLD_UP_TO else shards
+    shards = 1 if folded and folds(shards) else shards
     if devices == 1:
         return shards, 1.0
     return shards, 3.0 if _power_of_two(c) else c + 1.0

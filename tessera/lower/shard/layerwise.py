@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
 from tessera.lower.shard.collectives import block_index, gather_full, local_block
-from tessera.lower.shard.shard_loop import FOLD_UP_TO, opaque_map
+from tessera.lower.shard.shard_loop import folds, opaque_map
 
 
 def _entry_axes(e) -> tuple[str, ...]:
@@ -202,23 +202,17 @@ def each(fn, v):
     return [fn(x) for x in v] if isinstance(v, list) else fn(v)
 
 
-def unstacked(tree, n: int) -> list:
-    """The n layers of a stacked parameter (a pytree of [n, ...] arrays: MXFP4's codes and scales) as n pieces of a
-    `lax.split`, whose gradient is one concatenation of the pieces' cotangents."""
-    leaves, treedef = jax.tree.flatten(tree)
-    cut = [jax.lax.split(a, [1] * n) if n > 1 else [a] for a in leaves]
-    return [jax.tree.unflatten(treedef, [jax.lax.squeeze(c[j], (0,)) for c in cut]) for j in range(n)]
-
-
 def split(params: dict, layers: dict[str, int]) -> dict:
     """params with each parameter of `layers` ({path: n}) held stacked [n, ...] (a pytree's leaves alike) as the
     list of its n layers; one held with its layers dim split over the mesh stays a block (gathered whole, it is
     split where the shard reads it). Each layer is a `lax.split` piece: differentiated inside a shard, the pieces'
     cotangents concatenate once."""
     def pieces(v, n):
-        if isinstance(v, list) or jax.tree.leaves(v)[0].shape[:1] != (n,):
+        leaves, tree = jax.tree.flatten(v)
+        if isinstance(v, list) or leaves[0].shape[:1] != (n,):
             return v
-        return unstacked(v, n)
+        cut = [[jnp.squeeze(x, 0) for x in jax.lax.split(a, [1] * n)] for a in leaves]
+        return [jax.tree.unflatten(tree, [c[i] for c in cut]) for i in range(n)]
 
     return {k: (pieces(v, layers[k]) if k in layers else v) for k, v in params.items()}
 
@@ -299,7 +293,6 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
     (`opaque_map`), and the k sums are gathered in chunk order. `prep`: an elementwise function of the gradient
     applied inside each chunk's reduction (the chunk loop's input is then the block itself). None when no dim of
     `shape` divides by k."""
-
     j = _chunk_dim(shape, k)
     if j is None:
         return None
@@ -331,9 +324,9 @@ def planned_bytes(held: list[dict], m: int, devices: int = 1, folded: bool = Fal
     `ordered_sum` after the shard loop, which holds four of its gradients (the device's sum, the all-to-all's
     pieces in and out, the gathered sum) where fewer than three shards ran: on dp=4 and dp=8 (m = 2 and 1) llama_tiny
     compiled to the same 114.4 MB of temporaries, four gradients, where m + 1 counted two or three. `folded`: the
-    shard loop sums up to FOLD_UP_TO shards' gradients as they come (shard_loop.opaque_fold), holding the sum and
-    one shard's."""
-    held_grads = 2 if folded and m <= FOLD_UP_TO else m + 1
+    shard loop sums the m shards' gradients as they come where `shard_loop.folds(m)`, holding the sum and one
+    shard's."""
+    held_grads = 2 if folded and folds(m) else m + 1
     params = grads = replicated = 0.0
     for p in held:
         params += p["block"] * p["narrow"]

@@ -13,6 +13,11 @@ import jax.numpy as jnp
 FOLD_UP_TO = 2
 
 
+def folds(m: int) -> bool:
+    """Whether a device's m canonical shards' gradients are summed as they come (`opaque_fold`), not stacked."""
+    return 1 < m <= FOLD_UP_TO
+
+
 def opaque_map(fn, xs, n: int):
     """fn over the leading axis of xs in a loop XLA cannot unroll, inline or hoist from, so the body
     compiles to the same arithmetic for every n (a loop of one would otherwise be fused with its surroundings)."""

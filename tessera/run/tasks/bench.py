@@ -71,7 +71,8 @@ class Bench:
         """One optimizer step (gradient accumulation included) over [batch, seq_len] tokens."""
         batch = {"tokens": self.tokens, "targets": np.roll(self.tokens, -1, axis=1),
                  "mask": np.ones((self.b, self.s), np.float32)}
-        state, self.state = self.state or self.prog.init_train_state(self.params), None
+        state = self.prog.init_train_state(self.params) if self.state is None else self.state
+        self.state = None
         holder = [state]  # threaded through: a step may donate its input
 
         def step():
@@ -103,15 +104,14 @@ class Bench:
 def run(ctx: RunContext) -> int:
     """Benchmark the phases task.what names and record the results in the manifest."""
     what = list(getattr(ctx.exp.task, "what", None) or PHASES)
-    bench = Bench(ctx, train="train_step" in what or "compile" in what)
+    phases = [p for p in ("forward", "train_step", "decode") if p in what or ("compile" in what and p != "decode")]
+    bench = Bench(ctx, train="train_step" in phases)
     results = {}
-    for phase in ("forward", "train_step", "decode"):
-        if phase in what or ("compile" in what and phase != "decode"):
-            results[phase] = getattr(bench, phase)()
-            r = results[phase]
-            mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") else ""
-            ctx.say(f"{phase}: {r['tokens_per_s']:,.0f} tokens/s (median {r['median_s'] * 1e3:.2f} ms, "
-                    f"spread {r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f} ms, compile {r['compile_s']:.2f} s{mfu})")
+    for phase in phases:
+        results[phase] = r = getattr(bench, phase)()
+        mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") else ""
+        ctx.say(f"{phase}: {r['tokens_per_s']:,.0f} tokens/s (median {r['median_s'] * 1e3:.2f} ms, "
+                f"spread {r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f} ms, compile {r['compile_s']:.2f} s{mfu})")
     if "compile" in what:
         results["compile"] = {p: r["compile_s"] for p, r in results.items()}
     ctx.manifest.update(bench=results, flops_per_token=bench.flops, peak_flops=bench.peak, metrics=[],

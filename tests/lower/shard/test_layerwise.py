@@ -119,30 +119,18 @@ def test_the_deterministic_step_runs_no_layer_scan_in_its_shard_loop(shards):
     """One device's deterministic step over C >= UNROLL_FROM canonical shards reads each layer's weights as their
     own buffers (the layers unrolled over split weights): no scan over stacked weights is left inside the canonical
     shards' loop. Under it, the layer scan (its per-shard weight copies cost less than a split and a restacking)."""
-    import jax
-    import jax.extend
-
+    from bench.experiments.step_primitives import equations, step_jaxpr
     from tessera.lower.program import compile_experiment
     from tessera.lower.shard.deterministic import UNROLL_FROM
-    from tessera.run.optim import build_optimizer, current_lr
 
-    exp = load_experiment(ROOT / "specs/llama_tiny.yaml", overrides={
-        "parallel.deterministic": True, "task.batch": shards, "task.seq_len": 16, "parallel.canonical_shards": shards})
-    prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
+    over = ["parallel.deterministic=true", f"task.batch={shards}", "task.seq_len=16",
+            f"parallel.canonical_shards={shards}"]
+    prog = compile_experiment(load_experiment(ROOT / "specs/llama_tiny.yaml", over))
     unrolled = shards >= UNROLL_FROM
     assert prog.deterministic_executor().unrolls(shards) is unrolled
-    state = prog.init_train_state(prog.init(0))
-    batch = {k: np.zeros((shards, 16), np.int32) for k in ("tokens", "targets")}
-
     stacks = {tuple(v.shape) for k, v in prog.param_shapes().items() if k in prog.stacked()}
 
-    def eqns(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                yield from eqns(sub)
-
-    every = list(eqns(jax.make_jaxpr(prog.train_step_fn())(state, batch).jaxpr))
+    every = list(equations(step_jaxpr(str(ROOT / "specs/llama_tiny.yaml"), over)))
     prims = {e.primitive.name for e in every}
     assert "while" in prims and "cond" in prims  # the shard loop; each layer fenced (or the embedding and head)
     scanned = [tuple(v.aval.shape) for e in every if e.primitive.name == "scan" for v in e.invars]
