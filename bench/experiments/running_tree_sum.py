@@ -1,5 +1,6 @@
-"""The running tree sum of a device's canonical shards' gradients: measured, and not wired into the train step yet
-(for two shards, where the tree is one add, `tessera/lower/shard/shard_loop.opaque_fold` is: session 38).
+"""The running tree sum of a device's canonical shards' gradients: measured, and not wired into the train step
+(for two shards, where the tree is one add, session 38 wired it in and session 39 took it out again: GPT-OSS-20B's two
+layers at C = 2 on one H100 took 162.9 ms a step and peaked at 59.2 GiB against 153.5 ms and 54.2 GiB stacked).
 
 Deterministic mode stacks the m gradients of a device's canonical shards and tree-sums them (`tree_sum`), holding m +
 1 gradients. `opaque_fold` folds each shard's gradient into `tree_sum`'s tree as it arrives (a binary counter over the

@@ -58,6 +58,7 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--only", default=None)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--checksum", action="store_true", help="print each variant's final parameters' sha256")
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(variants)
     exp = load_experiment(args.spec, [*overrides, *args.set])
@@ -78,6 +79,10 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
 
             t = time_calls(step, 2, args.steps)
             loss = float(step())
+            if args.checksum:  # the same steps from the same state: equal digests are the same bits
+                from tessera.run.manifest import params_checksum
+
+                print(f"{name:<24} parameters' sha256 {params_checksum(holder[0].params)}", flush=True)
         del holder[:]  # the state freed before the next variant compiles
         times[name] = t["median_s"]
         stats = jax.devices()[0].memory_stats() or {}

@@ -98,6 +98,22 @@ def _canonical(exp) -> int:
     return canonical_shards(cost.task_dims(exp)["batch"], exp.parallel.canonical_shards)
 
 
+def _sums_after_the_shards(exp) -> bool:
+    """Deterministic training on one device whose canonical shards each run as a conditional's branch
+    (shard_loop.per_shard, up to BRANCHED_UP_TO of them): the last shard's activations are freed before the
+    gradients' fp32 tree sum is written, so the peak holds the larger of the two, not both. GPT-OSS-20B's two layers
+    at C = 2 on one H100 (session 39): a 49.6 GiB peak, which the plan counting both put at 56.8."""
+    from tessera.lower.shard.shard_loop import BRANCHED_UP_TO
+
+    return (bool(exp.parallel.deterministic) and exp.mesh.size == 1 and not _one_objective(exp)
+            and _canonical(exp) <= BRANCHED_UP_TO)
+
+
+def _summed_bytes(exp, graph) -> float:
+    """Bytes of the fp32 tree sum of one device's canonical shards' gradients (`gradient_bytes`' reduction)."""
+    return sum(4.0 * t.numel() for t in _held(exp, graph).values())
+
+
 def _whole_on_mesh(exp) -> bool:
     """Deterministic mode on a mesh: every device gathers the whole model for the step and computes whole
     gradients (tessera/lower/shard/deterministic.py), whatever the mesh splits for storage."""
@@ -117,15 +133,14 @@ def _one_objective(exp) -> bool:
     return getattr(getattr(exp.task, "data", None), "kind", None) == "collocation"
 
 
-def gradient_bytes(exp, dtype: str, precast=None, folded: bool = False) -> float:
+def gradient_bytes(exp, dtype: str, precast=None) -> float:
     """Bytes of gradient buffers the train step holds per parameter element of storage type `dtype`.
 
     Fast mode, one microbatch: the backward pass's gradient (as the param is held), cast to fp32 unless it
     is fp32 or fp64 already; so too a model trained on collocation points (one objective, no canonical
     shards). Several microbatches: one microbatch's gradient plus the fp32 accumulator.
     Deterministic mode (`deterministic.gradient_buffers`; on a mesh per element of the whole parameter): an fp32
-    gradient per canonical shard of the device (one where the per-layer step, `folded`, sums two as they come),
-    plus the reduction's fp32 ones (their tree sum on one device; on
+    gradient per canonical shard of the device, plus the reduction's fp32 ones (their tree sum on one device; on
     dp=8, llama_tiny at d_model 256 compiled to 29.4 MB of temporaries, four whole gradients); for a parameter the
     shard loop gets cast once (`precast`, its narrow dtype: tessera/lower/precast.py), the narrow copy and a narrow
     gradient per shard. (Measured on one H200 with the sum held apart from the update, as it is computed to keep
@@ -135,7 +150,7 @@ def gradient_bytes(exp, dtype: str, precast=None, folded: bool = False) -> float
     if exp.parallel.deterministic and not _one_objective(exp):
         from tessera.lower.shard.deterministic import gradient_buffers
 
-        shards, reduction = gradient_buffers(_canonical(exp), exp.mesh.size, folded)
+        shards, reduction = gradient_buffers(_canonical(exp), exp.mesh.size)
         return (precast.itemsize if precast is not None else 4.0) * shards + 4.0 * reduction  # a numpy dtype
     if (getattr(exp.task, "microbatches", 1) or 1) == 1:
         return held if held >= 4 else 4.0 + held  # fp32 and fp64 gradients as held; narrower ones widened
@@ -150,12 +165,12 @@ def param_memory(graph, layout: cost.Layout, exp, train: bool, bits=cost.bits_pe
     narrow = _precast(exp) if train else {}
     if train and _whole_on_mesh(exp) and _per_layer(exp, graph):
         return _per_layer_memory(graph, layout, exp, bits, narrow)
-    whole, folded = train and _whole_on_mesh(exp), train and exp.parallel.deterministic and _per_layer(exp, graph)
+    whole = train and _whole_on_mesh(exp)
     for path, t in _held(exp, graph).items():
         n = layout.per_device(t)
         params += n * bits(t.dtype) / 8
         if train:
-            grads += (t.numel() if whole else n) * gradient_bytes(exp, t.dtype, narrow.get(path), folded)
+            grads += (t.numel() if whole else n) * gradient_bytes(exp, t.dtype, narrow.get(path))
             opt += states * n * array_bits(t.dtype) / 8
             if whole and n < t.numel():  # a split parameter gathered whole for the step (L-BFGS: its states too)
                 params += t.numel() * bits(t.dtype) / 8
@@ -264,7 +279,7 @@ def _per_layer_memory(graph, layout: cost.Layout, exp, bits, narrow: dict) -> di
         rows.append({"numel": t.numel() // slice_of, "block": n, "wide": array_bits(t.dtype) / 8,
                      "narrow": narrow[path].itemsize if path in narrow else 0, "at_use": path in at_use,
                      "layers": stacked.get(path, 1)})
-    extra = layerwise.planned_bytes(rows, m, exp.mesh.size, folded=pipe is None)
+    extra = layerwise.planned_bytes(rows, m, exp.mesh.size)
     return {"params": params + extra["params"], "gradients": extra["gradients"] + ring,
             "optimizer": opt + delayed_history_bytes(graph)}
 
@@ -356,7 +371,6 @@ def activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool,
     model trained on its loss entries."""
     if train and losses:
         return {"activations": _loss_activations(graph, exp, list(losses), layout), "kv_cache": 0.0}
-    logits = next(v.type for v in graph.outputs)
     if train:
         cut, in_flight = _microbatching(exp)
         if exp.parallel.deterministic:  # canonical shards, one at a time on each device
@@ -364,11 +378,13 @@ def activation_memory(graph, exp, sizes: dict, layout: cost.Layout, train: bool,
         mb = {**sizes, "batch": max(1, sizes["batch"] // cut)}
         acts = cost.activation_bytes(graph, mb, exp.parallel.remat, layout.activations)
         stage_layers = -(-acts["layers"] // exp.mesh.pp)
-        # the logits' cotangent, as the logits are typed (the fp32 log-softmax stays inside fusions: measured)
-        loss = cost.concrete(logits, mb)
+        # No buffer for the logits' cotangent: the loss's backward is one elementwise fusion of the logits (the
+        # label's logit selected, not gathered: reference/losses.py), which XLA writes into the logits' own buffer.
+        # Counted as one more logits-sized buffer, the plan was 11-13 % over the measured peaks (one H100, session
+        # 39: 20b-layers fast 44.0 GiB against 49.6 planned, llama-1b fast 34.9 against 39.9; each had fallen by
+        # one bf16 [tokens, vocab] buffer since the gather).
         per_mb = stage_layers * acts["per_layer"] + acts["total"] - acts["layers"] * acts["per_layer"]
-        total = in_flight * per_mb + cost.nbytes(loss, layout.activations(loss))
-        return {"activations": total, "kv_cache": 0.0}
+        return {"activations": in_flight * per_mb, "kv_cache": 0.0}
     if exp.task.kind == "generate":  # the weights come split into layers (Program.init): held once
         prompt = {**sizes, "seq": sizes["seq"] - exp.task.max_new_tokens}
         kv = cost.kv_cache_bytes(graph, sizes["batch"], sizes["seq"], layout.activations)
@@ -434,6 +450,8 @@ def build_plan(exp, device: str | None = None) -> dict:
     summary["bytes"], summary["bytes_by_dtype"] = _held_bytes(exp, graph)  # bytes: what the program holds
     memory = {**param_memory(graph, layout, exp, train),
               **activation_memory(graph, exp, sizes, layout, train, losses)}
+    if train and _sums_after_the_shards(exp):
+        memory["released_before_the_sum"] = -min(memory["activations"], _summed_bytes(exp, graph))
     memory["total"] = sum(memory.values())
     flops = _flops(graph, exp, sizes, losses)
     step_sizes = sizes if train or exp.task.kind != "generate" else {"batch": sizes["batch"], "seq": 1}

@@ -40,7 +40,7 @@ from tessera.lower.interpret import stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import det_pipeline, layerwise
 from tessera.lower.shard.collectives import gather_full, local_block
-from tessera.lower.shard.shard_loop import folds, opaque_fold, opaque_map
+from tessera.lower.shard.shard_loop import opaque_map, per_shard
 
 
 def check_canonical(options, batch: int, devices: int) -> None:
@@ -72,21 +72,11 @@ def token_sum(x):
 def shard_gradients(fn, local, m: int, widths: dict, history=None):
     """(loss sums, counts, terms, amaxes: each [m, ...] in loop order; gradients summed over the m shards) of
     fn(shard) = ((loss sum, (count, terms)), gradients) over this device's m shards `local`: the gradients (a list
-    of them, one a layer, where the shard loop read the weights split into their layers: stacked again) widened to
-    `widths[path]` and tree-summed, delayed fp8's amaxes (`history`'s cotangents) stacked apart. Two shards are
-    summed as they come (shard_loop.opaque_fold: no stack of them written), more stacked and summed after."""
-    if folds(m):
-        def shard(sh):
-            (s, aux), g = fn(sh)
-            g, amax = fp8_delayed.split(g, history)
-            return (s, aux, amax), g
-
-        def widened(g):
-            return {k: layerwise.each(lambda x, k=k: x.astype(widths[k]), v) for k, v in g.items()}
-
-        (sums, (counts, terms), amaxes), grads = opaque_fold(shard, local, m, widened)
-        return sums, counts, terms, amaxes, {k: layerwise.restack(g) for k, g in grads.items()}
-    (sums, (counts, terms)), grads = opaque_map(fn, local, m)
+    of them, one a layer, where the shard loop read the weights split into their layers: stacked again) stacked by
+    `per_shard`, widened to `widths[path]` and tree-summed; delayed fp8's amaxes (`history`'s cotangents) stacked
+    apart. (Summing two shards' gradients as they come, an fp32 sum carried through the loop, measured slower on
+    one H100: bench/experiments/running_tree_sum.py's note.)"""
+    (sums, (counts, terms)), grads = per_shard(fn, local, m)
     grads, amaxes = fp8_delayed.split(grads, history)
     return sums, counts, terms, amaxes, {k: layerwise.restack(layerwise.each(
         lambda x, k=k: tree_sum(x.astype(widths[k])), g)) for k, g in grads.items()}
@@ -111,14 +101,12 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def gradient_buffers(c: int, devices: int, folded: bool = False) -> tuple[int, float]:
+def gradient_buffers(c: int, devices: int) -> tuple[int, float]:
     """The gradients a device holds in the train step, in whole gradients: (its canonical shards' own, typed as the
     shard loop's parameters; fp32 ones of the reduction: the tree sum on one device; on a mesh, when C is a power
     of two, `ordered_sum`'s all-to-all buffers and its gathered sum, otherwise every shard's gathered and their
-    sum). `folded`: a per-layer step (`per_layer`), whose loop sums a device's shards' gradients as they come where
-    `folds` (one shard's own at a time). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
+    sum). What `tessera plan` counts (`Deterministic._summed_grads` is the program)."""
     shards = max(1, c // devices)
-    shards = 1 if folded and folds(shards) else shards
     if devices == 1:
         return shards, 1.0
     return shards, 3.0 if _power_of_two(c) else c + 1.0
@@ -245,7 +233,7 @@ class Deterministic:
     def _local_shards(self, fn, batch: dict, c: int):
         """fn over this device's canonical shards (C / devices of them, in canonical order), stacked."""
         local = jax.tree.map(lambda a: a.reshape((c // self.devices, -1) + a.shape[1:]), batch)
-        return opaque_map(fn, local, c // self.devices)
+        return per_shard(fn, local, c // self.devices)
 
     def _gathered(self, out):
         """Per-shard results of this device, those of all C shards in canonical order."""

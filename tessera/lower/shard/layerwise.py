@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.ir.types import ParamRef
 from tessera.lower.shard.collectives import block_index, gather_full, local_block
-from tessera.lower.shard.shard_loop import folds, opaque_map
+from tessera.lower.shard.shard_loop import opaque_map
 
 
 def _entry_axes(e) -> tuple[str, ...]:
@@ -310,7 +310,7 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
     return jax.lax.all_gather(sums, tuple(order), axis=0, tiled=True) if order else sums
 
 
-def planned_bytes(held: list[dict], m: int, devices: int = 1, folded: bool = False) -> dict[str, float]:
+def planned_bytes(held: list[dict], m: int, devices: int = 1) -> dict[str, float]:
     """Per-device bytes the per-layer step holds besides each device's blocks of the parameters and optimizer state,
     for `tessera plan`. `held`: per parameter {numel, block (elements a device holds), wide and narrow (bytes an
     element, narrow 0 where none), at_use, layers (its stack's depth, 1 if not stacked)}; m: canonical shards a
@@ -323,10 +323,8 @@ def planned_bytes(held: list[dict], m: int, devices: int = 1, folded: bool = Fal
     blocks and their tree sum; a parameter every one of `devices` (> 1) holds whole is summed across them in
     `ordered_sum` after the shard loop, which holds four of its gradients (the device's sum, the all-to-all's
     pieces in and out, the gathered sum) where fewer than three shards ran: on dp=4 and dp=8 (m = 2 and 1) llama_tiny
-    compiled to the same 114.4 MB of temporaries, four gradients, where m + 1 counted two or three. `folded`: the
-    shard loop sums the m shards' gradients as they come where `shard_loop.folds(m)`, holding the sum and one
-    shard's."""
-    held_grads = 2 if folded and folds(m) else m + 1
+    compiled to the same 114.4 MB of temporaries, four gradients, where m + 1 counted two or three."""
+    held_grads = m + 1
     params = grads = replicated = 0.0
     for p in held:
         params += p["block"] * p["narrow"]

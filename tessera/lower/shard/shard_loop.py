@@ -1,21 +1,33 @@
-"""Deterministic mode's loop over a device's canonical shards: each shard's function compiled once, the same
-arithmetic for every shard and every trip count (`opaque_map`), and the loop that sums the shards' gradients as they
-come where `tree_sum`'s tree over them is a running sum (`opaque_fold`: two shards or one)."""
+"""Deterministic mode's loop over a device's canonical shards: each shard's function compiled apart from what
+surrounds it, the same arithmetic for every shard and every mesh: up to two shards each as a conditional's branch
+(`per_shard`), more in a loop (`opaque_map`)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-# A device's canonical shards up to which their gradients are summed as they come (`opaque_fold`): llama_tiny at
-# d_model 256, 8 layers, compiled on the CPU to 8.5 % fewer bytes a device at two shards (one device, and fsdp=4 at
-# C = 8), 2.7 % more at one (a loop of one stacks nothing to save; the deterministic step folds from two).
-FOLD_UP_TO = 2
+from tessera.lower.fence import fenced
+
+# A device's canonical shards up to which each runs as a conditional's branch of its own rather than in the loop.
+# GPT-OSS-20B's two layers at C = 2 on one H100 (session 39, bench/experiments/det_cond.py): 146.2 ms a step and a
+# 49.6 GiB peak against the loop's 154.5 ms and 54.2 GiB, the same bits. Each branch is compiled on its own (the
+# loop's body once), so more shards stay in the loop.
+BRANCHED_UP_TO = 2
 
 
-def folds(m: int) -> bool:
-    """Whether a device's m canonical shards' gradients are summed as they come (`opaque_fold`), not stacked."""
-    return 1 < m <= FOLD_UP_TO
+def per_shard(fn, xs, n: int):
+    """fn over a device's n canonical shards (the leading axis of xs), its results stacked [n, ...]. Up to
+    `BRANCHED_UP_TO` shards each runs as the taken branch of a conditional (`fenced`): its results are buffers of its
+    own, where the loop copies each shard's into [n, ...] stacks zero-filled first (the stack below is read by its
+    consumers, the gradients' tree sum, not written). More run in `opaque_map`'s loop. The shard's function is the
+    same computation either way: the same bits (test_train_meshes' meshes, which run 1, 2 and more shards a
+    device; and on one H100 the 20b-layers step's parameters after 9 steps, bench/experiments/det_cond.py)."""
+    if n > BRANCHED_UP_TO:
+        return opaque_map(fn, xs, n)
+    fn = jax.jit(fn)  # traced once, for every branch
+    outs = [fenced(fn, jax.tree.map(lambda a, i=i: a[i], xs)) for i in range(n)]
+    return jax.tree.map(lambda *v: jnp.stack(v), *outs)
 
 
 def opaque_map(fn, xs, n: int):
@@ -29,31 +41,6 @@ def opaque_map(fn, xs, n: int):
         return _stacked(acc, fn(_row(xs, i)), i)
 
     return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, init)
-
-
-def opaque_fold(fn, xs, n: int, widen):
-    """(stacked, summed): fn(x) = (a, g) over the leading axis of xs in `opaque_map`'s loop, the a's stacked
-    [n, ...] and the g's (a pytree) widened by `widen(g)` and summed as they come, for n <= `FOLD_UP_TO`: the first
-    shard's widened g, then that plus the second's, the very bits of `tree_sum(stack(g's).astype(wide))` (its one
-    add). Where stacking held n gradients and their sum, this holds the running sum and the shard's own, and writes
-    no stack. The g's pass an optimization barrier first, so the add is fused with nothing that made them (a GEMM's
-    epilogue, an fma, would add in another rounding); the first shard's is selected as it is, not added to zero
-    (-0 + -0 stays -0). The sum is the loop's carry, updated in place (a conditional in its way was copied)."""
-    if not 1 <= n <= FOLD_UP_TO:
-        raise ValueError(f"opaque_fold sums 1 to {FOLD_UP_TO} shards as they come, not {n}")
-    xs, first = _rows(xs, n)
-    fn = jax.jit(fn)
-    a_shape, g_shape = jax.eval_shape(fn, first)
-    stacked = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), a_shape)
-    total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(widen, g_shape))
-
-    def body(i, acc):
-        stacked, total = acc
-        a, g = fn(_row(xs, i))
-        g = widen(jax.lax.optimization_barrier(g))
-        return _stacked(stacked, a, i), jax.tree.map(lambda t, v: jnp.where(i > 0, t + v, v), total, g)
-
-    return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, (stacked, total))
 
 
 def _rows(xs, n: int):

@@ -1,5 +1,6 @@
-"""The shard loop (tessera/lower/shard/shard_loop.py): `opaque_fold` sums one or two shards' gradients as they
-come with the bits of `tree_sum` over their stack, and stacks the rest as `opaque_map` does."""
+"""The shard loop (tessera/lower/shard/shard_loop.py): `opaque_map` and `per_shard` (up to BRANCHED_UP_TO shards
+as conditionals' branches, more in the loop) stack a function's results over the leading axis with the bits of the
+same function mapped, for one shard (the loop's spare row) as for more."""
 
 from __future__ import annotations
 
@@ -8,41 +9,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tessera.lower.shard.deterministic import tree_sum
-from tessera.lower.shard.shard_loop import FOLD_UP_TO, opaque_fold, opaque_map
+from tessera.lower.shard.shard_loop import BRANCHED_UP_TO, opaque_map, per_shard
 
 
-def _shard(x):  # a loss and bf16 gradients whose sum rounds differently in any other arithmetic (an fma included)
+def _shard(x):  # a loss and bf16 gradients whose values any other arithmetic would round differently
     return (x.sum(), x[:2]), {"w": x * x, "b": [x[:8] * 3, x[8:16] - 1]}
 
 
-def _widen(g):
-    return jax.tree.map(lambda v: v.astype(jnp.float32), g)
-
-
-@pytest.mark.parametrize("n", [1, 2])
-def test_the_fold_is_tree_sums_bits_and_stacks_the_rest(n):
+@pytest.mark.parametrize("loop", [opaque_map, per_shard])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_loop_stacks_each_shards_results_as_mapping_them_does(n, loop):
     rng = np.random.default_rng(n)
     xs = jnp.asarray(rng.standard_normal((n, 512)) * 10.0 ** rng.integers(-3, 4, (n, 1)), jnp.bfloat16)
-    (loss, head), summed = jax.jit(lambda xs: opaque_fold(_shard, xs, n, _widen))(xs)
-    (want_loss, want_head), leaves = jax.vmap(_shard)(xs)
-    np.testing.assert_array_equal(loss, want_loss)
-    np.testing.assert_array_equal(head, want_head)
-    for got, g in zip(jax.tree.leaves(summed), jax.tree.leaves(leaves)):
-        assert got.dtype == jnp.float32
-        want = tree_sum(g.astype(jnp.float32))
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
-    stacked = jax.jit(lambda xs: opaque_map(_shard, xs, n))(xs)
-    np.testing.assert_array_equal(stacked[0][0], want_loss)
+    got = jax.jit(lambda xs: loop(_shard, xs, n))(xs)
+    want = jax.vmap(_shard)(xs)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape == (n,) + w.shape[1:] and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-def test_negative_zeros_sum_as_the_tree_sums_them():
-    """The first shard is taken as it is, not added to a zero: -0 + -0 stays -0, as tree_sum's one add leaves it."""
-    xs = jnp.full((2, 16), -0.0, jnp.float32)
-    _, summed = opaque_fold(lambda x: (x.sum(), {"w": x}), xs, 2, lambda g: g)
-    assert np.signbit(np.asarray(summed["w"])).all()
-
-
-def test_more_shards_than_the_fold_sums_are_refused():
-    with pytest.raises(ValueError, match="not 3"):
-        opaque_fold(_shard, jnp.zeros((3, 512), jnp.bfloat16), FOLD_UP_TO + 1, _widen)
+def test_two_shards_are_branches_and_three_the_loop():
+    xs = jnp.ones((3, 512), jnp.bfloat16)
+    prims = [{e.primitive.name for e in jax.make_jaxpr(lambda x, n=n: per_shard(_shard, x[:n], n))(xs).eqns}
+             for n in (BRANCHED_UP_TO, BRANCHED_UP_TO + 1)]
+    assert "while" not in prims[0] and "while" in prims[1]

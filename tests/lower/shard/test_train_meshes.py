@@ -103,10 +103,10 @@ def _tp_jobs() -> list[dict]:
             for name, mesh in (("1 device", {}), ("fsdp=2,tp=2,ep=2", MESHES["fsdp=2,tp=2,ep=2"]))]
 
 
-# two canonical shards on one device, their gradients summed as they come (shard_loop.opaque_fold, through the
-# layer scan: C = 2), against dp=2 where each device's one shard meets the other's in `ordered_sum`; bf16 (its shard
-# gradients narrow, widened before the add)
-def _fold_jobs() -> list[dict]:
+# two canonical shards on one device, their gradients stacked and tree-summed (through the layer scan: C = 2),
+# against dp=2 where each device's one shard meets the other's in `ordered_sum`; bf16 (its shard gradients narrow,
+# widened before the add)
+def _two_shard_jobs() -> list[dict]:
     return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"C=2 {name}", "det": True,
              "overrides": {"parallel.deterministic": True, "parallel.canonical_shards": 2, "numerics.default": "bf16",
                            **mesh}}
@@ -126,7 +126,7 @@ def results():
              + _train_jobs(LLAMA, DET_MESHES["llama"], True) + _tp_jobs(),  # ~100 s of CPU each
              "fast": _train_jobs(LLAMA, FAST_MESHES["llama"], False)
              + _train_jobs(GPT_OSS, FAST_MESHES["gpt_oss"], False) + _gen_jobs(GPT_OSS),
-             "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs() + _fold_jobs()}
+             "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs() + _two_shard_jobs()}
     procs = {model: start_jobs(jobs, devices=16 if model == "wide" else 8) for model, jobs in plans.items()}
     out = {}
     for model, proc in procs.items():
@@ -184,7 +184,7 @@ def test_sixteen_canonical_shards_on_sixteen_devices_are_bit_identical_to_one_de
     assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
 
 
-def test_two_shards_summed_as_they_come_are_a_meshs_bits(results):
+def test_two_shards_on_one_device_are_dp2s_bits(results):
     ref, got = results[("llama", "train", True, "C=2 dp=2")], results[("llama", "train", True, "C=2 1 device")]
     assert got["losses"][0] != got["losses"][-1]
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
