@@ -516,7 +516,7 @@ class Deterministic:
         new, opt, extra = fenced(update, blocks, count, metrics["grad_norm"], finite, amaxes, opt, params)
         return new, opt, {**metrics, **extra}
 
-    def _canonical_norm(self, blocks: dict, c: int, prep=None, finite: bool = True):
+    def _canonical_norm(self, blocks: dict, c: int, prep, finite: bool = True):
         """(the global norm, whether every element is finite) of gradients held in blocks, the same bits on every
         mesh: each tensor's C canonical chunks' sums of squares (layerwise.canonical_square_sums; a tensor no dim of
         which C divides is gathered whole and summed once), tree-summed per tensor, then over the tensors in path
@@ -524,7 +524,6 @@ class Deterministic:
         check reads every gradient once more). `prep` (elementwise: the mean over the shards, unscaled) is applied
         inside each chunk's reduction: applied before, its result was every gradient written once more as the
         chunk loop's input."""
-        prep = prep or (lambda g: g)
         sizes, per = dict(self.mesh.shape), []
         for k in sorted(blocks):
             g, shape = blocks[k], self.whole_shapes[k]

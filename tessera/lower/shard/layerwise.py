@@ -286,7 +286,7 @@ def square_sum(x):
     return jnp.sum(x * x)
 
 
-def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes: dict[str, int], prep=None):
+def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes: dict[str, int], prep):
     """[k] fp32: the sums of squares of a gradient's k canonical chunks (its whole `shape` cut along the first dim k
     divides), from this device's block, on every device: the block is moved so this device holds whole chunks (an
     all-to-all per split dim: exact), each chunk is reduced by the same compiled loop body whatever the mesh
@@ -298,7 +298,6 @@ def canonical_square_sums(block, spec: P, shape: tuple[int, ...], k: int, sizes:
         return None
     entries = [(i, _entry_axes(e)) for i, e in enumerate(spec) if e is not None]
     entries.sort(key=lambda e: e[0] != j)  # j's own split first: the chunk index is row-major over the moves
-    prep = prep or (lambda g: g)
     x, order = block, []
     for i, names in entries:
         if i != j:
