@@ -83,6 +83,20 @@ def test_json_keys_are_all_documented(capsys, tiny_forward):
     assert plan["schema"] == "tessera.plan/1" and plan["compile"]["status"] == "ok"
 
 
+def test_one_devices_two_shards_free_their_activations_before_the_sum(capsys):
+    """C = 2 on one device: the shards run as conditionals' branches and the last one's activations are freed
+    before the gradients' fp32 tree sum is written; the plan holds the larger of the two, not both. On a mesh, or
+    at C = 4 (the loop), both are counted."""
+    two = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--set", "task.batch=2",
+                   "--set", "parallel.canonical_shards=2")["memory_per_device"]
+    four = run_json(capsys, SPECS / "gpt_oss_tiny.yaml", "--no-compile", "--set", "task.batch=4",
+                    "--set", "parallel.canonical_shards=4")["memory_per_device"]
+    summed = two["params"]  # fp32 params: their gradients' fp32 sum takes the params' bytes
+    assert two["released_before_the_sum"] == -min(two["activations"], summed) < 0
+    assert two["total"] == pytest.approx(sum(v for k, v in two.items() if k != "total"))
+    assert "released_before_the_sum" not in four
+
+
 def test_does_not_fit_a_small_device(capsys):
     plan = run_json(capsys, SPECS / "gpt_oss_120b.yaml", "--no-compile", "--device", "l40s", "--set", "mesh.tp=1")
     assert plan["device"]["fits"] is False and plan["device"]["margin_bytes"] < 0
