@@ -103,12 +103,13 @@ def _tp_jobs() -> list[dict]:
             for name, mesh in (("1 device", {}), ("fsdp=2,tp=2,ep=2", MESHES["fsdp=2,tp=2,ep=2"]))]
 
 
-# two canonical shards on one device, their gradients stacked and tree-summed (through the layer scan: C = 2),
-# against dp=2 where each device's one shard meets the other's in `ordered_sum`; bf16 (its shard gradients narrow,
-# widened before the add)
-def _two_shard_jobs() -> list[dict]:
-    return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"C=2 {name}", "det": True,
-             "overrides": {"parallel.deterministic": True, "parallel.canonical_shards": 2, "numerics.default": "bf16",
+# four canonical shards on one device, in the shard loop (their gradients stacked, then tree-summed), against dp=2,
+# where each device's two shards run as conditionals' branches (shard_loop.per_shard) and the devices' sums meet in
+# `ordered_sum`; bf16 (the shard gradients narrow, widened before the adds). One shard a device (a branch) against
+# the loop: the 8-device meshes of C = 8 above.
+def _four_shard_jobs() -> list[dict]:
+    return [{"kind": "train", "spec": LLAMA, "steps": 3, "name": f"C=4 {name}", "det": True,
+             "overrides": {"parallel.deterministic": True, "parallel.canonical_shards": 4, "numerics.default": "bf16",
                            **mesh}}
             for name, mesh in (("1 device", {}), ("dp=2", {"mesh.dp": 2}))]
 
@@ -126,7 +127,7 @@ def results():
              + _train_jobs(LLAMA, DET_MESHES["llama"], True) + _tp_jobs(),  # ~100 s of CPU each
              "fast": _train_jobs(LLAMA, FAST_MESHES["llama"], False)
              + _train_jobs(GPT_OSS, FAST_MESHES["gpt_oss"], False) + _gen_jobs(GPT_OSS),
-             "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs() + _two_shard_jobs()}
+             "wide": _wide_jobs() + _fp8_jobs() + _bf16_pp_jobs() + _four_shard_jobs()}
     procs = {model: start_jobs(jobs, devices=16 if model == "wide" else 8) for model, jobs in plans.items()}
     out = {}
     for model, proc in procs.items():
@@ -184,8 +185,8 @@ def test_sixteen_canonical_shards_on_sixteen_devices_are_bit_identical_to_one_de
     assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
 
 
-def test_two_shards_on_one_device_are_dp2s_bits(results):
-    ref, got = results[("llama", "train", True, "C=2 dp=2")], results[("llama", "train", True, "C=2 1 device")]
+def test_the_shard_loop_and_branched_shards_give_the_same_bits(results):
+    ref, got = results[("llama", "train", True, "C=4 dp=2")], results[("llama", "train", True, "C=4 1 device")]
     assert got["losses"][0] != got["losses"][-1]
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert got["checksum"] == ref["checksum"] and got["state"] == ref["state"]
