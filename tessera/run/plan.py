@@ -111,7 +111,10 @@ def _sums_after_the_shards(exp) -> bool:
 
 def _summed_bytes(exp, graph) -> float:
     """Bytes of the fp32 tree sum of one device's canonical shards' gradients (`gradient_bytes`' reduction)."""
-    return sum(4.0 * t.numel() for t in _held(exp, graph).values())
+    from tessera.lower.shard.deterministic import gradient_buffers
+
+    _, reduction = gradient_buffers(_canonical(exp), 1)
+    return sum(4.0 * reduction * t.numel() for t in _held(exp, graph).values())
 
 
 def _whole_on_mesh(exp) -> bool:

@@ -323,7 +323,6 @@ def planned_bytes(held: list[dict], m: int, devices: int = 1) -> dict[str, float
     `ordered_sum` after the shard loop, which holds four of its gradients (the device's sum, the all-to-all's
     pieces in and out, the gathered sum) where fewer than three shards ran: on dp=4 and dp=8 (m = 2 and 1) llama_tiny
     compiled to the same 114.4 MB of temporaries, four gradients, where m + 1 counted two or three."""
-    held_grads = m + 1
     params = grads = replicated = 0.0
     for p in held:
         params += p["block"] * p["narrow"]
@@ -332,8 +331,8 @@ def planned_bytes(held: list[dict], m: int, devices: int = 1) -> dict[str, float
         if devices > 1 and p["block"] == p["numel"]:
             replicated += p["block"] * p["wide"]
         else:
-            grads += held_grads * p["block"] * p["wide"]
-    grads += max(held_grads, 4) * replicated
+            grads += (m + 1) * p["block"] * p["wide"]
+    grads += max(m + 1, 4) * replicated
     layer = sum(p["numel"] * 4.0 / p["layers"] for p in held if p["at_use"] and p["layers"] > 1)
     single = max((p["numel"] * 4.0 for p in held if p["at_use"] and p["layers"] == 1), default=0.0)
     return {"params": params + 2.5 * max(layer, single), "gradients": grads}

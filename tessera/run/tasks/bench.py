@@ -68,12 +68,11 @@ class Bench:
         return self._rate(t, self.b * self.s, t["median_s"], "forward")
 
     def train_step(self) -> dict:
-        """One optimizer step (gradient accumulation included) over [batch, seq_len] tokens."""
+        """One optimizer step (gradient accumulation included) over [batch, seq_len] tokens, from the state made with
+        `train`."""
         batch = {"tokens": self.tokens, "targets": np.roll(self.tokens, -1, axis=1),
                  "mask": np.ones((self.b, self.s), np.float32)}
-        state = self.prog.init_train_state(self.params) if self.state is None else self.state
-        self.state = None
-        holder = [state]  # threaded through: a step may donate its input
+        holder, self.state = [self.state], None  # threaded through: a step may donate its input
 
         def step():
             holder[0], m = self.prog.train_step(holder[0], batch)
