@@ -161,9 +161,10 @@ def pieces(prog, ctx, n: int | None = None):
         from tessera.lower.shard.deterministic import token_sum
 
         (logits,), _ = eval_region(post_region, [y], p, ctx)
-        # rematerialised: the fenced head's forward then hands its backward the logits as the unembedding made them
-        # (bf16), not the loss's fp32 exponentials (GPT-OSS-20B: 3.3 GB written and read again per canonical shard)
-        per_token = jax.checkpoint(token_cross_entropy)(logits, targets)
+        # the fenced head's forward hands its backward the logits as the unembedding made them (bf16) and two fp32
+        # numbers a token, not the loss's fp32 exponentials (GPT-OSS-20B: 3.3 GB a canonical shard): the loss's own
+        # gradient rule (reference/losses.py; rematerialised here before, its reductions ran twice a shard)
+        per_token = token_cross_entropy(logits, targets)
         w = jnp.ones_like(per_token) if mask is None else mask.astype(per_token.dtype)
         return token_sum(per_token * w), jnp.sum(w)
 
