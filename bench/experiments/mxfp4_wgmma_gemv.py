@@ -17,18 +17,19 @@ are summed outside in split order (deterministic).
                                                     pair_dot's FMA kernel; GPU busy time a call from a profile)
     python -m pytest bench/experiments/test_mxfp4_wgmma_gemv.py   (CPU: the integer route to bf16 bits)
 
-Status (session 40, written without a device): work in progress, not yet lowering. The integer route to bf16 bits
-is checked against the reference (test_mxfp4_wgmma_gemv.py). Found on the CPU with jax 0.10.2 (`lowering_platforms=
+Status (session 40, written without a device): work in progress, not yet lowering. The integer route to bf16 bits is
+checked against the reference (test_mxfp4_wgmma_gemv.py). Found on the CPU with jax 0.10.2 (`lowering_platforms=
 ("cuda",)`): a [64, 64] byte tile loads into `WGMMA_8BIT` (or `WGMMA`, `WGMMA_UPCAST_2X`) registers and its values
 store as bf16 into a swizzled [128, 64] tile, also from a 64-column slice of a 64-byte-swizzled [64, 128] tile
-copied in by hand; [16, 64] byte tiles only load and store unswizzled. In this kernel (one consumer, block_n =
-64): with the codes' tile unswizzled (no transforms on its BlockSpec) and the scale widening left out, the whole step lowers: the `WGMMA_8BIT` load, the integer widening to
-bf16, the stores into the swizzled tile and the transposed wgmma. With the 64-byte swizzle the codes' BlockSpec fails
-layout inference; with the 128-byte swizzle a consumer's 64-column slice is refused (slices must be whole tiles). The
-part left is the scales: the 64 row stores that widen a step's [4, 64] scale rows to the codes' [64, 64] do not lower
-(layout inference fails, or the trace does not finish in 250 s). Options: a K order that makes the widening four
-16-row blocks (the step's K order is free, x follows it), or the scale applied to each group's [64, 8] product in
-fp32 (two K = 16 products a group, the right operand's K slices then need x's tile unswizzled or transposed).
+copied in by hand; [16, 64] byte tiles only load and store unswizzled. In this kernel (one consumer, block_n = 64):
+with the codes' tile unswizzled (no transforms on its BlockSpec) and the scale widening left out, the whole step
+lowers: the `WGMMA_8BIT` load, the integer widening to bf16, the stores into the swizzled tile and the transposed
+wgmma. With the 64-byte swizzle the codes' BlockSpec fails layout inference; with the 128-byte swizzle a consumer's
+64-column slice is refused (slices must be whole tiles). The part left is the scales: the 64 row stores that widen a
+step's [4, 64] scale rows to the codes' [64, 64] do not lower (layout inference fails, or the trace does not finish
+in 250 s). Options: a K order that makes the widening four 16-row blocks (the step's K order is free, x follows it),
+or the scale applied to each group's [64, 8] product in fp32 (two K = 16 products a group, the right operand's K
+slices then need x's tile unswizzled or transposed).
 """
 
 from __future__ import annotations
