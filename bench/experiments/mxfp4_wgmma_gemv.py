@@ -17,19 +17,15 @@ are summed outside in split order (deterministic).
                                                     pair_dot's FMA kernel; GPU busy time a call from a profile)
     python -m pytest bench/experiments/test_mxfp4_wgmma_gemv.py   (CPU: the integer route to bf16 bits)
 
-Status (session 40, written without a device): work in progress, not yet lowering. The integer route to bf16 bits is
-checked against the reference (test_mxfp4_wgmma_gemv.py). Found on the CPU with jax 0.10.2 (`lowering_platforms=
-("cuda",)`): a [64, 64] byte tile loads into `WGMMA_8BIT` (or `WGMMA`, `WGMMA_UPCAST_2X`) registers and its values
-store as bf16 into a swizzled [128, 64] tile, also from a 64-column slice of a 64-byte-swizzled [64, 128] tile
-copied in by hand; [16, 64] byte tiles only load and store unswizzled. In this kernel (one consumer, block_n = 64):
-with the codes' tile unswizzled (no transforms on its BlockSpec) and the scale widening left out, the whole step
-lowers: the `WGMMA_8BIT` load, the integer widening to bf16, the stores into the swizzled tile and the transposed
-wgmma. With the 64-byte swizzle the codes' BlockSpec fails layout inference; with the 128-byte swizzle a consumer's
-64-column slice is refused (slices must be whole tiles). The part left is the scales: the 64 row stores that widen a
-step's [4, 64] scale rows to the codes' [64, 64] do not lower (layout inference fails, or the trace does not finish
-in 250 s). Options: a K order that makes the widening four 16-row blocks (the step's K order is free, x follows it),
-or the scale applied to each group's [64, 8] product in fp32 (two K = 16 products a group, the right operand's K
-slices then need x's tile unswizzled or transposed).
+Status (session 40, written without a device): the integer route to bf16 bits is checked against the reference for
+every code and scale 2..252, the interpreted kernel against the fp32 product, and the kernel lowers for Hopper on the
+CPU (jax 0.10.2) at GPT-OSS-20B's shapes; not yet run on a GPU. What lowers, found on the way: the codes' tile
+unswizzled (a 64-byte-swizzled byte tile in the pipeline fails layout inference, a 64-column slice of a 128-byte one
+is refused), one consumer warpgroup (two 64-column slices of the unswizzled tile fail layout inference: `block_n` 64),
+the scales widened in registers (a group's [64] row loaded in the codes' layout's column vector, broadcast and
+selected by the row's group; 64 row stores through shared memory did not lower). K off the 128-value step (GPT-OSS's
+2880) reads the last tile past K: TMA fills those rows with zeros (and x is zero there), which the GPU run's error
+column checks; the interpreter hangs on it.
 """
 
 from __future__ import annotations
@@ -57,7 +53,7 @@ STEP = 128  # values a pipeline step: 64 code rows, 4 scale groups
 class WgmmaPairConfig:
     """block_n output columns a program (ROWS a consumer warpgroup), `stages` scale groups in flight; splits=0: K
     split for about `programs` programs (a divisor of K / 32)."""
-    block_n: int = 128
+    block_n: int = 64  # one consumer: two, each a 64-column slice of an unswizzled byte tile, fail layout inference
     stages: int = 6
     splits: int = 0
     programs: int = 396  # three an SM of an H100
@@ -66,6 +62,9 @@ class WgmmaPairConfig:
     def __post_init__(self):
         if self.block_n % ROWS or self.block_n > 256:
             raise ValueError(f"{self.block_n=} must be a multiple of {ROWS} up to 256")
+        if self.block_n > ROWS and not self.interpret:
+            raise ValueError(f"{self.block_n=}: one consumer warpgroup ({ROWS} columns) until the byte tile's "
+                             "slices lower")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be at least 2")
 
@@ -114,31 +113,35 @@ def _kernel(ex_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: WgmmaPairConf
     e = ex_ref[r]
     rows = STEP // 2  # code rows a step
     x_tf = _mgpu.smem_transforms(jnp.bfloat16)
-    c_tf = (plgpu.TilingTransform((8, ROWS)), plgpu.SwizzleTransform(ROWS))  # a consumer's 64 columns a tile
+    c_tf = ()  # unswizzled: Mosaic GPU's layout inference fails on a 64-byte-swizzled byte tile in the pipeline
     layout = plgpu.Layout.WGMMA_8BIT  # a [64, 64] byte tile's registers (Mosaic GPU stores them to the bf16 tile)
 
-    def run(a_smem, s_wide, scratch):
+    def run(a_smem, scratch):
         interpret = scratch is not None
         def body(_, x_smem, c_smem, s_smem, acc):
             wg = lax.axis_index("wg")
             cols = pl.ds(wg * ROWS, ROWS)
-            wide = s_wide.at[wg]
-            for i in range(rows):  # each code row's scale row, so the scales load in the codes' layout
-                wide[i] = s_smem[i // (GROUP // 2), cols]
             load = (lambda ref: ref[...]) if interpret else functools.partial(_mgpu.load, layout=layout)
             codes = load(c_smem.at[:, cols]).astype(jnp.int32)  # [64, ROWS]
-            scale = load(wide).astype(jnp.int32)
+            if interpret:
+                scale = jnp.repeat(s_smem[:, cols].astype(jnp.int32), GROUP // 2, axis=0)
+            else:  # each group's scale row broadcast over its 16 code rows, in the codes' layout
+                group = plgpu.broadcasted_iota(jnp.int32, (rows, ROWS), 0, layout=layout) >> 4
+                scale = jnp.zeros((rows, ROWS), jnp.int32)
+                for g in range(STEP // GROUP):
+                    row = _mgpu.load(s_smem.at[g, cols], layout=layout.reduce(0)).astype(jnp.int32)
+                    scale = jnp.where(group == g, lax.broadcast_in_dim(row, (rows, ROWS), [1]), scale)
             a = a_smem.at[wg]  # [STEP, ROWS] bf16: the step's 64 even k, then its 64 odd k
             for half, nib in ((0, codes & 15), (1, codes >> 4)):
                 a[pl.ds(half * rows, rows)] = lax.bitcast_convert_type(
                     _bf16_bits(nib, scale).astype(jnp.uint16), jnp.bfloat16)
-            plgpu.commit_smem()
             if interpret:  # the interpreter (jax 0.10/0.11) has no transposed operands: copies of the transposes
                 a_t, x_t = scratch[0].at[wg], scratch[1].at[wg]
                 a_t[...] = a[...].T
                 x_t[...] = x_smem[...].T
                 plgpu.wgmma(acc, a_t, x_t)
             else:
+                plgpu.commit_smem()  # the generic-proxy stores seen by wgmma's async reads
                 plgpu.wgmma(acc, _mgpu.transposed(a), _mgpu.transposed(x_smem))
             plgpu.wgmma_wait(0)
             return acc
@@ -161,13 +164,12 @@ def _kernel(ex_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: WgmmaPairConf
                  codes_ref.at[e, pl.ds(k0 // 2, per * rows), pl.ds(ni * bn, bn)],
                  scales_ref.at[e, pl.ds(k0 // GROUP, per * STEP // GROUP), pl.ds(ni * bn, bn)])
 
-    scoped = [plgpu.SMEM((wgs, STEP, ROWS), jnp.bfloat16, transforms=_mgpu.smem_transforms(jnp.bfloat16)),
-              plgpu.SMEM((wgs, rows, ROWS), jnp.uint8)]
+    scoped = [plgpu.SMEM((wgs, STEP, ROWS), jnp.bfloat16, transforms=_mgpu.smem_transforms(jnp.bfloat16))]
     if not cfg.interpret:
-        pl.run_scoped(lambda a, w: run(a, w, None), *scoped, collective_axes="wg")
+        pl.run_scoped(lambda a: run(a, None), *scoped, collective_axes="wg")
         return
     scoped += [plgpu.SMEM((wgs, ROWS, STEP), jnp.bfloat16), plgpu.SMEM((wgs, STEP, TOKENS), jnp.bfloat16)]
-    pl.run_scoped(lambda a, w, at, xt: run(a, w, (at, xt)), *scoped, collective_axes="wg")
+    pl.run_scoped(lambda a, at, xt: run(a, (at, xt)), *scoped, collective_axes="wg")
 
 
 def pair_gemv(lhs, rhs: ref.MXFP4, experts, *, out_dtype=jnp.float32, config: WgmmaPairConfig | None = None):
