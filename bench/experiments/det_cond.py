@@ -24,10 +24,8 @@ VARIANTS = {"branches": [], "loop": [(shard_loop, "BRANCHED_UP_TO", 0)]}
 
 
 def main(argv=None) -> int:
-    argv = list(argv) if argv is not None else __import__("sys").argv[1:]
-    if "--spec" not in argv:
-        argv = ["--spec", "specs/bench/gpt_oss_20b_layers_train.yaml", *argv]
-    return train_variants.main(argv, VARIANTS, ("parallel.deterministic=true",), __doc__)
+    return train_variants.main(argv, VARIANTS, ("parallel.deterministic=true",), __doc__,
+                               spec="specs/bench/gpt_oss_20b_layers_train.yaml")
 
 
 if __name__ == "__main__":

@@ -36,10 +36,8 @@ VARIANTS = {"kept": [], "remat": [(det_pipeline, "token_cross_entropy", _remat)]
 
 
 def main(argv=None) -> int:
-    argv = list(argv) if argv is not None else __import__("sys").argv[1:]
-    if "--spec" not in argv:
-        argv = ["--spec", "specs/bench/gpt_oss_20b_layers_train.yaml", *argv]
-    return train_variants.main(argv, VARIANTS, ("parallel.deterministic=true",), __doc__)
+    return train_variants.main(argv, VARIANTS, ("parallel.deterministic=true",), __doc__,
+                               spec="specs/bench/gpt_oss_20b_layers_train.yaml")
 
 
 if __name__ == "__main__":

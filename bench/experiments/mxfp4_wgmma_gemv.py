@@ -40,11 +40,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from bench.experiments.wgmma_gemv import (ROWS, TOKENS, check_tiles, nearest_splits, summed_in_order,
+                                          warpgroup_kernel)
 from tessera.lower.kernels import _mgpu
 from tessera.lower.reference import mxfp4 as ref
 
-TOKENS = 8  # the right operand's columns (wgmma's smallest N): the pairs' x rows, each program keeps its own
-ROWS = 64  # output columns a consumer warpgroup (wgmma's M)
+# TOKENS: the right operand's columns are the pairs' x rows, each program keeps its own
 GROUP = 32  # values a scale covers (16 code rows)
 STEP = 128  # values a pipeline step: 64 code rows, 4 scale groups
 
@@ -60,23 +61,10 @@ class WgmmaPairConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        if self.block_n % ROWS or self.block_n > 256:
-            raise ValueError(f"{self.block_n=} must be a multiple of {ROWS} up to 256")
+        check_tiles(self.block_n, self.stages)
         if self.block_n > ROWS and not self.interpret:
             raise ValueError(f"{self.block_n=}: one consumer warpgroup ({ROWS} columns) until the byte tile's "
                              "slices lower")
-        if self.stages < 2:
-            raise ValueError(f"{self.stages=} must be at least 2")
-
-
-def _splits(r: int, k: int, n: int, cfg: WgmmaPairConfig) -> int:
-    steps = k // STEP
-    if cfg.splits:
-        if steps % cfg.splits:
-            raise ValueError(f"{cfg.splits=} must divide the {steps} steps of {STEP} values")
-        return cfg.splits
-    tiles = r * n // cfg.block_n
-    return min((s for s in range(1, steps + 1) if steps % s == 0), key=lambda s: abs(tiles * s - cfg.programs))
 
 
 def supported(lhs, rhs: ref.MXFP4, cfg: WgmmaPairConfig) -> bool:
@@ -180,20 +168,13 @@ def pair_gemv(lhs, rhs: ref.MXFP4, experts, *, out_dtype=jnp.float32, config: Wg
     r, k = lhs.shape
     n = rhs.shape[-1]
     k_pad = -(-k // STEP) * STEP  # the codes' tail steps read past K: TMA fills zeros, and x is zero there
-    splits = _splits(r, k_pad, n, cfg)
+    splits = nearest_splits(k_pad // STEP, r * n // cfg.block_n, cfg.splits, cfg.programs)
     call = functools.partial(_kernel, cfg=cfg, per=k_pad // STEP // splits)
-    kwargs = dict(out_type=jax.ShapeDtypeStruct((splits, r, n, TOKENS), jnp.float32),
-                  grid=(r, n // cfg.block_n, splits), grid_names=("r", "n", "s"),
-                  num_threads=cfg.block_n // ROWS + 1, thread_name="wg")
-    if cfg.interpret:
-        kern = plgpu.kernel(call, interpret=_mgpu.interpret_params(), **kwargs)
-    else:
-        kern = plgpu.kernel(call, compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kwargs)
-    parts = kern(experts.astype(jnp.int32), _grouped_x(lhs, k_pad), rhs.codes, rhs.scales)
-    total = parts[0]
-    for i in range(1, splits):  # a fixed order: the same bits every call
-        total = total + parts[i]
+    kern = warpgroup_kernel(call, interpret=cfg.interpret,
+                            out_type=jax.ShapeDtypeStruct((splits, r, n, TOKENS), jnp.float32),
+                            grid=(r, n // cfg.block_n, splits), grid_names=("r", "n", "s"),
+                            num_threads=cfg.block_n // ROWS + 1, thread_name="wg")
+    total = summed_in_order(kern(experts.astype(jnp.int32), _grouped_x(lhs, k_pad), rhs.codes, rhs.scales))
     return total[jnp.arange(r), :, jnp.arange(r)].astype(out_dtype)  # pair r's own column of the tokens
 
 
@@ -204,8 +185,8 @@ EXPERTS, PAIRS, LAYERS = 32, 4, 24
 
 
 def main(argv=None) -> int:
+    from bench.experiments.wgmma_gemv import print_table
     from bench.timing import copy_bandwidth
-    from bench.trace import profile_us
     from tessera.lower.kernels.mxfp4_matmul import pair_dot
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -229,18 +210,8 @@ def main(argv=None) -> int:
             rows[f"wgmma stages {st}"] = functools.partial(lambda x, m, cfg: pair_gemv(x, m, experts, config=cfg),
                                                            cfg=cfg)
         nbytes = PAIRS * (k * n // 2 + k * n // 32)
-        print(f"\n## {case}: {nbytes / 1e6:.1f} MB of the pairs' codes and scales a call")
-        print("| variant | us a call | GB/s | % of copy | max err / max |")
-        print("|---|---|---|---|---|")
-        for name, fn in rows.items():
-            try:
-                us, _ = profile_us(fn, (x,), mats)
-                got = jax.jit(fn)(x, mats[0]).astype(jnp.float32)
-                err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-                gbs = nbytes / us / 1e3
-                print(f"| {name} | {us:.2f} | {gbs:,.0f} | {100 * gbs / bw:.0f} % | {err:.1e} |", flush=True)
-            except Exception as exc:  # noqa: BLE001 (a variant the compiler refuses is a row, not the end)
-                print(f"| {name} | {type(exc).__name__}: {str(exc).splitlines()[0][:160]} | | | |", flush=True)
+        print_table(f"{case}: {nbytes / 1e6:.1f} MB of the pairs' codes and scales a call", rows, x, mats, want,
+                    nbytes, bw)
     return 0
 
 

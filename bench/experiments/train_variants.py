@@ -43,10 +43,11 @@ VARIANTS = {
 }
 
 
-def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), description: str = __doc__) -> int:
-    """Time each of `variants` ({name: patches}) on the spec with `overrides` before the person's `--set`s; other
-    experiments (det_unrolled) call it with their own. The peak device memory printed is the process's so far: one
-    variant a process (`--only`) to compare it."""
+def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), description: str = __doc__,
+         spec: str = "specs/bench/llama_1b_train.yaml") -> int:
+    """Time each of `variants` ({name: patches}) on the spec (`--spec`, `spec` by default) with `overrides` before the
+    person's `--set`s; other experiments (det_unrolled, det_cond) call it with their own and their spec. The peak
+    device memory printed is the process's so far: one variant a process (`--only`) to compare it."""
     from tessera.lower import program
     from tessera.lower.program import compile_experiment
     from tessera.run.optim import build_optimizer, current_lr
@@ -54,7 +55,7 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
     from tessera.spec import load_experiment
 
     ap = argparse.ArgumentParser(description=description.splitlines()[0])
-    ap.add_argument("--spec", default="specs/bench/llama_1b_train.yaml")
+    ap.add_argument("--spec", default=spec)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--only", default=None)
     ap.add_argument("--steps", type=int, default=5)

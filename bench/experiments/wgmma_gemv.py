@@ -50,27 +50,52 @@ class WgmmaGemvConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        if self.block_n % ROWS or self.block_n > 256:
-            raise ValueError(f"{self.block_n=} must be a multiple of {ROWS} up to 256")
+        check_tiles(self.block_n, self.stages)
         if self.block_k % 64:
             raise ValueError(f"{self.block_k=} must be a multiple of 64 (a 128-byte swizzled bf16 row)")
-        if self.stages < 2:
-            raise ValueError(f"{self.stages=} must be at least 2")
 
     @property
     def consumers(self) -> int:
         return self.block_n // ROWS
 
 
+def check_tiles(block_n: int, stages: int) -> None:
+    """A program's columns whole consumer warpgroups (at most 256, wgmma's widest), at least two steps in flight."""
+    if block_n % ROWS or block_n > 256:
+        raise ValueError(f"{block_n=} must be a multiple of {ROWS} up to 256")
+    if stages < 2:
+        raise ValueError(f"{stages=} must be at least 2")
+
+
+def nearest_splits(steps: int, tiles: int, splits: int, programs: int) -> int:
+    """K splits over `steps` pipeline steps: `splits`, or (0) the divisor of `steps` that brings `tiles` x splits
+    programs closest to `programs`."""
+    if splits:
+        if steps % splits:
+            raise ValueError(f"{splits=} must divide the {steps} K steps")
+        return splits
+    return min((s for s in range(1, steps + 1) if steps % s == 0), key=lambda s: abs(tiles * s - programs))
+
+
 def splits_for(k: int, n: int, cfg: WgmmaGemvConfig) -> int:
-    """K splits: cfg.splits, or the divisor of K's step count that brings the programs closest to cfg.programs."""
-    steps = k // cfg.block_k
-    if cfg.splits:
-        if steps % cfg.splits:
-            raise ValueError(f"{cfg.splits=} must divide the {steps} K steps")
-        return cfg.splits
-    tiles = n // cfg.block_n
-    return min((s for s in range(1, steps + 1) if steps % s == 0), key=lambda s: abs(tiles * s - cfg.programs))
+    """K splits of this kernel (`nearest_splits` over its block_k steps and block_n tiles)."""
+    return nearest_splits(k // cfg.block_k, n // cfg.block_n, cfg.splits, cfg.programs)
+
+
+def warpgroup_kernel(body, *, interpret: bool, **kwargs):
+    """`plgpu.kernel` in warpgroup semantics, or the CPU interpreter when `interpret`."""
+    if interpret:
+        return plgpu.kernel(body, interpret=_mgpu.interpret_params(), **kwargs)
+    return plgpu.kernel(body, compiler_params=plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kwargs)
+
+
+def summed_in_order(parts):
+    """The split partials [splits, ...] summed in split order: a fixed order, the same bits every call."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
 
 
 def supported(x, w, cfg: WgmmaGemvConfig) -> bool:
@@ -132,18 +157,11 @@ def gemv(x, w, *, out_dtype=None, config: WgmmaGemvConfig | None = None):
     per = k // cfg.block_k // splits
     xt = jnp.pad(x, ((0, TOKENS - b), (0, 0))) if b < TOKENS else x
     call = functools.partial(_kernel, cfg=cfg, per=per)
-    kwargs = dict(out_type=jax.ShapeDtypeStruct((splits, n, TOKENS), jnp.float32), grid=(n // cfg.block_n, splits),
-                  grid_names=("n", "s"), num_threads=cfg.consumers + 1, thread_name="wg")
-    if cfg.interpret:
-        kern = plgpu.kernel(call, interpret=_mgpu.interpret_params(), **kwargs)
-    else:
-        kern = plgpu.kernel(call, compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **kwargs)
-    parts = kern(xt, w)
-    total = parts[0]
-    for i in range(1, splits):  # a fixed order: the same bits every call
-        total = total + parts[i]
-    return total[:, :b].T.astype(out_dtype or x.dtype)
+    kern = warpgroup_kernel(call, interpret=cfg.interpret,
+                            out_type=jax.ShapeDtypeStruct((splits, n, TOKENS), jnp.float32),
+                            grid=(n // cfg.block_n, splits), grid_names=("n", "s"), num_threads=cfg.consumers + 1,
+                            thread_name="wg")
+    return summed_in_order(kern(xt, w))[:, :b].T.astype(out_dtype or x.dtype)
 
 
 # ----------------------------------------------------------------------------- benchmark (GPU)
@@ -151,6 +169,26 @@ def gemv(x, w, *, out_dtype=None, config: WgmmaGemvConfig | None = None):
 # GPT-OSS-20B's attention projections at decode (K, N): q, o, k and v
 CASES = {"q 2880x4096": (2880, 4096), "o 4096x2880": (4096, 2880), "k 2880x512": (2880, 512)}
 LAYERS = 24
+
+
+def print_table(title: str, rows: dict, x, varying: list, exact, nbytes: float, bw: float) -> None:
+    """A markdown table of `rows` ({name: fn(x, v)}): GPU busy time a call over `varying` (bench.trace.profile_us),
+    GB/s of `nbytes` against the copy bandwidth `bw`, and the largest error of fn(x, varying[0]) against `exact`
+    relative to its largest value. A variant that fails is a row saying why."""
+    from bench.trace import profile_us
+
+    print(f"\n## {title}")
+    print("| variant | us a call | GB/s | % of copy | max err / max |")
+    print("|---|---|---|---|---|")
+    for name, fn in rows.items():
+        try:
+            us, _ = profile_us(fn, (x,), varying)
+            got = jax.jit(fn)(x, varying[0]).astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
+            gbs = nbytes / us / 1e3
+            print(f"| {name} | {us:.2f} | {gbs:,.0f} | {100 * gbs / bw:.0f} % | {err:.1e} |", flush=True)
+        except Exception as exc:  # noqa: BLE001 (a variant the compiler refuses is a row, not the end)
+            print(f"| {name} | {type(exc).__name__}: {str(exc).splitlines()[0][:160]} | | | |", flush=True)
 
 
 def _variants() -> dict:
@@ -161,7 +199,6 @@ def _variants() -> dict:
 
 def main(argv=None) -> int:
     from bench.timing import copy_bandwidth
-    from bench.trace import profile_us
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=None)
@@ -182,18 +219,7 @@ def main(argv=None) -> int:
         rows = {"XLA einsum": lambda x, w: jnp.einsum("bk,kn->bn", x, w, **f32).astype(x.dtype)}
         rows.update({f"wgmma {name}": functools.partial(lambda x, w, cfg: gemv(x, w, config=cfg), cfg=cfg)
                      for name, cfg in variants.items() if supported(x, ws[0], cfg)})
-        print(f"\n## {case}: K {k}, N {n} ({2 * k * n / 1e6:.1f} MB a call)")
-        print("| variant | us a call | GB/s | % of copy | max err / max |")
-        print("|---|---|---|---|---|")
-        for name, fn in rows.items():
-            try:
-                us, _ = profile_us(fn, (x,), ws)
-                got = jax.jit(fn)(x, ws[0]).astype(jnp.float32)
-                err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
-                gbs = 2 * k * n / us / 1e3
-                print(f"| {name} | {us:.2f} | {gbs:,.0f} | {100 * gbs / bw:.0f} % | {err:.1e} |", flush=True)
-            except Exception as exc:  # noqa: BLE001 (a variant the compiler refuses is a row, not the end)
-                print(f"| {name} | {type(exc).__name__}: {str(exc).splitlines()[0][:160]} | | | |", flush=True)
+        print_table(f"{case}: K {k}, N {n} ({2 * k * n / 1e6:.1f} MB a call)", rows, x, ws, exact, 2 * k * n, bw)
     return 0
 
 
