@@ -3,8 +3,9 @@ bf16 GEMM, XLA's fp8 `dot` on pre-quantised operands, and `torch._scaled_mm`, at
 GPT-OSS training shapes (TFLOP/s of 2 m n k).
 
 Tessera's row includes the quantisation it does on every call (amax, scale, cast of both operands: the
-current-scaling recipe); "XLA fp8 dot" is the GEMM alone on operands quantised once, the ceiling a
-quantisation fused into the previous op would approach. Unmeasured until run on a GPU.
+current-scaling recipe); "XLA fp8 dot" is the GEMM alone on operands quantised once (the weight K-contiguous, a bf16
+result), the ceiling a quantisation fused into the previous op would approach. The three products of a training
+step one by one (forward, input and weight gradients): bench/experiments/fp8_products.py.
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ def run_fp8(check: bool = False, shapes=None) -> None:
                                                   preferred_element_type=jnp.bfloat16))
         bf16 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
         (xq, sx), (wq, sw) = fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3)
-        xla_fp8 = jax.jit(lambda a, b, s: (jnp.dot(a, b, preferred_element_type=jnp.float32) / s).astype(jnp.bfloat16))
+        # XLA's fastest form of the product (bench/experiments/fp8_gemm_variants.py): the weight K-contiguous ([n, k],
+        # as cuBLASLt's fp8 GEMM and the torch row take it), the bf16 result divided by the scale (folded into the call)
+        wq_nk = wq.T.copy()
+        xla_fp8 = jax.jit(lambda a, b, s: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                              preferred_element_type=jnp.bfloat16)
+                          / s.astype(jnp.bfloat16))
         if check:
             print(f"  check {case}: fp8 vs bf16 rel err {rel_err(tessera(x, w), bf16(x, w)):.2e}")
         record(case, "tessera fp8 (per-tensor current scaling)", lambda: time_jax(tessera, x, w), work)
-        record(case, "XLA fp8 dot (pre-quantised)", lambda: time_jax(xla_fp8, xq, wq, sx * sw), work)
+        record(case, "XLA fp8 dot (pre-quantised)", lambda: time_jax(xla_fp8, xq, wq_nk, sx * sw), work)
         record(case, "XLA bf16 dot", lambda: time_jax(bf16, x, w), work)
         record(case, "torch._scaled_mm", lambda: _torch_scaled_mm(m, k, n), work)
 
