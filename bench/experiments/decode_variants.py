@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from bench.experiments.lowering_variants import patched  # noqa: E402
 from bench.experiments.mxfp4_gemv_mma import MmaConfig, dispatching_tile  # noqa: E402
 from tessera.lower import ops_nn  # noqa: E402
-from tessera.lower.kernels import moe_route, mxfp4_gemv  # noqa: E402
+from tessera.lower.kernels import moe_pairs, moe_route, mxfp4_gemv  # noqa: E402
 from tessera.lower.reference import moe  # noqa: E402
 
 F32 = dict(preferred_element_type=jnp.float32)
@@ -129,6 +129,29 @@ def _no_gemv(lhs, rhs, experts, cfg, out_dtype):
     return jnp.zeros((lhs.shape[0], rhs.shape[-1]), out_dtype) + lhs[:, :1].astype(out_dtype)
 
 
+def _no_gemv_parts(lhs, rhs, experts, cfg, out_dtype, *, per=1):
+    mats = rhs if isinstance(rhs, tuple) else (rhs,)
+    rows = jnp.repeat(lhs[:, :1], per, axis=0).astype(out_dtype)
+    return jnp.zeros((1, len(mats), experts.shape[0], mats[0].shape[-1]), out_dtype) + rows[None, None]
+
+
+def _pairs_xla_epilogues(x, weights, experts, **kw):
+    # the experts' pairs as before moe_pairs.py: the pairs GEMV of each copy's row (the token broadcast to its k
+    # copies), each split-K sum a reduce of its own, the bias, SwiGLU and combine XLA's
+    from tessera.lower.kernels import mxfp4_matmul
+
+    return moe.pairs_ffn(x, weights, experts, pair_dot=mxfp4_matmul.pair_dot, **kw)
+
+
+def _pairs_block(block: int, warps: int):
+    def ffn(x, weights, experts, **kw):
+        return _PAIRS_FFN(x, weights, experts, config=moe_pairs.PairsConfig(block=block, num_warps=warps), **kw)
+    return [(moe_pairs, "pairs_ffn", ffn)]
+
+
+_PAIRS_FFN = moe_pairs.pairs_ffn
+
+
 def _no_moe(x, **kw):
     return x * 0
 
@@ -148,7 +171,11 @@ VARIANTS = {
     "gemv mma n256 wf": _tensor_cores(256, True),
     "gemv mma n512 wf": _tensor_cores(512, True),
     "qkv one product": [(ops_nn, "_cast", _cast_seen), (ops_nn, "_project", _project_qkv)],
-    "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv)],
+    "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv), (mxfp4_gemv, "gemv_parts", _no_gemv_parts)],
+    "pairs: XLA epilogues": [(moe_pairs, "pairs_ffn", _pairs_xla_epilogues)],
+    "pairs epilogues 64/1": _pairs_block(64, 1),
+    "pairs epilogues 256/2": _pairs_block(256, 2),
+    "pairs epilogues 1024/4": _pairs_block(1024, 4),
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
 }
 

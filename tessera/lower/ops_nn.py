@@ -443,7 +443,7 @@ def _moe(ctx, op, attrs, ins, params):
         args["expert_chunks"] = ctx.experts                                       # in canonical chunks
     few = ctx.mode == "decode" and b * s * attrs["top_k"] <= moe_ref.PAIRS_MAX
     if few and isinstance(p["experts/gate"], mxfp4.MXFP4):  # no sort, no scatter (measured for packed experts)
-        y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, pair_dot=table.bound(ctx, "pair_dot", label))
+        y = moe_ref.moe_pairs(x.reshape(b * s, e), **args, experts_ffn=table.bound(ctx, "pairs_ffn", label))
     else:
         y = moe_ref.moe(x.reshape(b * s, e), **args, ragged_dot=table.bound(ctx, "ragged_dot", label))
     return [align(y.reshape(b, s, e).astype(_dtype(op)), BSE, have)]

@@ -93,24 +93,25 @@ def _generation_against_the_reference(overrides: dict, seed: int):
 def test_decode_multiplies_unsorted_pairs_by_packed_experts(monkeypatch):
     """Decoding a packed-expert model takes the pairs kernel (no sort) and generates what the reference does."""
     from tessera.lower.kernels import mxfp4_matmul as mk
-    from tessera.lower.reference import mxfp4
+    from tessera.lower.kernels import moe_pairs
+    from tessera.lower.reference import moe
 
     rules = {"numerics.rules": {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "fp32"}}
     compile_, params, prompts, expected = _generation_against_the_reference(rules, seed=1)
     calls = []
 
-    def fake_pairs(lhs, rhs, experts, **kw):  # stands in for the GPU kernel: same semantics, counted
-        calls.append(lhs.shape)
-        return mxfp4.pair_dot(lhs, rhs, experts, preferred_element_type=kw.get("preferred_element_type"))
+    def fake_pairs(x, weights, experts, **kw):  # stands in for the GPU kernels: same semantics, counted
+        calls.append(experts.shape)
+        return moe.pairs_ffn(x, weights, experts, **kw)
 
     _gpu_kernels_on_the_cpu(monkeypatch)
     monkeypatch.setattr(mk, "supported", lambda *a, **k: False)  # prefill: the reference ragged_dot
-    monkeypatch.setattr(mk, "supported_pairs", lambda *a, **k: True)
-    monkeypatch.setattr(mk, "pair_dot", fake_pairs)
+    monkeypatch.setattr(moe_pairs, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(moe_pairs, "pairs_ffn", fake_pairs)
     auto = compile_("auto")
     np.testing.assert_array_equal(np.asarray(auto.generate(params, prompts, max_new_tokens=4)), expected)
-    assert calls and all(shape[0] == 2 * 2 for shape in calls)  # batch 2 x top-2: one row a (token, expert)
-    assert auto.kernel_report()["layers/moe experts (decode)"].startswith("mxfp4_pair_gemv over (token, expert)")
+    assert calls and all(shape == (2, 2) for shape in calls)  # batch 2 x top-2: a row of experts a token
+    assert auto.kernel_report()["layers/moe experts (decode)"].startswith("mxfp4_pair_gemv and its epilogues")
 
 
 def test_decode_routes_with_the_routing_kernel(monkeypatch):

@@ -6,7 +6,8 @@
 | decode_attention | decode_attention(q, k, v, *, kv_len, q_offset, sinks, causal, window, scale, config) | supported(...) |
 | grouped_matmul | grouped_matmul(lhs, rhs, group_sizes, *, config) | supported(...) |
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4 or a tuple of them, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
-| mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot at decode | (through pair_dot) |
+| mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot and moe_pairs at decode | (through them) |
+| moe_pairs (Triton backend) | pairs_ffn(x, weights, experts, *, gate, up, down, biases, act, config): decode's experts after the routing | supported(...) |
 | fp8_gemv (Triton backend) | weight_only_einsum(spec, x, w: FP8Blocks, *, out_dtype, config): one token times block-scaled fp8 weights | supported(...) |
 | moe_route (Triton backend) | route_blocks(blocks, bias, top_k, *, config): a decode step's routing after the router's product | supported(...) |
 
@@ -41,7 +42,7 @@ def _decode_reference(q, cache, q_pos, *, sinks, causal, window, scale, accum=No
 _table.primitive("attention", _attention_reference)  # queries at q_offset + 0..S-1 over keys 0..T-1
 _table.primitive("decode_attention", _decode_reference)
 _table.primitive("ragged_dot", _mxfp4.any_ragged_dot)  # the experts' grouped products (rhs plain or MXFP4)
-_table.primitive("pair_dot", _mxfp4.pair_dot)  # row r times expert experts[r] (decode's few copies)
+_table.primitive("pairs_ffn", _moe.pairs_ffn)  # decode's few (token, expert) copies after the routing
 _table.primitive("weight_only_einsum", _fp8_blocks.weight_only_einsum)  # one token times held fp8 blocks
 _table.primitive("route_blocks", _moe.route_blocks)  # the router's partial sums -> top-k experts, weights
 
@@ -114,20 +115,21 @@ def _grouped(lhs, rhs, group_sizes, preferred_element_type=None):
     return out.astype(preferred_element_type or out.dtype)
 
 
-def _pairs_takes(lhs, rhs, experts, preferred_element_type=None):
-    from tessera.lower.kernels import mxfp4_matmul as mk
+def _pairs_takes(x, weights, experts, *, gate, up, down, **_):
+    from tessera.lower.kernels import moe_pairs
 
-    if not all(isinstance(m, _mxfp4.MXFP4) for m in (rhs if _mxfp4.several(rhs) else (rhs,))):
+    if not all(isinstance(m, _mxfp4.MXFP4) for m in (gate, up, down)):
         return "plain experts: each (token, expert) pair gathers its expert"
-    return mk.supported_pairs(lhs, rhs, experts) or "MXFP4 experts outside mxfp4_pair_gemv (dequantised)"
+    return (moe_pairs.supported(x, weights, experts, gate=gate, up=up, down=down)
+            or "MXFP4 experts outside mxfp4_pair_gemv (dequantised)")
 
 
-@_table.kernel("pair_dot", name="mxfp4_pair_gemv over (token, expert) pairs (Pallas, Triton)", when=_pairs_takes,
-               in_shard_map=True)  # verified with grouped_matmul
-def _pairs(lhs, rhs, experts, preferred_element_type=None):
-    from tessera.lower.kernels import mxfp4_matmul as mk
+@_table.kernel("pairs_ffn", name="mxfp4_pair_gemv and its epilogues over (token, expert) pairs (Pallas, Triton)",
+               when=_pairs_takes)
+def _pairs(x, weights, experts, **kw):
+    from tessera.lower.kernels import moe_pairs
 
-    return mk.pair_dot(lhs, rhs, experts, preferred_element_type=preferred_element_type)
+    return moe_pairs.pairs_ffn(x, weights, experts, **kw)
 
 
 def _route_takes(blocks, bias, top_k):

@@ -215,13 +215,13 @@ def _x_pair(words):
 
 
 def _gemv_kernel(ex_ref, xw_ref, *refs, cfg: GemvConfig, rows: int, k: int, n: int, steps_per_split: int,
-                 count: int):
+                 count: int, per: int = 1):
     """One (pair, N tile, K split): out[r, tile] = lhs[r, K range] @ dequantised expert columns (flat refs).
 
     `count` matrices of one shape (refs: their codes, then their scales, then out) share the launch: the N tiles
     of matrix j follow those of matrix j - 1 in the grid, and each program runs the loop of its own matrix. Each
     code row is one vector of block_n bytes; each scale row is read once for its 16 code rows. Code rows past K/2
-    (the last step when `groups` scale groups do not divide K) read as zeros.
+    (the last step when `groups` scale groups do not divide K) read as zeros. Pair r reads lhs row r // per.
     """
     codes_refs, scales_refs, out_ref = refs[:count], refs[count:2 * count], refs[2 * count]
     tiles = -(-n // cfg.block_n)
@@ -229,28 +229,30 @@ def _gemv_kernel(ex_ref, xw_ref, *refs, cfg: GemvConfig, rows: int, k: int, n: i
     for j in range(count):
         tile = functools.partial(_gemv_tile, ex_ref, xw_ref, codes_refs[j], scales_refs[j], out_ref, r,
                                  nt - j * tiles if j else nt, s, j, cfg=cfg, rows=rows, k=k, n=n,
-                                 steps_per_split=steps_per_split, count=count)
+                                 steps_per_split=steps_per_split, count=count, per=per)
         if count == 1:
             tile()  # one matrix: no branch
         else:
             pl.when(nt // tiles == j)(tile)
 
 
-def _span(ex_ref, r, ni, s, bn: int, cfg: GemvConfig, k: int, n: int, steps_per_split: int):
+def _span(ex_ref, r, ni, s, bn: int, cfg: GemvConfig, k: int, n: int, steps_per_split: int, per: int = 1):
     """A program's part: its columns c and which are in range, K/2 code rows, where its expert's codes and scales and
     its pair's x start, and its K steps [lo, hi)."""
     e = ex_ref[r]
     c = ni * bn + jnp.arange(bn, dtype=jnp.int32)
     kh = k // 2
     lo = s * steps_per_split
-    return (c, c < n, kh, e * kh, e * (k // 32), r * kh, lo, jnp.minimum(lo + steps_per_split, gemv_steps(k, cfg)))
+    return (c, c < n, kh, e * kh, e * (k // 32), (r // per) * kh, lo,
+            jnp.minimum(lo + steps_per_split, gemv_steps(k, cfg)))
 
 
 def _gemv_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: GemvConfig, rows: int,
-               k: int, n: int, steps_per_split: int, count: int):
+               k: int, n: int, steps_per_split: int, count: int, per: int):
     """`_gemv_kernel`'s program for N tile `ni` of matrix `which`."""
     bn, gq = cfg.block_n, cfg.groups
-    c, col_ok, kh, code_base, scale_base, x_base, lo, hi = _span(ex_ref, r, ni, s, bn, cfg, k, n, steps_per_split)
+    c, col_ok, kh, code_base, scale_base, x_base, lo, hi = _span(ex_ref, r, ni, s, bn, cfg, k, n, steps_per_split,
+                                                                 per)
 
     def load(kk, live):
         codes, xs, scs = [], [], []
@@ -297,23 +299,24 @@ def gemv_splits(r: int, k: int, n: int, cfg: GemvConfig) -> int:
     return -(-steps // per)  # no empty splits
 
 
-def gemv(lhs, rhs, experts, cfg: GemvConfig, out_dtype):
-    """out [R, N] = lhs[r] @ dequantise(rhs[experts[r]]) by `_gemv_kernel` (fp32 split partials summed). `rhs` a
-    tuple of MXFP4 matrices of one shape (an expert's gate and up): one launch, a tuple of outputs.
-
-    Forward only: `mxfp4_matmul.pair_dot` is the differentiable op."""
-    many = ref.several(rhs)
-    mats = rhs if many else (rhs,)
-    r, k = lhs.shape
+def gemv_parts(lhs, rhs, experts, cfg: GemvConfig, out_dtype, *, per: int = 1):
+    """`_gemv_kernel`'s output before the split-K sum: [splits, count, R, N], pair r = lhs[r // per] @
+    dequantise(rhs[experts[r]]) (lhs [R / per, K]), in fp32 where K is split, else in out_dtype. `rhs` one MXFP4 matrix
+    or a tuple of them of one shape (count of them, one launch)."""
+    mats = rhs if ref.several(rhs) else (rhs,)
+    t, k = lhs.shape
+    r = experts.shape[0]
+    if t * per != r:
+        raise ValueError(f"{t} lhs rows each serving {per} pairs are not the {r} pairs of `experts`")
     g, _, n = mats[0].shape
     if any(m.shape != mats[0].shape for m in mats):
         raise ValueError(f"one launch takes matrices of one shape, not {[m.shape for m in mats]}")
     count = len(mats)
     splits = gemv_splits(r, k, n * count, cfg)
-    per = -(-gemv_steps(k, cfg) // splits)  # K steps a split
+    per_split = -(-gemv_steps(k, cfg) // splits)  # K steps a split
     part_dtype = out_dtype if splits == 1 else jnp.float32
-    body = functools.partial(_gemv_kernel, cfg=cfg, rows=r, k=k, n=n, steps_per_split=per, count=count)
-    xw = lax.bitcast_convert_type(lhs.reshape(r, k // 2, 2), jnp.uint32).reshape(-1)  # (even, odd) bf16 pairs
+    body = functools.partial(_gemv_kernel, cfg=cfg, rows=r, k=k, n=n, steps_per_split=per_split, count=count, per=per)
+    xw = lax.bitcast_convert_type(lhs.reshape(t, k // 2, 2), jnp.uint32).reshape(-1)  # (even, odd) bf16 pairs
     flat = [m.codes.reshape(-1) for m in mats] + [m.scales.reshape(-1) for m in mats]
     experts, xw, *flat = common(experts, xw, *flat)
     out = pl.pallas_call(
@@ -324,11 +327,20 @@ def gemv(lhs, rhs, experts, cfg: GemvConfig, out_dtype):
         interpret=cfg.interpret,
         name="mxfp4_pair_gemv",
     )(experts, xw, *flat)
-    if splits == 1:
-        out = out.reshape(count, r, n)
+    return out.reshape(splits, count, r, n)
+
+
+def gemv(lhs, rhs, experts, cfg: GemvConfig, out_dtype):
+    """out [R, N] = lhs[r] @ dequantise(rhs[experts[r]]) by `_gemv_kernel` (fp32 split partials summed). `rhs` a
+    tuple of MXFP4 matrices of one shape (an expert's gate and up): one launch, a tuple of outputs.
+
+    Forward only: `mxfp4_matmul.pair_dot` is the differentiable op."""
+    out = gemv_parts(lhs, rhs, experts, cfg, out_dtype)
+    if out.shape[0] == 1:
+        out = out[0]
     else:
         # The split-K sum as a reduce of its own: fused into its consumer (the expert combine, the residual
         # add), XLA made one loop fusion of ~2,900 threads, each summing 30 splits x 4 pairs strided; with the
         # barrier, GPT-OSS-20B's batch-1 decode ran 4.6 % faster on an H100 (bench/experiments/decode_variants).
-        out = lax.optimization_barrier(out.reshape(splits, count, r, n).sum(axis=0).astype(out_dtype))
-    return tuple(out) if many else out[0]
+        out = lax.optimization_barrier(out.sum(axis=0).astype(out_dtype))
+    return tuple(out) if ref.several(rhs) else out[0]

@@ -167,20 +167,35 @@ PAIRS_MAX = 4
 
 def moe_pairs(x: jax.Array, *, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, top_k: int,
               act: Activation = GPT_OSS_ACT, pair_dot=mxfp4.pair_dot, accum=None,
-              route_blocks=route_blocks) -> jax.Array:
+              route_blocks=route_blocks, experts_ffn=None) -> jax.Array:
     """Unsorted MoE for few tokens: x [T, D] -> [T, D]; copy (t, j) multiplies x[t] by expert experts[t, j].
 
-    `pair_dot(lhs [R, K], rhs [G, K, N], experts [R], preferred_element_type)` is `reference.mxfp4.pair_dot`
-    or a kernel with its semantics (rhs also a tuple, gate and up, giving a tuple); the same products as `moe`,
-    summed over each token's k copies in routing order. `route_blocks` (`route`'s) may be a kernel too.
+    The routing (`route`; its `route_blocks` may be a kernel), then `experts_ffn` (`pairs_ffn`'s semantics; by
+    default `pairs_ffn` with this `pair_dot`, which may be a kernel too): the same products as `moe`, summed over
+    each token's k copies in routing order.
     """
-    t, d = x.shape
     weights, experts = route(x, router=router, router_bias=router_bias, top_k=top_k, accum=accum,
                              route_blocks=route_blocks)
+    ffn = experts_ffn or functools.partial(pairs_ffn, pair_dot=pair_dot)
+    return ffn(x, weights, experts, gate=gate, up=up, down=down, gate_bias=gate_bias, up_bias=up_bias,
+               down_bias=down_bias, act=act)
+
+
+def pairs_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, *, gate, up, down, gate_bias, up_bias,
+              down_bias, act: Activation = GPT_OSS_ACT, pair_dot=mxfp4.pair_dot, accum=None) -> jax.Array:
+    """The experts of `moe_pairs` after its routing: x [T, D], weights fp32 [T, k], experts int [T, k] -> [T, D].
+
+    `pair_dot(lhs [R, K], rhs [G, K, N], experts [R], preferred_element_type)` is `reference.mxfp4.pair_dot`
+    or a kernel with its semantics (rhs also a tuple, gate and up, giving a tuple); `accum` (a narrow @accum)
+    goes to it. tessera/lower/kernels/moe_pairs.py computes the whole of this on the GPU.
+    """
+    t, d = x.shape
+    top_k = experts.shape[1]
     flat = experts.reshape(-1)  # [T*k], copy c belongs to token c // k
     xs = jnp.repeat(x, top_k, axis=0)  # [T*k, D]
     ct = wide(x.dtype)
-    pd = functools.partial(pair_dot, experts=flat, preferred_element_type=ct)
+    narrow = {} if accum is None else {"accum": accum}
+    pd = functools.partial(pair_dot, experts=flat, preferred_element_type=ct, **narrow)
     g, u = pd(xs, (_operand(gate, x.dtype), _operand(up, x.dtype)))  # one launch where a kernel takes both
     g, u = g + gate_bias.astype(ct)[flat], u + up_bias.astype(ct)[flat]
     h = act(g.astype(x.dtype), u.astype(x.dtype))
