@@ -83,7 +83,7 @@ def _split_sum(parts_ref, row, c, ok, *, splits: int, stride: int):
 
 
 def _bias(ref_, e, n: int, c, ok):
-    return pltriton.load(ref_.at[e * n + c], mask=ok, other=0).astype(jnp.float32)
+    return pltriton.load(ref_.at[e * n + c], mask=ok, other=0.0).astype(jnp.float32)
 
 
 def _swiglu_kernel(ex_ref, parts_ref, gb_ref, ub_ref, h_ref, *, splits: int, rows: int, n: int, block: int, act):
