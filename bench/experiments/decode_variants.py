@@ -173,6 +173,8 @@ VARIANTS = {
     "qkv one product": [(ops_nn, "_cast", _cast_seen), (ops_nn, "_project", _project_qkv)],
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv), (mxfp4_gemv, "gemv_parts", _no_gemv_parts)],
     "pairs: XLA epilogues": [(moe_pairs, "pairs_ffn", _pairs_xla_epilogues)],
+    "q, k, v: XLA": [(ops_nn, "_decode_step", lambda *a: False)],  # biases, rope and cache writes as before
+    "both: XLA": [(moe_pairs, "pairs_ffn", _pairs_xla_epilogues), (ops_nn, "_decode_step", lambda *a: False)],
     "pairs epilogues 64/1": _pairs_block(64, 1),
     "pairs epilogues 256/2": _pairs_block(256, 2),
     "pairs epilogues 1024/4": _pairs_block(1024, 4),

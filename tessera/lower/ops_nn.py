@@ -19,7 +19,7 @@ from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
-from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, moe as moe_ref, \
+from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, kv_cache, moe as moe_ref, \
     mxfp4, packed as packed_ref, rope as rope_ref
 from tessera.lower.reference.fp8_blocks import FP8Blocks
 from tessera.lower.reference.attention import attention as attention_ref
@@ -126,10 +126,7 @@ def _linear(ctx, op, attrs, ins, params):
     return [y.astype(dt)]
 
 
-def _plus_bias(y, bias):
-    """y + bias in fp32 (f64 for f64): a product stored in bf16 (named.stored_dtype) is widened before the add."""
-    wide = jnp.promote_types(y.dtype, jnp.float32)
-    return y.astype(wide) + bias.astype(wide)
+_plus_bias = kv_cache.plus_bias
 
 
 # ---- rope kinds: (head_dim, fields) -> RopeTable (inv_freq, scaling of cos and sin, grid columns) ---------------
@@ -254,11 +251,25 @@ def _weight_product(ctx, spec: str, x, w, store, name: str):
 
 def _project(ctx, x, w, b, name: str):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
-    w = w if isinstance(w, FP8Blocks) else w.astype(x.dtype)
-    y = _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name)
+    y = _projected(ctx, x, w, name)
     if b is not None:
         y = _plus_bias(y, b)
     return y.astype(x.dtype)
+
+
+def _projected(ctx, x, w, name: str):
+    """x [B, S, E] @ w [E, H, D] -> [B, S, H, D] as the product stores it (no bias, not yet cast)."""
+    w = w if isinstance(w, FP8Blocks) else w.astype(x.dtype)
+    return _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name)
+
+
+def _decode_step(ctx, attrs, cache, x) -> bool:
+    """Whether attention's q, k, v come from `decode_qkv` (bias, rotary embedding and the cache write as one
+    primitive): a decode step of one token a row, on one device, with a rotary embedding of positions (not a grid's)."""
+    rope = attrs["rope"]
+    return (ctx.mode == "decode" and cache is not None and ctx.shard is None and ctx.tensor is None
+            and ctx.position_start is not None and x.shape[1] == 1 and rope is not None
+            and _rope_tables(rope, attrs["head_dim"]).cols is None)
 
 
 def _tensor_chunks(ctx):
@@ -294,28 +305,6 @@ def attention_cache_init(ctx, op, attrs, batch: int, max_len: int):
     return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt), "pos": jnp.full((batch, c), -1, jnp.int32)}
 
 
-def _cache_write(cache, k, v, pos, start=None):
-    """Write k, v [B, S, Hkv, D] at absolute positions pos [B, S] into the ring buffer (last C tokens). `start`
-    (LowerCtx.position_start): pos is start + 0..S-1 in every row, so where those S slots do not wrap they are one
-    slice, written in place by dynamic_update_slice, which XLA fuses with the values' producer (a scatter is a
-    kernel of its own: three a layer and token in decode)."""
-    c = cache["pos"].shape[1]
-    if k.shape[1] > c:  # a prompt longer than a sliding window: only its last C tokens stay
-        start = None if start is None else start + (k.shape[1] - c)
-        k, v, pos = k[:, -c:], v[:, -c:], pos[:, -c:]
-    s = k.shape[1]
-    # one slice where the slots do not wrap: one token (a traced start), or a known start (the prompt's 0)
-    if start is not None and (s == 1 or (isinstance(start, int) and start % c + s <= c)):
-        put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), start % c, axis=1)
-        return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
-    rows = jnp.arange(k.shape[0])[:, None]
-    slots = pos % c
-    # unique (row, slot) pairs: the last C positions fill distinct slots; said so, XLA's deterministic-ops
-    # mode writes them as they are instead of ordering possibly colliding writes
-    put = lambda a, x: a.at[rows, slots].set(x.astype(a.dtype), unique_indices=True)
-    return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
-
-
 @lowers("attention", stateful=True, init_state=attention_cache_init)
 def _attention(ctx, op, attrs, ins, params, cache):
     have = names(op.values[0])
@@ -324,15 +313,18 @@ def _attention(ctx, op, attrs, ins, params, cache):
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype, fp8_blocks_held=_one_token(ctx, x))
     chunks = _tensor_chunks(ctx)
+    step_qkv = _decode_step(ctx, attrs, cache, x)
     if chunks is not None:  # deterministic tp: q, k, v by chunks of heads, the input's gradient a tree over them
         xs = det_tensor.fan_out(x, chunks[0], chunks[1])
         q, k, v = (det_tensor.unchunked(_chunked_columns(ctx, xs, p[n], p.get(f"{n}_bias"), 1, "kbse,kehd->kbshd",
                                                          n), 2) for n in ("q", "k", "v"))
+    elif step_qkv:  # the products as stored: decode_qkv adds the biases, rotates and caches
+        q, k, v = (_projected(ctx, x, p[n], n) for n in ("q", "k", "v"))
     else:
         q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
         k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
         v = _project(ctx, x, p["v"], p.get("v_bias"), "v")
-    if attrs["rope"] is not None:
+    if attrs["rope"] is not None and not step_qkv:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
     core = dict(sinks=params.get("sinks"), causal=attrs["causal"], window=attrs["window"], scale=attrs["scale"])
@@ -352,12 +344,19 @@ def _attention(ctx, op, attrs, ins, params, cache):
             out, new_cache = table.dispatch(ctx, "attention", label, q, k, v, q_offset=offset, **core), None
     elif ctx.mode == "prefill":  # the generation program's prompt, from position 0: the kernels' whole sequence
         out = table.dispatch(ctx, "attention", label, q, k, v, q_offset=0, **core)
-        new_cache = None if cache is None else _cache_write(cache, k, v, pos, ctx.position_start)
+        new_cache = None if cache is None else kv_cache.cache_write(cache, k, v, pos, ctx.position_start)
     elif cache is None:
         out = attention_ref(q, k, v, q_offset=pos[:, 0], accum=ctx.accum_dtype, **core)
         new_cache = None
+    elif step_qkv:  # one token a row joins the cache (decode_qkv), then attends over it
+        t = _rope_tables(attrs["rope"], q.shape[-1])
+        cos, sin = rope_ref.rope_cos_sin(pos, inv_freq=t.inv_freq, scaling=t.scaling)
+        q, new_cache = table.dispatch(ctx, "decode_qkv", label + " (q, k, v) (decode)", q, k, v, cache, pos,
+                                      ctx.position_start, cos=cos, sin=sin, dtype=x.dtype,
+                                      **{f"{n}_bias": p.get(f"{n}_bias") for n in ("q", "k", "v")})
+        out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     else:  # decode: the new tokens join the cache, then attend over it
-        new_cache = _cache_write(cache, k, v, pos, ctx.position_start)
+        new_cache = kv_cache.cache_write(cache, k, v, pos, ctx.position_start)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     store = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None or chunks is not None)
     if chunks is not None:  # row-parallel o: each chunk of heads' partial product, summed in the canonical tree

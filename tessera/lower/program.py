@@ -406,7 +406,8 @@ class Program:
         def decode(p, t):
             state = init_state(body, self.lower_ctx(mode="prefill"), b, s)
             pos = jnp.zeros((b, 1), jnp.int32)
-            return eval_region(body, [t], p, self.lower_ctx(mode="decode", positions=pos, report=decoding), state)[0]
+            return eval_region(body, [t], p, self.lower_ctx(mode="decode", positions=pos, position_start=jnp.int32(0),
+                                                            report=decoding), state)[0]
 
         from tessera.ir.cost import shape_at
         from tessera.lower.context import jnp_dtype

@@ -81,7 +81,7 @@ def test_cache_slice_writes_equal_scattered_writes(c, prompt):
     """With the positions known to be one run in every row (LowerCtx.position_start), the ring buffer takes a
     prompt and then decode steps as slices; the cache is the one the per-position scatter writes, wrap-arounds
     included (prompts longer than the cache, decode steps past its end)."""
-    from tessera.lower.ops_nn import _cache_write
+    from tessera.lower.reference.kv_cache import cache_write as _cache_write
 
     rng = np.random.default_rng(c * 100 + prompt)
     b, h, d = 2, 3, 4

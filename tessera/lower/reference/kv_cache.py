@@ -1,0 +1,49 @@
+"""A decode step's attention inputs: the KV cache's ring-buffer write, and the step's q, k, v from their products
+(bias, rotary embedding, the cache write) as one primitive a kernel may implement (`decode_qkv`:
+tessera/lower/kernels/decode_qkv.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tessera.lower.reference import rope as rope_ref
+
+
+def cache_write(cache, k, v, pos, start=None):
+    """Write k, v [B, S, Hkv, D] at absolute positions pos [B, S] into the ring buffer (last C tokens). `start`
+    (LowerCtx.position_start): pos is start + 0..S-1 in every row, so where those S slots do not wrap they are one
+    slice, written in place by dynamic_update_slice, which XLA fuses with the values' producer (a scatter is a
+    kernel of its own: three a layer and token in decode)."""
+    c = cache["pos"].shape[1]
+    if k.shape[1] > c:  # a prompt longer than a sliding window: only its last C tokens stay
+        start = None if start is None else start + (k.shape[1] - c)
+        k, v, pos = k[:, -c:], v[:, -c:], pos[:, -c:]
+    s = k.shape[1]
+    # one slice where the slots do not wrap: one token (a traced start), or a known start (the prompt's 0)
+    if start is not None and (s == 1 or (isinstance(start, int) and start % c + s <= c)):
+        put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), start % c, axis=1)  # noqa: E731
+        return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
+    rows = jnp.arange(k.shape[0])[:, None]
+    slots = pos % c
+    # unique (row, slot) pairs: the last C positions fill distinct slots; said so, XLA's deterministic-ops
+    # mode writes them as they are instead of ordering possibly colliding writes
+    put = lambda a, x: a.at[rows, slots].set(x.astype(a.dtype), unique_indices=True)  # noqa: E731
+    return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
+
+
+def plus_bias(y, bias):
+    """y + bias in fp32 (f64 for f64): a product stored in bf16 (named.stored_dtype) is widened before the add."""
+    wide = jnp.promote_types(y.dtype, jnp.float32)
+    return y.astype(wide) + bias.astype(wide)
+
+
+def decode_qkv(q, k, v, cache, pos, start, *, q_bias, k_bias, v_bias, cos, sin, dtype, accum=None):
+    """One decode step's attention inputs from its products: q [B, 1, H, D], k, v [B, 1, Hkv, D] as the products
+    stored them, each plus its bias (None: none) and cast to `dtype`, q and k rotated by cos, sin [B, 1, D/2]
+    (`rope.apply_rope`), k and v written into the cache at positions pos [B, 1] from `start` (`cache_write`).
+    -> (q rotated, the cache written). `accum` is taken for the lowering table's sake (nothing here accumulates)."""
+    del accum
+    q, k, v = ((y if b is None else plus_bias(y, b)).astype(dtype) for y, b in ((q, q_bias), (k, k_bias), (v, v_bias)))
+    q, k = rope_ref.apply_rope(q, cos=cos, sin=sin), rope_ref.apply_rope(k, cos=cos, sin=sin)
+    return q, cache_write(cache, k, v, pos, start)
