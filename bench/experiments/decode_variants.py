@@ -5,6 +5,9 @@ so every variant runs in one process on the same weights, interleaved (`--rounds
 (the profiler's executable has them off, which inflates small kernels: docs/profile.md).
 
     python -m bench.experiments.decode_variants [--spec specs/gpt_oss_20b.yaml] [--new 32] [--only a,b]
+
+Session 41: "pairs: XLA epilogues", "q, k, v: XLA" and "both: XLA" time the decode kernels moe_pairs.py and
+decode_qkv.py against what they replace (XLA's small fusions); "pairs epilogues N/W" the epilogues' program size.
 """
 
 from __future__ import annotations
@@ -75,36 +78,7 @@ def _finish(logits, router_bias, top_k):
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
 
 
-_gemv = mxfp4_gemv.gemv
-_cast, _project = ops_nn._cast, ops_nn._project
-_held: list[dict] = []  # the attention's cast params, from `_cast_seen` to `_project_qkv`
-
-
-def _cast_seen(params, dtype, *args, **kw):
-    out = _cast(params, dtype, *args, **kw)
-    if "q" in out and "k" in out and "v" in out:
-        _held[:] = [out]
-    return out
-
-
-def _project_qkv(ctx, x, w, b, name):
-    # q, k and v as one product over their weights side by side ([E, (H + 2 Hkv) D], concatenated in the program:
-    # XLA may hoist that out of the token loop, holding a second copy of the three), split after; the rest as built
-    p = _held[0] if _held else None
-    if p is None or name not in ("q", "k", "v") or not all(hasattr(p[n], "reshape") for n in ("q", "k", "v")):
-        return _project(ctx, x, w, b, name)
-    if name == "q":
-        e = x.shape[-1]
-        ws = [p[n].astype(x.dtype).reshape(e, -1) for n in ("q", "k", "v")]
-        y = jnp.einsum("bse,ef->bsf", x, jnp.concatenate(ws, axis=1), preferred_element_type=jnp.float32)
-        cuts = np.cumsum([w_.shape[1] for w_ in ws])[:-1]
-        store = ops_nn.stored_dtype(x.dtype, ctx.accum_dtype)
-        for n, part in zip(("q", "k", "v"), jnp.split(y, cuts, axis=-1)):  # then as `_project`: stored, + bias
-            out = part.reshape(x.shape[:2] + p[n].shape[1:]).astype(store)
-            if p.get(f"{n}_bias") is not None:
-                out = ops_nn._plus_bias(out, p[f"{n}_bias"])
-            p[f"#{n}"] = out.astype(x.dtype)
-    return p[f"#{name}"]
+_gemv_parts = mxfp4_gemv.gemv_parts
 
 
 def _route_reference(blocks, bias, top_k, config=None):
@@ -119,9 +93,9 @@ def _tensor_cores(block_n: int, weights_first: bool = False, num_warps: int = 4)
     return [(mxfp4_gemv, "pair_config", config), (mxfp4_gemv, "_gemv_tile", dispatching_tile)]
 
 
-def _gemv_fewer_splits(lhs, rhs, experts, cfg, out_dtype):
+def _gemv_fewer_splits(lhs, rhs, experts, cfg, out_dtype, *, per=1):
     import dataclasses
-    return _gemv(lhs, rhs, experts, dataclasses.replace(cfg, programs=264), out_dtype)
+    return _gemv_parts(lhs, rhs, experts, dataclasses.replace(cfg, programs=264), out_dtype, per=per)
 
 
 # Ablations (wrong tokens, for timing only): what a part of the layer costs with CUDA graphs on
@@ -164,13 +138,12 @@ VARIANTS = {
     "router f32": [(moe, "route", _route_f32)],
     "router bf16 out": [(moe, "route", _route_bf16_out)],
     "ablate: no router": [(moe, "route", _no_router)],
-    "gemv 264 programs": [(mxfp4_gemv, "gemv", _gemv_fewer_splits)],
+    "gemv 264 programs": [(mxfp4_gemv, "gemv_parts", _gemv_fewer_splits)],
     "routing: reference": [(moe_route, "route_blocks", _route_reference)],
     "gemv mma n256": _tensor_cores(256),
     "gemv mma n512": _tensor_cores(512),
     "gemv mma n256 wf": _tensor_cores(256, True),
     "gemv mma n512 wf": _tensor_cores(512, True),
-    "qkv one product": [(ops_nn, "_cast", _cast_seen), (ops_nn, "_project", _project_qkv)],
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv), (mxfp4_gemv, "gemv_parts", _no_gemv_parts)],
     "pairs: XLA epilogues": [(moe_pairs, "pairs_ffn", _pairs_xla_epilogues)],
     "q, k, v: XLA": [(ops_nn, "_decode_step", lambda *a: False)],  # biases, rope and cache writes as before
