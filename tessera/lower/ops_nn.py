@@ -23,6 +23,7 @@ from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_
     mxfp4, packed as packed_ref, rope as rope_ref
 from tessera.lower.reference.fp8_blocks import FP8Blocks
 from tessera.lower.reference.attention import attention as attention_ref
+from tessera.lower.reference.linear import plus_bias
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.reference.rows import take_rows
 from tessera.lower.shard import det_tensor, ops as shard_ops
@@ -122,11 +123,8 @@ def _linear(ctx, op, attrs, ins, params):
                packed_ref.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
                fp8=ctx.fp8, fp8_history=_history(ctx, "weight"))
     if "bias" in params:
-        y = _plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
+        y = plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
     return [y.astype(dt)]
-
-
-_plus_bias = kv_cache.plus_bias
 
 
 # ---- rope kinds: (head_dim, fields) -> RopeTable (inv_freq, scaling of cos and sin, grid columns) ---------------
@@ -170,11 +168,15 @@ def _positions(ctx, batch: int, seq: int):
     return jnp.broadcast_to(start + jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
 
+def rope_angles(rope, head_dim: int, positions):
+    """cos, sin fp32 [B, S, D/2] of a rope attribute at absolute positions [B, S]."""
+    t = _rope_tables(rope, head_dim)
+    return rope_ref.rope_cos_sin(positions, inv_freq=t.inv_freq, scaling=t.scaling, cols=t.cols)
+
+
 def apply_rope(ctx, rope, x):
     """x [B, S, H, D] rotated at the context's absolute positions."""
-    t = _rope_tables(rope, x.shape[-1])
-    cos, sin = rope_ref.rope_cos_sin(_positions(ctx, x.shape[0], x.shape[1]), inv_freq=t.inv_freq, scaling=t.scaling,
-                                     cols=t.cols)
+    cos, sin = rope_angles(rope, x.shape[-1], _positions(ctx, x.shape[0], x.shape[1]))
     return rope_ref.apply_rope(x, cos=cos, sin=sin)
 
 
@@ -253,7 +255,7 @@ def _project(ctx, x, w, b, name: str):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
     y = _projected(ctx, x, w, name)
     if b is not None:
-        y = _plus_bias(y, b)
+        y = plus_bias(y, b)
     return y.astype(x.dtype)
 
 
@@ -292,7 +294,7 @@ def _chunked_columns(ctx, xs, w, b, dim: int, spec: str, name: str):
                          preferred_element_type=stored_dtype(xs.dtype, ctx.accum_dtype))
     if b is not None:
         bc = det_tensor.chunked(b, dim - 1, k)
-        y = _plus_bias(y, bc.reshape(bc.shape[:1] + (1,) * (y.ndim - bc.ndim) + bc.shape[1:]))
+        y = plus_bias(y, bc.reshape(bc.shape[:1] + (1,) * (y.ndim - bc.ndim) + bc.shape[1:]))
     return y.astype(xs.dtype)
 
 
@@ -349,8 +351,7 @@ def _attention(ctx, op, attrs, ins, params, cache):
         out = attention_ref(q, k, v, q_offset=pos[:, 0], accum=ctx.accum_dtype, **core)
         new_cache = None
     elif step_qkv:  # one token a row joins the cache (decode_qkv), then attends over it
-        t = _rope_tables(attrs["rope"], q.shape[-1])
-        cos, sin = rope_ref.rope_cos_sin(pos, inv_freq=t.inv_freq, scaling=t.scaling)
+        cos, sin = rope_angles(attrs["rope"], q.shape[-1], pos)
         q, new_cache = table.dispatch(ctx, "decode_qkv", label + " (q, k, v) (decode)", q, k, v, cache, pos,
                                       ctx.position_start, cos=cos, sin=sin, dtype=x.dtype,
                                       **{f"{n}_bias": p.get(f"{n}_bias") for n in ("q", "k", "v")})
@@ -370,7 +371,7 @@ def _attention(ctx, op, attrs, ins, params, cache):
     if ctx.shard is not None:  # row-parallel o: partial sums over this device's heads
         y = ctx.shard.reduce_out(y, "heads")
     if "o_bias" in p:
-        y = _plus_bias(y, p["o_bias"])
+        y = plus_bias(y, p["o_bias"])
     return [align(y.astype(_dtype(op)), BSE, have)], new_cache
 
 
@@ -390,20 +391,20 @@ def _mlp(ctx, op, attrs, ins, params):
                                  accum=ctx.accum_dtype, preferred_element_type=ctx.accum_dtype)
         y = det_tensor.reduce_chunks(parts, chunks[1])
         if "down_bias" in p:
-            y = _plus_bias(y, p["down_bias"])
+            y = plus_bias(y, p["down_bias"])
         return [align(y.astype(_dtype(op)), BSE, have)]
     cols = stored_dtype(x.dtype, ctx.accum_dtype)
     g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
     u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")
     if "gate_bias" in p:
-        g, u = _plus_bias(g, p["gate_bias"]), _plus_bias(u, p["up_bias"])
+        g, u = plus_bias(g, p["gate_bias"]), plus_bias(u, p["up_bias"])
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
     y = _weight_product(ctx, "bsf,fe->bse", h, p["down"], rows, "down")
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
         y = ctx.shard.reduce_out(y, "mlp")
     if "down_bias" in p:
-        y = _plus_bias(y, p["down_bias"])
+        y = plus_bias(y, p["down_bias"])
     return [align(y.astype(_dtype(op)), BSE, have)]
 
 

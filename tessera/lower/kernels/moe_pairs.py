@@ -62,8 +62,9 @@ def supported(x, weights, experts, *, gate, up, down, config: PairsConfig | None
     if up.shape != gate.shape or down.shape != (gate.shape[0], f, d):
         return False
     flat = jax.ShapeDtypeStruct((r,), jnp.int32)
-    gemv = (config.gemv if config is not None else None) or (
-        mxfp4_gemv.GemvConfig(interpret=True) if config is not None and config.interpret else None)
+    gemv = None
+    if config is not None:  # its GEMVs' own config, else the interpreter's where it asks for that
+        gemv = config.gemv or (mxfp4_gemv.GemvConfig(interpret=True) if config.interpret else None)
     rows = lambda n: jax.ShapeDtypeStruct((r, n), x.dtype)  # noqa: E731 (what each GEMV multiplies)
     return supported_pairs(rows(d), (gate, up), flat, gemv) and supported_pairs(rows(f), down, flat, gemv)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.reference import rope as rope_ref
+from tessera.lower.reference.linear import plus_bias
 
 
 def cache_write(cache, k, v, pos, start=None):
@@ -30,12 +31,6 @@ def cache_write(cache, k, v, pos, start=None):
     # mode writes them as they are instead of ordering possibly colliding writes
     put = lambda a, x: a.at[rows, slots].set(x.astype(a.dtype), unique_indices=True)  # noqa: E731
     return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
-
-
-def plus_bias(y, bias):
-    """y + bias in fp32 (f64 for f64): a product stored in bf16 (named.stored_dtype) is widened before the add."""
-    wide = jnp.promote_types(y.dtype, jnp.float32)
-    return y.astype(wide) + bias.astype(wide)
 
 
 def decode_qkv(q, k, v, cache, pos, start, *, q_bias, k_bias, v_bias, cos, sin, dtype, accum=None):

@@ -20,6 +20,12 @@ def linear(x: jax.Array, *, weight: jax.Array, bias: jax.Array | None = None) ->
     return y.astype(x.dtype)
 
 
+def plus_bias(y, bias):
+    """y + bias in fp32 (f64 for f64): a product stored in bf16 (named.stored_dtype) is widened before the add."""
+    wide_type = jnp.promote_types(y.dtype, jnp.float32)
+    return y.astype(wide_type) + bias.astype(wide_type)
+
+
 def project_out(x: jax.Array, *, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """x [..., H, Dh] contracted with weight [H, Dh, O] (+ bias [O]) -> [..., O]; attention's output projection."""
     y = jnp.tensordot(x, weight.astype(x.dtype), axes=([x.ndim - 2, x.ndim - 1], [0, 1]),
