@@ -6,8 +6,8 @@ so every variant runs in one process on the same weights, interleaved (`--rounds
 
     python -m bench.experiments.decode_variants [--spec specs/gpt_oss_20b.yaml] [--new 32] [--only a,b]
 
-Session 41: "pairs: XLA epilogues", "q, k, v: XLA" and "both: XLA" time the decode kernels moe_pairs.py and
-decode_qkv.py against what they replace (XLA's small fusions); "pairs epilogues N/W" the epilogues' program size.
+Session 41: "pairs: XLA epilogues" times the decode kernels of moe_pairs.py against what they replace (XLA's small
+fusions); "pairs epilogues N/W" the epilogues' program size (columns a program, warps).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import patched  # noqa: E402
 from bench.experiments.mxfp4_gemv_mma import MmaConfig, dispatching_tile  # noqa: E402
-from tessera.lower import ops_nn  # noqa: E402
 from tessera.lower.kernels import moe_pairs, moe_route, mxfp4_gemv  # noqa: E402
 from tessera.lower.reference import moe  # noqa: E402
 
@@ -146,11 +145,7 @@ VARIANTS = {
     "gemv mma n512 wf": _tensor_cores(512, True),
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv), (mxfp4_gemv, "gemv_parts", _no_gemv_parts)],
     "pairs: XLA epilogues": [(moe_pairs, "pairs_ffn", _pairs_xla_epilogues)],
-    "q, k, v: XLA": [(ops_nn, "_decode_step", lambda *a: False)],  # biases, rope and cache writes as before
-    "both: XLA": [(moe_pairs, "pairs_ffn", _pairs_xla_epilogues), (ops_nn, "_decode_step", lambda *a: False)],
-    "pairs epilogues 64/1": _pairs_block(64, 1),
-    "pairs epilogues 256/2": _pairs_block(256, 2),
-    "pairs epilogues 1024/4": _pairs_block(1024, 4),
+    **{f"pairs epilogues {b}/{w}": _pairs_block(b, w) for b, w in ((16, 1), (32, 1), (64, 1), (128, 1), (256, 2))},
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
 }
 
@@ -168,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None)
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
     exp = load_experiment(args.spec)
     first = getattr(exp.task, "prompts", None) or [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     prompt = np.asarray([first[0]] * args.batch, np.int32)

@@ -265,15 +265,6 @@ def _projected(ctx, x, w, name: str):
     return _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name)
 
 
-def _decode_step(ctx, attrs, cache, x) -> bool:
-    """Whether attention's q, k, v come from `decode_qkv` (bias, rotary embedding and the cache write as one
-    primitive): a decode step of one token a row, on one device, with a rotary embedding of positions (not a grid's)."""
-    rope = attrs["rope"]
-    return (ctx.mode == "decode" and cache is not None and ctx.shard is None and ctx.tensor is None
-            and ctx.position_start is not None and x.shape[1] == 1 and rope is not None
-            and _rope_tables(rope, attrs["head_dim"]).cols is None)
-
-
 def _tensor_chunks(ctx):
     """(k, axes) where deterministic tp chunks this block's contractions (LowerCtx.tensor; a train step's full
     sequence, no fast-mode shard env, no fp8: a chunk's scale would be its own), else None."""
@@ -315,18 +306,15 @@ def _attention(ctx, op, attrs, ins, params, cache):
         x = ctx.shard.seq_gather(x)
     p = _cast(params, x.dtype, fp8_blocks_held=_one_token(ctx, x))
     chunks = _tensor_chunks(ctx)
-    step_qkv = _decode_step(ctx, attrs, cache, x)
     if chunks is not None:  # deterministic tp: q, k, v by chunks of heads, the input's gradient a tree over them
         xs = det_tensor.fan_out(x, chunks[0], chunks[1])
         q, k, v = (det_tensor.unchunked(_chunked_columns(ctx, xs, p[n], p.get(f"{n}_bias"), 1, "kbse,kehd->kbshd",
                                                          n), 2) for n in ("q", "k", "v"))
-    elif step_qkv:  # the products as stored: decode_qkv adds the biases, rotates and caches
-        q, k, v = (_projected(ctx, x, p[n], n) for n in ("q", "k", "v"))
     else:
         q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
         k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
         v = _project(ctx, x, p["v"], p.get("v_bias"), "v")
-    if attrs["rope"] is not None and not step_qkv:
+    if attrs["rope"] is not None:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
     core = dict(sinks=params.get("sinks"), causal=attrs["causal"], window=attrs["window"], scale=attrs["scale"])
@@ -350,12 +338,6 @@ def _attention(ctx, op, attrs, ins, params, cache):
     elif cache is None:
         out = attention_ref(q, k, v, q_offset=pos[:, 0], accum=ctx.accum_dtype, **core)
         new_cache = None
-    elif step_qkv:  # one token a row joins the cache (decode_qkv), then attends over it
-        cos, sin = rope_angles(attrs["rope"], q.shape[-1], pos)
-        q, new_cache = table.dispatch(ctx, "decode_qkv", label + " (q, k, v) (decode)", q, k, v, cache, pos,
-                                      ctx.position_start, cos=cos, sin=sin, dtype=x.dtype,
-                                      **{f"{n}_bias": p.get(f"{n}_bias") for n in ("q", "k", "v")})
-        out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)
     else:  # decode: the new tokens join the cache, then attend over it
         new_cache = kv_cache.cache_write(cache, k, v, pos, ctx.position_start)
         out = table.dispatch(ctx, "decode_attention", label + " (decode)", q, new_cache, pos[:, 0], **core)

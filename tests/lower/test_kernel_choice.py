@@ -34,8 +34,6 @@ def test_report_on_cpu_names_every_attention_and_moe_op():
     report = _prog().kernel_report()
     assert set(report) == {"layers/attention (window 16)", "layers/attention (window None)", "layers/moe experts",
                            "layers/attention (window 16) (decode)", "layers/attention (window None) (decode)",
-                           "layers/attention (window 16) (q, k, v) (decode)",
-                           "layers/attention (window None) (q, k, v) (decode)",
                            "layers/moe experts (decode)", "layers/moe routing (decode)"}
     assert all(choice == "reference (jax.numpy): no kernel for backend cpu" for choice in report.values())
 
@@ -114,29 +112,6 @@ def test_decode_multiplies_unsorted_pairs_by_packed_experts(monkeypatch):
     np.testing.assert_array_equal(np.asarray(auto.generate(params, prompts, max_new_tokens=4)), expected)
     assert calls and all(shape == (2, 2) for shape in calls)  # batch 2 x top-2: a row of experts a token
     assert auto.kernel_report()["layers/moe experts (decode)"].startswith("mxfp4_pair_gemv and its epilogues")
-
-
-def test_decode_takes_q_k_v_through_the_decode_qkv_kernel(monkeypatch):
-    """A decode step's biases, rotary embedding and cache write go through decode_qkv (here its interpreted self)
-    and generate what the reference does, bit for bit; prefill keeps the reference."""
-    from tessera.lower.kernels import decode_qkv
-
-    # a spec of its own (programs are cached by spec: the routing test's would be this one's, traced with its patches)
-    compile_, params, prompts, expected = _generation_against_the_reference({"model.args.norm_eps": 1e-6}, seed=3)
-    calls = []
-    interpreted = decode_qkv.decode_qkv
-
-    def counted(*args, **kw):
-        calls.append(args[0].shape)
-        return interpreted(*args, **{**kw, "config": decode_qkv.QkvConfig(interpret=True)})
-
-    _gpu_kernels_on_the_cpu(monkeypatch)
-    monkeypatch.setattr(decode_qkv, "supported", lambda *a, **k: True)
-    monkeypatch.setattr(decode_qkv, "decode_qkv", counted)
-    auto = compile_("auto")
-    np.testing.assert_array_equal(np.asarray(auto.generate(params, prompts, max_new_tokens=4)), expected)
-    assert calls and all(shape[:2] == (2, 1) for shape in calls)  # one token a row, two rows
-    assert auto.kernel_report()["layers/attention (window 16) (q, k, v) (decode)"].startswith("decode_qkv")
 
 
 def test_decode_routes_with_the_routing_kernel(monkeypatch):

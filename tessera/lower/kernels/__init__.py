@@ -7,7 +7,6 @@
 | grouped_matmul | grouped_matmul(lhs, rhs, group_sizes, *, config) | supported(...) |
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4 or a tuple of them, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
 | mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot and moe_pairs at decode | (through them) |
-| decode_qkv (Triton backend) | decode_qkv(q, k, v, cache, pos, start, *, biases, cos, sin, dtype, config): a decode step's q, k, v after their products | supported(...) |
 | moe_pairs (Triton backend) | pairs_ffn(x, weights, experts, *, gate, up, down, biases, act, config): decode's experts after the routing | supported(...) |
 | fp8_gemv (Triton backend) | weight_only_einsum(spec, x, w: FP8Blocks, *, out_dtype, config): one token times block-scaled fp8 weights | supported(...) |
 | moe_route (Triton backend) | route_blocks(blocks, bias, top_k, *, config): a decode step's routing after the router's product | supported(...) |
@@ -29,7 +28,6 @@ fused gate/up grouped GEMM + SwiGLU), with docs/kernels-log.md saying why.
 
 from tessera.lower import table as _table  # noqa: E402
 from tessera.lower.reference import fp8_blocks as _fp8_blocks  # noqa: E402
-from tessera.lower.reference import kv_cache as _kv_cache  # noqa: E402
 from tessera.lower.reference import moe as _moe  # noqa: E402
 from tessera.lower.reference import mxfp4 as _mxfp4  # noqa: E402
 from tessera.lower.reference.attention import attention as _attention_reference  # noqa: E402
@@ -43,7 +41,6 @@ def _decode_reference(q, cache, q_pos, *, sinks, causal, window, scale, accum=No
 
 _table.primitive("attention", _attention_reference)  # queries at q_offset + 0..S-1 over keys 0..T-1
 _table.primitive("decode_attention", _decode_reference)
-_table.primitive("decode_qkv", _kv_cache.decode_qkv)  # a decode step's biases, rotary embedding and cache write
 _table.primitive("ragged_dot", _mxfp4.any_ragged_dot)  # the experts' grouped products (rhs plain or MXFP4)
 _table.primitive("pairs_ffn", _moe.pairs_ffn)  # decode's few (token, expert) copies after the routing
 _table.primitive("weight_only_einsum", _fp8_blocks.weight_only_einsum)  # one token times held fp8 blocks
@@ -100,19 +97,6 @@ def _mxfp4_ragged(lhs, rhs, group_sizes, preferred_element_type=None):
     from tessera.lower.kernels import mxfp4_matmul as mk
 
     return mk.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
-
-
-def _qkv_takes(q, k, v, cache, pos, start, **kw):
-    from tessera.lower.kernels import decode_qkv
-
-    return decode_qkv.supported(q, k, v, cache, pos, start, **kw) or "shapes or dtypes outside decode_qkv"
-
-
-@_table.kernel("decode_qkv", name="decode_qkv (Pallas, Triton)", when=_qkv_takes)
-def _qkv(q, k, v, cache, pos, start, **kw):
-    from tessera.lower.kernels import decode_qkv
-
-    return decode_qkv.decode_qkv(q, k, v, cache, pos, start, **kw)
 
 
 def _grouped_takes(lhs, rhs, group_sizes, preferred_element_type=None):

@@ -1,6 +1,4 @@
-"""A decode step's attention inputs: the KV cache's ring-buffer write, and the step's q, k, v from their products
-(bias, rotary embedding, the cache write) as one primitive a kernel may implement (`decode_qkv`:
-tessera/lower/kernels/decode_qkv.py)."""
+"""The KV cache's ring-buffer write: a prefill's or a decode step's k, v joining the cache."""
 
 from __future__ import annotations
 
@@ -31,14 +29,3 @@ def cache_write(cache, k, v, pos, start=None):
     # mode writes them as they are instead of ordering possibly colliding writes
     put = lambda a, x: a.at[rows, slots].set(x.astype(a.dtype), unique_indices=True)  # noqa: E731
     return {"k": put(cache["k"], k), "v": put(cache["v"], v), "pos": put(cache["pos"], pos)}
-
-
-def decode_qkv(q, k, v, cache, pos, start, *, q_bias, k_bias, v_bias, cos, sin, dtype, accum=None):
-    """One decode step's attention inputs from its products: q [B, 1, H, D], k, v [B, 1, Hkv, D] as the products
-    stored them, each plus its bias (None: none) and cast to `dtype`, q and k rotated by cos, sin [B, 1, D/2]
-    (`rope.apply_rope`), k and v written into the cache at positions pos [B, 1] from `start` (`cache_write`).
-    -> (q rotated, the cache written). `accum` is taken for the lowering table's sake (nothing here accumulates)."""
-    del accum
-    q, k, v = ((y if b is None else plus_bias(y, b)).astype(dtype) for y, b in ((q, q_bias), (k, k_bias), (v, v_bias)))
-    q, k = rope_ref.apply_rope(q, cos=cos, sin=sin), rope_ref.apply_rope(k, cos=cos, sin=sin)
-    return q, cache_write(cache, k, v, pos, start)
