@@ -253,16 +253,11 @@ def _weight_product(ctx, spec: str, x, w, store, name: str):
 
 def _project(ctx, x, w, b, name: str):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
-    y = _projected(ctx, x, w, name)
+    w = w if isinstance(w, FP8Blocks) else w.astype(x.dtype)
+    y = _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name)
     if b is not None:
         y = plus_bias(y, b)
     return y.astype(x.dtype)
-
-
-def _projected(ctx, x, w, name: str):
-    """x [B, S, E] @ w [E, H, D] -> [B, S, H, D] as the product stores it (no bias, not yet cast)."""
-    w = w if isinstance(w, FP8Blocks) else w.astype(x.dtype)
-    return _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name)
 
 
 def _tensor_chunks(ctx):
