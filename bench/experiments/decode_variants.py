@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import patched  # noqa: E402
 from bench.experiments.mxfp4_gemv_mma import MmaConfig, dispatching_tile  # noqa: E402
+from tessera.lower import ops_nn  # noqa: E402
 from tessera.lower.kernels import moe_pairs, moe_route, mxfp4_gemv  # noqa: E402
 from tessera.lower.reference import moe  # noqa: E402
 
@@ -125,6 +126,19 @@ def _pairs_block(block: int, warps: int):
 _PAIRS_FFN = moe_pairs.pairs_ffn
 
 
+_WEIGHT_PRODUCT = ops_nn._weight_product
+
+
+def _kv_two_rows(ctx, spec, x, w, store, name):
+    """k and v of one token as products of two rows (the second zeros, behind a barrier XLA cannot simplify
+    through): XLA rewrites a vector times a weight of < 10 M elements into a reduce (a column reduction,
+    unsplit in deterministic mode: 4.5 us for k and v at 20b), but leaves a two-row product to its GEMMs."""
+    if name in ("k", "v") and spec == "bse,ehd->bshd" and x.shape[0] * x.shape[1] == 1:
+        rows = jax.lax.optimization_barrier(jnp.concatenate([x, jnp.zeros_like(x)], axis=1))
+        return _WEIGHT_PRODUCT(ctx, spec, rows, w, store, name)[:, :1]
+    return _WEIGHT_PRODUCT(ctx, spec, x, w, store, name)
+
+
 def _no_moe(x, **kw):
     return x * 0
 
@@ -144,6 +158,7 @@ VARIANTS = {
     "gemv mma n256 wf": _tensor_cores(256, True),
     "gemv mma n512 wf": _tensor_cores(512, True),
     "ablate: no expert gemv": [(mxfp4_gemv, "gemv", _no_gemv), (mxfp4_gemv, "gemv_parts", _no_gemv_parts)],
+    "kv: two-row products": [(ops_nn, "_weight_product", _kv_two_rows)],
     "pairs: XLA epilogues": [(moe_pairs, "pairs_ffn", _pairs_xla_epilogues)],
     **{f"pairs epilogues {b}/{w}": _pairs_block(b, w) for b, w in ((16, 1), (32, 1), (64, 1), (128, 1), (256, 2))},
     "ablate: no moe": [(moe, "moe_pairs", _no_moe)],
