@@ -326,3 +326,16 @@ def test_across_commits_exports_a_commits_own_trees(tmp_path):
     head = subprocess.run(["git", "show", "HEAD:tessera/cli.py"], cwd=root, capture_output=True, text=True,
                           check=True).stdout
     assert (tree / "tessera" / "cli.py").read_text() == head
+
+
+def test_every_e2e_row_is_a_valid_spec():
+    """Each `bench.e2e` row's spec with its overrides passes validation (a typo fails here, not on a GPU), and the
+    two rows of a pair the issue compares (fp8 against bf16) differ in their numeric policy only."""
+    from bench import e2e
+    from tessera.spec import load_experiment
+
+    exps = {name: load_experiment(spec, overrides=overrides) for name, (_, spec, overrides, _) in e2e.ROWS.items()}
+    for fp8, bf16 in (("llama-1b train fp8", "llama-1b train"), ("llama-8b-layers train fp8", "llama-8b-layers train")):
+        a, b = exps[fp8].model_dump(), exps[bf16].model_dump()
+        assert a.pop("numerics")["default"] != b.pop("numerics")["default"]
+        assert a == b
