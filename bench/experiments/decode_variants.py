@@ -7,7 +7,8 @@ so every variant runs in one process on the same weights, interleaved (`--rounds
     python -m bench.experiments.decode_variants [--spec specs/gpt_oss_20b.yaml] [--new 32] [--only a,b]
 
 Session 41: "pairs: XLA epilogues" times the decode kernels of moe_pairs.py against what they replace (XLA's small
-fusions); "pairs epilogues N/W" the epilogues' program size (columns a program, warps).
+fusions); "pairs epilogues N/W" the epilogues' program size (columns a program, warps). Session 42: "kv: two-row
+products" (not yet timed) against XLA's unsplit column reduction of k and v.
 """
 
 from __future__ import annotations
