@@ -168,15 +168,11 @@ def _positions(ctx, batch: int, seq: int):
     return jnp.broadcast_to(start + jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
 
-def rope_angles(rope, head_dim: int, positions):
-    """cos, sin fp32 [B, S, D/2] of a rope attribute at absolute positions [B, S]."""
-    t = _rope_tables(rope, head_dim)
-    return rope_ref.rope_cos_sin(positions, inv_freq=t.inv_freq, scaling=t.scaling, cols=t.cols)
-
-
 def apply_rope(ctx, rope, x):
     """x [B, S, H, D] rotated at the context's absolute positions."""
-    cos, sin = rope_angles(rope, x.shape[-1], _positions(ctx, x.shape[0], x.shape[1]))
+    t = _rope_tables(rope, x.shape[-1])
+    cos, sin = rope_ref.rope_cos_sin(_positions(ctx, x.shape[0], x.shape[1]), inv_freq=t.inv_freq, scaling=t.scaling,
+                                     cols=t.cols)
     return rope_ref.apply_rope(x, cos=cos, sin=sin)
 
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tessera.lower.reference import rope as rope_ref
-from tessera.lower.reference.linear import plus_bias
-
 
 def cache_write(cache, k, v, pos, start=None):
     """Write k, v [B, S, Hkv, D] at absolute positions pos [B, S] into the ring buffer (last C tokens). `start`
