@@ -1,5 +1,6 @@
 """The process settings a run needs before JAX starts: the GPU allocator's share of each card, deterministic mode's
-XLA flags and CPU thread count, and where XLA:GPU keeps its autotuning results. No JAX import here.
+XLA flags and CPU thread count, the GEMM backend of fp8 products, and where XLA:GPU keeps its autotuning results. No
+JAX import here.
 
 XLA reads XLA_FLAGS and the allocator's variables once, when JAX starts its backend (or, where a jaxlib parses its
 flags as it loads, when JAX is imported): the command line (`tessera.cli`) calls `configure_process` on the loaded spec
@@ -82,15 +83,53 @@ def request_deterministic_kernels(exp) -> None:
     os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)
 
 
+# ---- fp8 products --------------------------------------------------------------------------------------------------
+
+# XLA:GPU hands some fp8 products to its Triton GEMM and times Triton tilings for each of them. On one H100 (jax
+# 0.11.2, the Llama-3-8B layer shape, bench.e2e "llama-8b-layers train fp8") the fp8 train step compiled in 239 s and
+# ran 219.1 ms a step; with Triton's GEMM off every fp8 product runs on cuBLASLt's fp8 kernels and the same step
+# compiled in 16 s and ran 211.7 ms (the Llama-1B shape: 247.2 against 250.2 ms). A bf16 step loses by it (265.3
+# against 246.7 ms at the 8B shape), so only a program whose products run in fp8 turns it off.
+FP8_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+
+
+def computes_in_fp8(exp) -> bool:
+    """Whether `exp`'s products with weights run in fp8: its numerics.default is an fp8 type (the numerics pass then
+    gives the graph its fp8 scaling). Reads a loaded spec or a manifest's recorded one (`recorded_settings`)."""
+    default = getattr(getattr(exp, "numerics", None), "default", None)
+    base = getattr(default, "base", default)
+    return isinstance(base, str) and base.split(" ", 1)[0].startswith("fp8")
+
+
+def request_fp8_gemms(exp) -> dict | None:
+    """For a program whose products run in fp8, turn XLA:GPU's Triton GEMM off (`FP8_XLA_FLAGS`) unless the person's
+    XLA_FLAGS names the flag. Returns {set_by, flags} (the flags in force), or None for a program without fp8."""
+    if not computes_in_fp8(exp):
+        return None
+    names = {f.split("=")[0] for f in FP8_XLA_FLAGS}
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in FP8_XLA_FLAGS if _flag(flags, f.split("=")[0]) is None]
+    if missing:
+        flags = os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+        _fp8_set.update(missing)
+    given = [f for f in flags.split() if f.split("=")[0] in names]
+    return {"set_by": "tessera" if all(f in _fp8_set for f in given) else "user", "flags": given}
+
+
+_fp8_set: set = set()  # the fp8 flags this process's tessera added (a second call recognises them)
+
+
 def recorded_settings(spec: dict):
-    """What `request_deterministic_kernels` reads (parallel.deterministic, the task's kind and what it times) from a
-    manifest's recorded spec, so `tessera replay` settles the process as the run it replays did, before JAX starts
+    """What `request_deterministic_kernels` and `request_fp8_gemms` read (parallel.deterministic, the task's kind and
+    what it times, numerics.default) from a manifest's recorded spec, so `tessera replay` settles the process as the run it replays did, before JAX starts
     and without loading the spec's files."""
     from types import SimpleNamespace
 
     parallel, task = spec.get("parallel") or {}, spec.get("task") or {}
+    numerics = spec.get("numerics") or {}
     return SimpleNamespace(parallel=SimpleNamespace(deterministic=bool(parallel.get("deterministic", True))),
-                           task=SimpleNamespace(kind=task.get("kind"), what=tuple(task.get("what") or ())))
+                           task=SimpleNamespace(kind=task.get("kind"), what=tuple(task.get("what") or ())),
+                           numerics=SimpleNamespace(default=numerics.get("default")))
 
 
 # ---- where compiled programs and kernel choices are kept ---------------------------------------------------------
@@ -188,7 +227,8 @@ def autotune_record() -> dict:
 
 
 def configure_process(exp) -> dict:
-    """Every setting above for the spec `exp`, before JAX starts: {allocator, autotune_cache} records."""
+    """Every setting above for the spec `exp`, before JAX starts: {allocator, autotune_cache, fp8_gemms} records."""
     allocator = configure_allocator()
     request_deterministic_kernels(exp)
-    return {"allocator": allocator, "autotune_cache": configure_autotune_cache()}
+    fp8 = request_fp8_gemms(exp)
+    return {"allocator": allocator, "autotune_cache": configure_autotune_cache(), "fp8_gemms": fp8}

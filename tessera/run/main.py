@@ -119,6 +119,10 @@ def prepare(exp, say) -> tuple[Any, dict, dict | None]:
             say(f"GPU kernel choices (XLA's autotuning) are kept in {autotune['dir']}, so every compile of a program "
                 f"on this machine takes the same kernels (set {AUTOTUNE_VAR}=off to stop, or to a directory to move "
                 f"them)")
+        fp8 = records["fp8_gemms"]
+        if fp8 and fp8["set_by"] == "tessera" and jax_backend() == "gpu":
+            say(f"fp8 products: {' '.join(fp8['flags'])} (cuBLASLt's fp8 GEMMs: the step is faster and compiles in "
+                f"seconds where XLA's Triton tilings took minutes; name the flag in XLA_FLAGS to choose otherwise)")
     cache = configure_compilation_cache()
     if cache["set_by"] == "tessera":
         say(f"compiled programs are kept in {cache['dir']} for the next run (set {CACHE_VAR}=off to stop, "

@@ -1,5 +1,5 @@
-"""Deterministic mode's process settings (`request_deterministic_kernels`): which XLA flags a spec asks for, and
-that a flag the person set is theirs. Environment only, so in this process."""
+"""The process settings of deterministic mode (`request_deterministic_kernels`) and of fp8 products
+(`request_fp8_gemms`): which XLA flags a spec asks for, and that a flag the person set is theirs. Environment only, so in this process."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 from tessera.run.environment import (
     DETERMINISTIC_TRAIN_XLA_FLAGS,
     DETERMINISTIC_XLA_FLAGS,
+    FP8_XLA_FLAGS,
     recorded_settings,
     request_deterministic_kernels,
+    request_fp8_gemms,
 )
 from tessera.spec import load_experiment
 
@@ -63,3 +65,41 @@ def test_replay_settles_the_process_as_the_run_it_replays(monkeypatch, overrides
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     request_deterministic_kernels(recorded_settings(exp.resolved()))
     assert os.environ.get("XLA_FLAGS", "") == ran
+
+
+FP8 = "numerics.default=fp8_e4m3 @scale(per_tensor) @accum(fp32)"
+TRITON = FP8_XLA_FLAGS[0].split("=")[0]
+
+
+def _fp8_flags(monkeypatch, overrides, flags=None):
+    monkeypatch.setenv("XLA_FLAGS", flags or "")
+    record = request_fp8_gemms(load_experiment("specs/llama_tiny.yaml", overrides))
+    return record, os.environ["XLA_FLAGS"].split()
+
+
+@pytest.mark.parametrize("overrides", [[FP8], [FP8, "task.kind=generate", "task.prompts=[hi]"],
+                                       ["numerics.default=fp8_e5m2 @accum(fp32)"]])
+def test_products_in_fp8_run_on_cublas(monkeypatch, overrides):
+    record, flags = _fp8_flags(monkeypatch, overrides, flags="--xla_cpu_enable_fast_math=false")
+    assert flags == ["--xla_cpu_enable_fast_math=false", *FP8_XLA_FLAGS]
+    assert record == {"set_by": "tessera", "flags": list(FP8_XLA_FLAGS)}
+    assert request_fp8_gemms(load_experiment("specs/llama_tiny.yaml", overrides)) == record  # a second call: same
+    assert os.environ["XLA_FLAGS"].split() == flags
+
+
+@pytest.mark.parametrize("overrides", [[], ["numerics.default=bf16 @accum(fp32)"],
+                                       ['numerics.rules={"*/attention/q": "fp8_e4m3 @scale(per_block(8))"}']])
+def test_a_program_without_fp8_products_keeps_xlas_gemms(monkeypatch, overrides):
+    assert _fp8_flags(monkeypatch, overrides) == (None, [])
+
+
+def test_the_persons_triton_setting_wins_over_fp8s(monkeypatch):
+    record, flags = _fp8_flags(monkeypatch, [FP8], flags=f"{TRITON}=true")
+    assert flags == [f"{TRITON}=true"] and record == {"set_by": "user", "flags": [f"{TRITON}=true"]}
+
+
+def test_replay_of_an_fp8_run_turns_tritons_gemm_off_as_the_run_did(monkeypatch):
+    spec = load_experiment("specs/llama_tiny.yaml", [FP8]).resolved()
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert request_fp8_gemms(recorded_settings(spec))["flags"] == list(FP8_XLA_FLAGS)
+    assert os.environ["XLA_FLAGS"].split() == list(FP8_XLA_FLAGS)
