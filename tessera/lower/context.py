@@ -56,6 +56,8 @@ class LowerCtx:
     # scaling (tessera/lower/reference/fp8.py)
     fp8_history: Any = None  # under delayed scaling in a train step: {the op's param name: its amax history [3, H]}
     # (tessera/lower/fp8_delayed.py); None elsewhere (the products then take the current amax, as per_tensor)
+    fp8_held: Any = None  # {the op's param name: (w_q, s, amax)}: its weight quantised before the repeat's scan
+    # (tessera/lower/fp8_held.py); None elsewhere (each product quantises its weight)
     last_only: bool = False
     scan_unroll: bool = False  # `repeat` is still one lax.scan, which XLA unrolls (scientific models: see program.py)
     # {path: TensorType} of the graph's params: an op that declares no params but reads one written `param(...)`

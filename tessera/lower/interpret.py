@@ -38,6 +38,7 @@ from tessera.ir.types import Op, ParamRef, PerLayer, Region, Value
 from tessera.lower.context import REMAT_SAVED, LowerCtx
 from tessera.lower.fence import fenced
 from tessera.lower.fp8_delayed import HISTORY
+from tessera.lower.fp8_held import HELD, held_for, held_weights
 from tessera.lower.table import get_lowering
 
 State = dict[str, Any]
@@ -146,6 +147,8 @@ def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):
     if ctx.fp8 is not None and ctx.fp8.startswith("delayed("):  # the train step's amax histories (fp8_delayed.py)
         history = {name: params[path + HISTORY] for name, path in param_bindings(op) if path + HISTORY in params}
         ctx = ctx.replace(fp8_history=history or None)
+    if ctx.fp8 is not None:  # weights quantised before the repeat's scan (fp8_held.py)
+        ctx = ctx.replace(fp8_held=held_for(param_bindings(op), params))
     if ctx.shard is not None:  # FSDP: gather what the op does not handle split, per layer inside the scan
         local = {name: ctx.shard.gather_param(op.name, name, path, params[path]) for name, path in param_bindings(op)}
     if lowering.stateful:
@@ -166,13 +169,14 @@ def region_param_paths(region: Region) -> list[str]:
 
 def _stacked_paths(op: Op, params: dict) -> list[str]:
     """The parameters of a `repeat` op held stacked, one slice per layer ([n, ...]); with them the amax histories
-    of delayed fp8 scaling that a train step adds beside its stacked weights (`<path>#amax_history`, [n, ...])."""
+    of delayed fp8 scaling that a train step adds beside its stacked weights (`<path>#amax_history`, [n, ...]) and
+    the fp8 copies of them quantised before the scan (`<path>#fp8_held`, fp8_held.py)."""
     n = op.attrs["n"]
     if op.attrs.get("axis") is None:  # weight-shared: every iteration reads the same params
         return []
     paths = [path for path in region_param_paths(op.region)
              if not isinstance(params[path], list) and params[path].ndim and params[path].shape[0] == n]
-    return paths + [path + HISTORY for path in paths if path + HISTORY in params]
+    return paths + [path + extra for extra in (HISTORY, HELD) for path in paths if path + extra in params]
 
 
 def stacked_layers(region: Region, shapes: dict) -> dict[str, int]:
@@ -214,6 +218,10 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     n, region, axis = op.attrs["n"], op.region, op.scope_name
     p = period(region, n)
     stacked = _stacked_paths(op, params)
+    held = held_weights(region, params, stacked, ctx, param_bindings)
+    if held:
+        params = {**params, **held}
+        stacked = _stacked_paths(op, params)
     xs_params = {path: jax.tree.map(lambda a: a.reshape((n // p, p) + a.shape[1:]), params[path])
                  for path in stacked}  # a packed (MXFP4) parameter is a pytree of two stacked arrays
     shared = {path: v for path, v in params.items() if path not in xs_params}

@@ -18,6 +18,7 @@ from tessera.ir.registry import struct_families, struct_fields
 from tessera.ir.types import ParamRef
 
 from tessera.lower.context import jnp_dtype
+from tessera.lower.fp8_held import held_of
 from tessera.lower.named import align, einsum, move_last, names, stored_dtype
 from tessera.lower.reference import accum as accum_ref, activations, fp8 as fp8_ref, kv_cache, moe as moe_ref, \
     mxfp4, packed as packed_ref, rope as rope_ref
@@ -121,7 +122,7 @@ def _linear(ctx, op, attrs, ins, params):
     out_dims = tuple(d.name for d in attrs["out"])
     y = einsum([names(op.values[0]), over + out_dims], names(op.results[0]), x,
                packed_ref.dense(params["weight"], x.dtype), accum=ctx.accum_dtype, store=stored_dtype(dt, ctx.accum_dtype),
-               fp8=ctx.fp8, fp8_history=_history(ctx, "weight"))
+               fp8=ctx.fp8, fp8_history=_history(ctx, "weight"), fp8_held=held_of(ctx, "weight", x.dtype))
     if "bias" in params:
         y = plus_bias(y, align(params["bias"], out_dims, names(op.results[0])))
     return [y.astype(dt)]
@@ -243,7 +244,7 @@ def _weight_product(ctx, spec: str, x, w, store, name: str):
                               compute_dtype=x.dtype, out_dtype=store)
     if ctx.fp8 is not None:
         return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8,
-                              history=_history(ctx, name))
+                              history=_history(ctx, name), held=held_of(ctx, name, w.dtype))
     return accum_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
 
 

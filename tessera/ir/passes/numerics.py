@@ -79,6 +79,12 @@ _FP8_WEIGHTS = {("attention", n) for n in "qkvo"} | {(op, n) for op in ("mlp", "
     | {("linear", "weight")}
 
 
+def fp8_product(op_name: str, param: str) -> bool:
+    """Whether weight `param` (the name after its last `/`) of op `op_name` runs its product in fp8 under an fp8
+    policy."""
+    return (op_name, param) in _FP8_WEIGHTS
+
+
 def fp8_product_dims(op_name: str, param: str, attrs: dict) -> tuple[int, int]:
     """(contracted, total) trailing dims of weight `param` (the name after its last `/`) in one fp8 product of op
     `op_name`; any dims before them are stacked by a repeat. The experts' matrices [.., experts, in, out] count

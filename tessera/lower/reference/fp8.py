@@ -99,17 +99,84 @@ _einsum.defvjp(_fwd, _bwd)
 
 
 def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str | None = "per_tensor",
-           history=None):
+           history=None, held=None):
     """x (activations) ⊗ w (a weight) as the module doc says; the result in preferred_element_type (default x's).
     `scaling` (LowerCtx.fp8): "per_tensor", "per_block(N)" for the blocked products below, or "delayed(H)" with
-    `history` this product's amax history (fp32 [3, H]: delayed scaling below; without one, as per_tensor)."""
+    `history` this product's amax history (fp32 [3, H]: delayed scaling below; without one, as per_tensor).
+    `held`: w already quantised as this product would quantise it (`hold`, LowerCtx.fp8_held), the same numbers
+    without the product reading w itself; its gradient still goes to w."""
     n = block_of(scaling)
     if n is not None:
         return block_einsum(spec, x, w, n, preferred_element_type=preferred_element_type)
     out = jnp.dtype(preferred_element_type or x.dtype)
-    if history is not None and delayed_of(scaling) is not None:
+    delayed = history is not None and delayed_of(scaling) is not None
+    if held is not None:
+        wq, sw, aw = held
+        if delayed:
+            return _delayed_held(spec.replace(" ", ""), x, w, wq, sw, aw, history, jnp.dtype(accum), out)
+        return _einsum_held(spec.replace(" ", ""), x, w, wq, sw, jnp.dtype(accum), out)
+    if delayed:
         return _delayed(spec.replace(" ", ""), x, w, history, jnp.dtype(accum), out)
     return _einsum(spec.replace(" ", ""), x, w, jnp.dtype(accum), out)
+
+
+# ---- weights quantised before their products (LowerCtx.fp8_held, tessera/lower/fp8_held.py) --------------------
+#
+# A repeat's stacked weights can be quantised once, before its scan, instead of in each layer's product: then a train
+# step reads each fp32 weight once for its fp8 copy, where a product inside the scan quantised its slice in the
+# forward and again in the backward (remat replays a product's quantisation: its residuals are not values a
+# checkpoint policy sees), and XLA:GPU transposed each fp32 stack whole to the layout cuBLASLt's fp8 GEMM takes
+# before either. `hold` is `quantize` (`quantize_delayed` with the history's weight row) of one weight plus its amax;
+# the products below take it in place of quantising w: the same numbers, w's gradient as `_bwd` computes it, and
+# none for the held copy (stop_gradient before the scan; zeros here).
+
+
+def hold(w, dtype, history=None):
+    """(w_q, s, amax|w|) of one weight `w` cast to `dtype` (its product's compute type) as the product would take
+    it: `quantize`, or with `history` (delayed scaling's [3, H]) `quantize_delayed` from its weight row."""
+    w = w.astype(dtype)
+    wq, sw = quantize(w, E4M3) if history is None else quantize_delayed(w, history[1], E4M3)
+    return wq, sw, _amax(w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _einsum_held(spec, x, w, wq, sw, accum, out_dtype):
+    return _held_fwd(spec, x, w, wq, sw, accum, out_dtype)[0]
+
+
+def _held_fwd(spec, x, w, wq, sw, accum, out_dtype):
+    xq, sx = quantize(x, E4M3)
+    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
+    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
+
+
+def _held_bwd(spec, accum, out_dtype, res, g):
+    dx, dw = _bwd(spec, accum, out_dtype, res, g)
+    return dx, dw, jnp.zeros_like(res[2]), jnp.zeros_like(res[3])
+
+
+_einsum_held.defvjp(_held_fwd, _held_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7, 8))
+def _delayed_held(spec, x, w, wq, sw, aw, history, accum, out_dtype):
+    return _delayed_held_fwd(spec, x, w, wq, sw, aw, history, accum, out_dtype)[0]
+
+
+def _delayed_held_fwd(spec, x, w, wq, sw, aw, history, accum, out_dtype):
+    seen = jnp.stack([_amax(x), aw])
+    xq, sx = quantize_delayed(x, history[0], E4M3)
+    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
+    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
+
+
+def _delayed_held_bwd(spec, accum, out_dtype, res, g):
+    dx, dw, dh = _delayed_bwd(spec, accum, out_dtype, res, g)
+    wq, sw = res[2], res[3]
+    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(sw), jnp.zeros((), jnp.float32), dh
+
+
+_delayed_held.defvjp(_delayed_held_fwd, _delayed_held_bwd)
 
 
 # ---- delayed scaling: `numerics.default: fp8_e4m3 @scale(delayed(H))` (Transformer Engine's recipe) --------------

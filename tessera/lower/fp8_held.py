@@ -1,0 +1,73 @@
+"""A repeat's fp8 weights quantised once, before its scan: `numerics.default: fp8_e4m3 @scale(per_tensor)` and
+`@scale(delayed(H))`.
+
+Inside a repeat's scan each dense fp8 product (linear, attention's q/k/v/o, the MLP's gate/up/down) quantised its
+layer's slice of the weight itself, in the forward pass and, because remat replays what a checkpoint policy does not
+save, again in the backward. `held_weights` quantises every such stacked weight before the scan instead, layer by
+layer as the product would (`reference/fp8.hold`: the weight cast to its op's compute type, its scale from its own
+amax, or under delayed scaling from its amax history's weight row), and hands the scan [n, ...] stacks of the fp8
+values, scales and amaxes under the weight's path + HELD; interpret._eval_op gives each op its layer's slices
+(LowerCtx.fp8_held), and the product multiplies by them (reference/fp8.einsum's `held`). The numbers are those of
+quantising in the product, bit for bit (tests/lower/test_fp8_held.py); the weight's gradient is the product's, as
+before, and the held copies take none (stop_gradient).
+
+Only where a layer's weight is the whole weight: one device or replicated parameters. Under FSDP or tensor
+parallelism (LowerCtx.shard, param_use, tensor) a product quantises the block it gathers, as before. MoE experts'
+grouped products and block-scaled (`per_block(N)`) ones quantise in the product.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tessera.ir.passes.numerics import fp8_product
+from tessera.ir.types import Region
+from tessera.lower.context import LowerCtx, jnp_dtype
+from tessera.lower.fp8_delayed import HISTORY
+from tessera.lower.reference import fp8 as fp8_ref
+
+HELD = "#fp8_held"  # a held weight's key: its path + this; the value {compute dtype name: (w_q, s, amax) stacks}
+_DENSE = ("linear", "attention", "mlp")
+
+
+def holds(ctx: LowerCtx) -> bool:
+    """Whether a repeat under `ctx` quantises its fp8 weights before its scan."""
+    scaling = ctx.fp8 or ""
+    return (scaling == "per_tensor" or fp8_ref.delayed_of(scaling) is not None) and ctx.shard is None \
+        and ctx.param_use is None and ctx.tensor is None
+
+
+def held_weights(region: Region, params: dict, stacked: list[str], ctx: LowerCtx, bindings) -> dict:
+    """{path + HELD: {dtype: (w_q [n, ...], s [n], amax [n])}} for each of `stacked` (a repeat's stacked parameter
+    paths) that a dense op of `region` multiplies in fp8; `bindings(op)` lists an op's (local name, path)."""
+    if not holds(ctx):
+        return {}
+    out: dict = {}
+    for op in region.ops:
+        if op.name not in _DENSE:
+            continue
+        dtype = jnp_dtype(op.values[0].type.dtype)
+        for name, path in bindings(op):
+            w = params.get(path)
+            if path not in stacked or not fp8_product(op.name, name) or not isinstance(w, jax.Array) \
+                    or not jnp.issubdtype(w.dtype, jnp.floating):
+                continue
+            history = params.get(path + HISTORY)
+            if history is None:
+                held = jax.vmap(lambda a: fp8_ref.hold(a, dtype))(w)
+            else:
+                held = jax.vmap(lambda a, h: fp8_ref.hold(a, dtype, h))(w, history)
+            out.setdefault(path + HELD, {})[jnp.dtype(dtype).name] = jax.lax.stop_gradient(held)
+    return out
+
+
+def held_for(op_bindings, params: dict) -> dict | None:
+    """{local name: {dtype: (w_q, s, amax)}} of an op's held weights (its layer's slices), or None."""
+    held = {name: params[path + HELD] for name, path in op_bindings if path + HELD in params}
+    return held or None
+
+
+def held_of(ctx: LowerCtx, name: str, dtype):
+    """The op's weight `name` held as quantised from its cast to `dtype`, or None (the product quantises it)."""
+    return (ctx.fp8_held.get(name) or {}).get(jnp.dtype(dtype).name) if ctx.fp8_held else None

@@ -1,0 +1,93 @@
+"""A repeat's fp8 weights quantised once before its scan (tessera/lower/fp8_held.py): the products multiply by the
+held copies with the numbers of quantising in the product, bit for bit (values, gradients, the amaxes delayed scaling
+records), and the scan then quantises only activations and gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tessera.lower import fp8_held
+from tessera.lower.program import compile_experiment
+from tessera.lower.reference import fp8
+from tessera.run.optim import build_optimizer, current_lr
+from tessera.spec import load_experiment
+from tests.lower.shard.make_snapshots import ROOT
+
+
+def _equal(a, b) -> bool:
+    return jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b))
+
+
+@pytest.mark.parametrize("scaling", ["per_tensor", "delayed(4)"])
+def test_a_held_weight_gives_the_products_numbers_and_gradients(scaling):
+    """x [6, 16] ⊗ w [16, 8] in bf16, random: the product, dx, dw and (delayed) the history's cotangent are the same
+    bits whether w is quantised in the product or held (`hold`) beforehand."""
+    kx, kw, kh = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(kx, (6, 16), jnp.bfloat16)
+    w = (jax.random.normal(kw, (16, 8), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    history = jnp.abs(jax.random.normal(kh, (3, 4), jnp.float32)) * jnp.asarray([[3.0], [0.03], [1e-4]])
+    delayed = scaling.startswith("delayed")
+
+    def f(x, w, h, held):
+        y = fp8.einsum("mk,kn->mn", x, w, accum=jnp.float32, preferred_element_type=jnp.bfloat16, scaling=scaling,
+                       history=h if delayed else None, held=held)
+        return (y.astype(jnp.float32) * jnp.arange(8, dtype=jnp.float32)).sum(), y
+
+    held = jax.lax.stop_gradient(fp8.hold(w, jnp.bfloat16, history if delayed else None))
+    (_, y0), g0 = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, w, history, None)
+    (_, y1), g1 = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, w, history, held)
+    assert _equal(y0, y1) and _equal(g0, g1)
+    assert held[0].dtype == jnp.float8_e4m3fn and float(jnp.abs(g1[1]).max()) > 0
+    if delayed:  # the weight's amax is recorded from the held copy's
+        assert float(g1[2][1, 0]) == float(jnp.abs(w.astype(jnp.float32)).max())
+
+
+ARGS = {"d_model": 32, "d_ff": 64, "head_dim": 8, "heads": 4, "kv_heads": 2, "vocab": 64, "layers": 2}
+
+
+def _program(monkeypatch, hold: bool):
+    if not hold:
+        monkeypatch.setattr(fp8_held, "holds", lambda ctx: False)
+    over = {"numerics.default": "fp8_e4m3 @scale(delayed(4))", "task.batch": 2, "task.seq_len": 8,
+            "task.schedule.warmup_steps": 0, "task.optimizer.lr": 1e-2, "parallel.remat": "dots",
+            **{f"model.args.{k}": v for k, v in ARGS.items()}}
+    exp = load_experiment(str(ROOT / "specs" / "llama_tiny.yaml"), overrides=over)
+    prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
+    seq = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 8)), jnp.int32)
+    batch = {"tokens": seq, "targets": jnp.roll(seq, -1, 1), "mask": jnp.ones((2, 8), jnp.float32)}
+    state = prog.init_train_state(prog.init(0))
+    jaxpr = jax.make_jaxpr(prog.train_step_fn())(state, batch).jaxpr
+    for _ in range(2):
+        state, metrics = prog.train_step(state, batch)
+    monkeypatch.undo()
+    return jaxpr, jax.device_get((state, metrics))
+
+
+def _e4m3_casts(jaxpr, in_scan=False, out=None) -> dict:
+    """{inside a scan: count} of the casts to e4m3 in `jaxpr` and every jaxpr its equations hold."""
+    out = {True: 0, False: 0} if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.float8_e4m3fn:
+            out[in_scan] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _e4m3_casts(sub, in_scan or eqn.primitive.name == "scan", out)
+    return out
+
+
+def test_a_train_step_with_held_weights_is_the_same_step_quantising_weights_once(monkeypatch):
+    """A tiny Llama (2 layers, delayed(4) scaling, remat dots): two steps give the same parameters, optimizer state,
+    amax histories and loss, bit for bit, with the weights held or quantised in each product. Held, the scans cast
+    only activations to e4m3 (the forward and remat's replay of it), each of the seven weights outside them; otherwise
+    the scans cast a weight as often as an activation."""
+    held_jaxpr, held = _program(monkeypatch, True)
+    plain_jaxpr, plain = _program(monkeypatch, False)
+    assert _equal(held, plain) and np.isfinite(float(held[1]["loss"]))
+    held_casts, plain_casts = _e4m3_casts(held_jaxpr), _e4m3_casts(plain_jaxpr)
+    assert held_casts[True] >= 2 * 7 and plain_casts[True] == 2 * held_casts[True]
+    assert held_casts[False] >= 7 and plain_casts[False] == 0
