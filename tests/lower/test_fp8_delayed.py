@@ -164,8 +164,8 @@ STEPS = 5
 DELAYED = "fp8_e4m3 @scale(delayed)"
 
 
-def _exp(policy: str):
-    over = {"numerics.default": policy, "task.batch": 4, "task.seq_len": 16, "task.steps": STEPS,
+def _exp(policy: str, **extra):
+    over = {**extra, "numerics.default": policy, "task.batch": 4, "task.seq_len": 16, "task.steps": STEPS,
             "task.schedule.warmup_steps": 0, "task.optimizer.lr": 1e-2,
             **{f"model.args.{k}": v for k, v in ARGS.items()}}
     return load_experiment(str(ROOT / "specs" / "llama_tiny.yaml"), overrides=over)
@@ -176,10 +176,11 @@ def _batch():
     return {"tokens": seq, "targets": jnp.roll(seq, -1, 1), "mask": jnp.ones((4, 16), jnp.float32)}
 
 
-def _train(policy: str, steps: int, params=None):
+def _train(policy: str, steps: int, params=None, **extra):
     """(program, [state before step 1, after step 1, ...] as host copies, losses): one batch, learnt by heart.
-    `params`: the initial parameters (the same fp32 values under every policy: one init program serves all)."""
-    exp = _exp(policy)
+    `params`: the initial parameters (the same fp32 values under every policy: one init program serves all); `extra`:
+    further spec overrides."""
+    exp = _exp(policy, **extra)
     prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
     state, batch = prog.init_train_state(prog.init(0) if params is None else params), _batch()
     states, losses = [jax.device_get(state)], []
@@ -289,6 +290,18 @@ def test_a_tiny_llama_trains_with_delayed_scaling_close_to_bf16(runs):
     # precision of their values below e4m3's smallest normal, 2^-6; issue 35's bound on the 1B shape is 1 %
     np.testing.assert_allclose(delayed, bf16, rtol=1e-2)
     assert not np.array_equal(delayed, bf16)  # and the products did run in fp8
+
+
+def test_weights_held_before_the_scan_take_the_same_steps(runs, monkeypatch):
+    """The fixture's run quantises the layers' weights once before their scan (tessera/lower/fp8_held.py); each
+    product quantising its own weight instead gives the same two steps: parameters, optimizer state, histories and
+    losses, bit for bit."""
+    from tessera.lower import fp8_held
+
+    monkeypatch.setattr(fp8_held, "holds", lambda ctx: False)
+    # kernels: reference (on the CPU what auto picks) makes it a program of its own: programs are cached on the spec
+    _, states, losses = _train(DELAYED, 2, runs["delayed"][1][0].params, **{"kernels": "reference"})
+    assert _equal(states, runs["delayed"][1][:3]) and np.array_equal(losses, runs["delayed"][2][:2])
 
 
 def test_a_checkpoint_resumes_the_histories_bit_identically(runs, tmp_path):
