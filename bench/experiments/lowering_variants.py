@@ -12,15 +12,25 @@ from tessera.lower.reference import fp8
 
 @contextlib.contextmanager
 def patched(patches):
-    """Within: each (module, name, fn) of `patches` in place of module.name; afterwards the originals again."""
-    old = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    """Within: each (module, name, fn) of `patches` in place of module.name (or of module[name] where module is a
+    dict: a registry such as tessera.lower.table.LOWERINGS); afterwards the originals again."""
+    def get(m, name):
+        return m[name] if isinstance(m, dict) else getattr(m, name)
+
+    def put(m, name, value):
+        if isinstance(m, dict):
+            m[name] = value
+        else:
+            setattr(m, name, value)
+
+    old = [(m, name, get(m, name)) for m, name, _ in patches]
     try:
         for m, name, fn in patches:
-            setattr(m, name, fn)
+            put(m, name, fn)
         yield
     finally:
         for m, name, fn in old:
-            setattr(m, name, fn)
+            put(m, name, fn)
 
 
 def history_only(x, row, dtype, fallback=None):

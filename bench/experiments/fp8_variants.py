@@ -1,0 +1,50 @@
+"""The fp8 train step's levers left at the Llama-3-8B layer shape, timed in one process (train_variants' loop).
+
+    python -m bench.experiments.fp8_variants [--spec specs/bench/llama_8b_layers_train.yaml] [--set KEY=VALUE ...]
+        [--only base,...] [--steps 5]
+
+The spec runs under `fp8_e4m3 @scale(delayed(16)) @accum(fp32)` unless a `--set numerics.default=...` says
+otherwise. Variants (names hold no commas: `--only` splits on them):
+- "base": as built (the layers' weights quantised once before their scan: tessera/lower/fp8_held.py);
+- "not held": each product quantises its own weight slice, in the forward and again in remat's replay (the form
+  before 9a3940e), to measure holding within one process;
+- "fp8 unembedding": the untied unembedding's product in fp8 too (per_tensor: no history carries it), where the
+  built policy, like torchtitan's Float8, leaves it in bf16: at this shape its three products took 33.4 ms of a
+  207.7 ms step (session 43's profile, docs/kernels-log.md). A loss after the steps is printed to compare with base;
+  accuracy over a real run would need bench.fp8_curve.
+"""
+
+from __future__ import annotations
+
+from bench.experiments.train_variants import main as time_variants
+from tessera.lower import fp8_held
+from tessera.lower.context import jnp_dtype
+from tessera.lower.named import einsum, names, stored_dtype
+from tessera.lower.reference import packed as packed_ref
+from tessera.lower.table import LOWERINGS, Lowering, get_lowering
+
+BUILT_UNEMBED = get_lowering("unembed")
+
+
+def fp8_unembed(ctx, op, attrs, ins, params):
+    """The unembedding's product in fp8 with per-tensor current scaling, where its graph's products run in fp8 (an
+    untied weight, one device, every position); anything else as built."""
+    if ctx.fp8 is None or attrs["tied"] or ctx.shard is not None or ctx.last_only:
+        return BUILT_UNEMBED.fn(ctx, op, attrs, ins, params)
+    x, dt = ins[0], jnp_dtype(op.results[0].type.dtype)
+    w = packed_ref.dense(params["weight"], x.dtype)
+    y = einsum([names(op.values[0]), ("embed", "vocab")], names(op.results[0]), x, w, accum=ctx.accum_dtype,
+               store=stored_dtype(dt, ctx.accum_dtype), fp8="per_tensor")
+    return [y.astype(dt)]
+
+
+VARIANTS = {
+    "base": [],
+    "not held": [(fp8_held, "holds", lambda ctx: False)],
+    "fp8 unembedding": [(LOWERINGS, "unembed", Lowering("unembed", fp8_unembed))],
+}
+
+
+if __name__ == "__main__":
+    raise SystemExit(time_variants(variants=VARIANTS, description=__doc__, spec="specs/bench/llama_8b_layers_train.yaml",
+                                   overrides=("numerics.default=fp8_e4m3 @scale(delayed(16)) @accum(fp32)",)))
