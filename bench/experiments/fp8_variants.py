@@ -1,7 +1,7 @@
 """The fp8 train step's levers left at the Llama-3-8B layer shape, timed in one process (train_variants' loop).
 
     python -m bench.experiments.fp8_variants [--spec specs/bench/llama_8b_layers_train.yaml] [--set KEY=VALUE ...]
-        [--only base,...] [--steps 5]
+        [--only base,...] [--steps 5] [--hlo]
 
 The spec runs under `fp8_e4m3 @scale(delayed(16)) @accum(fp32)` unless a `--set numerics.default=...` says
 otherwise. Variants (names hold no commas: `--only` splits on them):
@@ -12,6 +12,8 @@ otherwise. Variants (names hold no commas: `--only` splits on them):
   built policy, like torchtitan's Float8, leaves it in bf16: at this shape its three products took 33.4 ms of a
   207.7 ms step (session 43's profile, docs/kernels-log.md). A loss after the steps is printed to compare with base;
   accuracy over a real run would need bench.fp8_curve.
+`--hlo` prints the transposes each compiled step holds, by element type: as landed before 9a3940e the 8B-shape
+per_tensor step held seven of fp32 weight stacks (6.5 GiB written a step) beside 0.8 GiB of fp8 ones.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 is freed before the next compiles: two Llama-1B train states do not fit one card).
 
     python -m bench.experiments.train_variants [--spec specs/bench/llama_1b_train.yaml] [--set KEY=VALUE ...]
-        [--only base,...] [--steps 5]
+        [--only base,...] [--steps 5] [--checksum] [--hlo]
 
 Each variant replaces functions of the lowering while a fresh Program traces its train step (its first call), and is
 timed as `tessera run`'s bench task times `train_step` (median of `--steps` calls after two warm-up calls). The
@@ -24,6 +24,8 @@ and "history only forward" today's built form): base 264.02 ms a step (loss afte
 from __future__ import annotations
 
 import argparse
+import re
+from collections import Counter
 
 from tessera.run.environment import configure_allocator
 
@@ -34,6 +36,37 @@ import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import every_operand_falls_back, history_only, patched  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) (\w[\w-]*)\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+
+
+def hlo_transposes(text: str) -> dict[str, tuple[int, int]]:
+    """{element type: (instructions, bytes written)} of the transposes in an optimized HLO module's text: `transpose`
+    instructions and the fusions XLA names after one (`wrapped_transpose*`, `*_transpose_fusion*`), counted once per
+    instruction (a loop body's once, however often the loop runs), each array of a tuple result by its own type."""
+    fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", text))  # computations inside a fusion: not counted
+    out: Counter = Counter()
+    count: Counter = Counter()
+    inside = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.-]+) ", line)
+        if head and not line.startswith(" "):
+            inside = head.group(1)
+        m = _DEF.match(line)
+        if not m or inside in fused or ("transpose" not in m.group(1) and m.group(3) != "transpose"):
+            continue
+        for dtype, dims in _ARRAY.findall(m.group(2)):
+            if dtype.startswith("s8") and m.group(2).startswith("("):
+                continue  # a custom call's workspace
+            size = 1
+            for d in filter(None, dims.split(",")):
+                size *= int(d)
+            out[dtype] += size * _BYTES.get(dtype, 1)
+            count[dtype] += 1
+    return {k: (count[k], out[k]) for k in out}
 
 
 VARIANTS = {
@@ -60,6 +93,7 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
     ap.add_argument("--only", default=None)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--checksum", action="store_true", help="print each variant's final parameters' sha256")
+    ap.add_argument("--hlo", action="store_true", help="print the transposes in each variant's compiled step")
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(variants)
     exp = load_experiment(args.spec, [*overrides, *args.set])
@@ -84,6 +118,11 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
                 from tessera.run.manifest import params_checksum
 
                 print(f"{name:<24} parameters' sha256 {params_checksum(holder[0].params)}", flush=True)
+            if args.hlo:  # the step as compiled (JAX's cached executable: no second compile)
+                found = hlo_transposes(prog.lower("train_step", holder[0], batch).compile().as_text())
+                print(f"{name:<24} transposes: " + (", ".join(f"{k} {n} ({b / 2 ** 30:.2f} GiB)"
+                                                             for k, (n, b) in sorted(found.items())) or "none"),
+                      flush=True)
         del holder[:]  # the state freed before the next variant compiles
         times[name] = t["median_s"]
         stats = jax.devices()[0].memory_stats() or {}
