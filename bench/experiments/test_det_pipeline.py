@@ -1,5 +1,10 @@
 """det_pipeline's finding, kept checkable: on a pp mesh of host devices the fenced-piece tick schedule gives one
 device's loss and gradients bit for bit (a subprocess: the device count and flags must be set before JAX starts).
+Its one-stage schedule also equalled the built shard loop of session 32; the built loop has changed since (layers
+unrolled over split weights, 5ff7f50; a device's shards folded as they come, f30d073) and now differs from the
+prototype in the last bits (<= 8e-7), which the built pipeline (tessera/lower/shard/det_pipeline.py) does not:
+tests/lower/shard/test_train_meshes.py holds it to one device's bits. So these tests compare the prototype with itself
+across devices only.
 
     python -m pytest bench/experiments/test_det_pipeline.py
 """
@@ -16,18 +21,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_with_the_tied_uses_summed_first_a_pp_mesh_and_one_device_are_todays_loop():
+def test_with_the_tied_uses_summed_first_a_pp_mesh_and_one_device_agree():
     """Each shard's two uses of llama_tiny's tied table summed before the fold (on the mesh the last stage's share
-    sent to stage 0): the pp=2 mesh, the one-stage schedule and today's shard loop, all the same bits."""
+    sent to stage 0): the pp=2 mesh and the one-stage schedule, the same bits."""
     env = dict(os.environ, PJRT_NPROC="256", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_disable_hlo_passes=tree_reduction_rewriter --xla_force_host_platform_device_count=4")
     out = subprocess.run([sys.executable, "-m", "bench.experiments.det_pipeline", "--ticks", "--fence", "ends",
                           "--tied-order", "head+embed", "--spec", "specs/llama_tiny.yaml", "--shards", "4"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    for against in ("pp mesh", "today's loop"):
-        line = next(ln for ln in out.stdout.splitlines() if f"vs {against}" in ln)
-        assert "loss =, 0 of" in line, line
+    line = next(ln for ln in out.stdout.splitlines() if "vs pp mesh" in ln)
+    assert "loss =, 0 of" in line, line
 
 
 @pytest.mark.parametrize("spec,stages,shards,layers,fence,equal", [
@@ -46,6 +50,3 @@ def test_the_tick_schedule_on_a_pp_mesh_is_one_devices_bits(spec, stages, shards
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(ln for ln in out.stdout.splitlines() if "vs pp mesh" in ln)
     assert ("loss =, 0 of" in line) == equal, line
-    today = next(ln for ln in out.stdout.splitlines() if "today's loop" in ln)
-    # one device: today's shard loop's bits, but for a tied table (llama_tiny) folded in two trees
-    assert (" 0 of " in today) == ("gpt_oss" in spec), today
