@@ -14,6 +14,10 @@ before, and the held copies take none (stop_gradient).
 Only where a layer's weight is the whole weight: one device or replicated parameters. Under FSDP or tensor
 parallelism (LowerCtx.shard, param_use, tensor) a product quantises the block it gathers, as before. MoE experts'
 grouped products and block-scaled (`per_block(N)`) ones quantise in the product.
+
+Deterministic mode on one device runs every canonical shard's layers inside its shard loop (scanned, or unrolled
+over weights split before it): there `before_shards` holds the weights once before the loop and each shard reads
+the same copies (split into their layers where the loop unrolls), rather than every shard quantising every weight.
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ def held_weights(region: Region, params: dict, stacked: list[str], ctx: LowerCtx
         dtype = jnp_dtype(op.values[0].type.dtype)
         for name, path in bindings(op):
             w = params.get(path)
-            if path not in stacked or not fp8_product(op.name, name) or not isinstance(w, jax.Array) \
-                    or not jnp.issubdtype(w.dtype, jnp.floating):
-                continue
+            if path not in stacked or path + HELD in params or not fp8_product(op.name, name) \
+                    or not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
+                continue  # (held already: before a deterministic step's shard loop, `before_shards`)
             history = params.get(path + HISTORY)
             if history is None:
                 held = jax.vmap(lambda a: fp8_ref.hold(a, dtype))(w)
@@ -71,3 +75,25 @@ def held_for(op_bindings, params: dict) -> dict | None:
 def held_of(ctx: LowerCtx, name: str, dtype):
     """The op's weight `name` held as quantised from its cast to `dtype`, or None (the product quantises it)."""
     return (ctx.fp8_held.get(name) or {}).get(jnp.dtype(dtype).name) if ctx.fp8_held else None
+
+
+def before_shards(graph, ctx: LowerCtx, params: dict, history: dict | None, bindings, split) -> dict:
+    """The held copies of every stacked fp8 weight of `graph`'s repeats, for a deterministic step's shard loop to
+    close over ({path + HELD: ...}; {} where `ctx` holds nothing): from `params` as the loop reads them (precast to
+    the compute type, which `hold` casts to anyway) and delayed scaling's `history`; `split(held, {path: n})` cuts
+    them into their layers where the loop runs the layers unrolled (layerwise.split; identity otherwise). Not
+    differentiated: the weights' gradients come through the products, as in the loop."""
+    from tessera.lower.interpret import region_param_paths  # (interpret imports this module)
+
+    if not holds(ctx):
+        return {}
+    merged = {**params, **(history or {})}
+    out: dict = {}
+    for op in graph.body.ops:
+        if op.name == "repeat" and op.attrs.get("axis") is not None:
+            n = op.attrs["n"]
+            stacked = [path for path in region_param_paths(op.region)
+                       if isinstance(params.get(path), jax.Array) and params[path].shape[:1] == (n,)]
+            held = held_weights(op.region, merged, stacked, ctx, bindings)
+            out.update(split(held, {path: n for path in held}))
+    return out

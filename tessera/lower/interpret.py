@@ -302,6 +302,8 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
     split = op.attrs.get("axis") is not None
     for i in range(n):
         here = {path: (params[path][i] if split and isinstance(params[path], list) else params[path]) for path in paths}
+        here.update({path + HELD: params[path + HELD][i] for path in paths  # held before a deterministic shard loop
+                     if split and isinstance(params.get(path + HELD), list)})
         carry, st = phase(i % p)(jnp.int32(i), carry, here, None if state is None else state[i])
         new_states.append(st)
     return carry, (None if state is None else new_states)

@@ -128,10 +128,10 @@ def test_quantising_saturates_and_keeps_zero():
 ARGS = {"d_model": 32, "d_ff": 64, "head_dim": 8, "heads": 4, "kv_heads": 2, "vocab": 64, "layers": 1}
 
 
-def _train(policy: str, steps: int = 5):
+def _train(policy: str, steps: int = 5, **extra):
     over = {"numerics.default": policy, "task.batch": 4, "task.seq_len": 16, "task.schedule.warmup_steps": 0,
             "task.optimizer.lr": 1e-2,
-            **{f"model.args.{k}": v for k, v in ARGS.items()}}
+            **{f"model.args.{k}": v for k, v in ARGS.items()}, **extra}
     exp = load_experiment(str(ROOT / "specs" / "llama_tiny.yaml"), overrides=over)
     prog = compile_experiment(exp, optimizer=build_optimizer(exp))
     state = prog.init_train_state(prog.init(0))
@@ -154,6 +154,20 @@ def test_a_tiny_llama_trains_in_fp8_close_to_bf16(runs):
     assert fp8_losses[-1] < fp8_losses[0] - 0.2  # it trains
     np.testing.assert_allclose(fp8_losses, bf16, rtol=5e-3)
     assert not np.array_equal(fp8_losses, bf16)  # and the products did run in fp8
+
+
+def test_a_deterministic_step_holds_its_weights_before_the_shard_loop(runs, monkeypatch):
+    """The fixture's fp8 run (deterministic, 4 canonical shards: the layers unrolled in the shard loop) quantises the
+    weights once before the loop (tessera/lower/fp8_held.py `before_shards`); every shard quantising them in its
+    products instead gives the same five steps, bit for bit."""
+    from tessera.lower import fp8_held
+
+    monkeypatch.setattr(fp8_held, "holds", lambda ctx: False)
+    # kernels: reference (on the CPU what auto picks) makes it a program of its own: programs are cached on the spec
+    _, state, _, losses = _train("fp8_e4m3 @scale(per_tensor)", **{"kernels": "reference"})
+    assert np.array_equal(losses, runs["fp8"][3])
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                                     jax.device_get(state.params), jax.device_get(runs["fp8"][1].params)))
 
 
 def test_the_train_step_quantises_products_to_e4m3_and_gradients_to_e5m2(runs):

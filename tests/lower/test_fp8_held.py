@@ -48,12 +48,13 @@ def test_a_held_weight_gives_the_products_numbers_and_gradients(scaling):
 ARGS = {"d_model": 32, "d_ff": 64, "head_dim": 8, "heads": 4, "kv_heads": 2, "vocab": 64, "layers": 2}
 
 
-def _step_jaxpr(monkeypatch, hold: bool):
-    """The jaxpr of a tiny Llama's train step (2 layers, delayed(4) scaling, remat dots), traced only."""
+def _step_jaxpr(monkeypatch, hold: bool, **over):
+    """The jaxpr of a tiny Llama's train step (2 layers, delayed(4) scaling, remat dots unless `over` says
+    otherwise), traced only."""
     if not hold:
         monkeypatch.setattr(fp8_held, "holds", lambda ctx: False)
     over = {"numerics.default": "fp8_e4m3 @scale(delayed(4))", "task.batch": 2, "task.seq_len": 8,
-            "parallel.remat": "dots", **{f"model.args.{k}": v for k, v in ARGS.items()}}
+            "parallel.remat": "dots", **{f"model.args.{k}": v for k, v in ARGS.items()}, **over}
     exp = load_experiment(str(ROOT / "specs" / "llama_tiny.yaml"), overrides=over)
     prog = compile_experiment(exp, optimizer=build_optimizer(exp), lr_fn=current_lr)
     seq = jnp.ones((2, 8), jnp.int32)
@@ -78,10 +79,15 @@ def _e4m3_casts(jaxpr, in_scan=False, out=None) -> dict:
     return out
 
 
-def test_under_remat_the_layers_scan_casts_only_activations(monkeypatch):
-    """Held, the train step's scans cast only activations to e4m3 (the forward and remat's replay of it in the
-    backward), each of the seven weights outside them; quantised in the products, the scans cast a weight as often
-    as an activation. (That the steps are the same bits: tests/lower/test_fp8_delayed.py.)"""
-    held, plain = _e4m3_casts(_step_jaxpr(monkeypatch, True)), _e4m3_casts(_step_jaxpr(monkeypatch, False))
+@pytest.mark.parametrize("over", [
+    {"parallel.deterministic": False},  # remat dots: the layers' scan, its forward and remat's replay of it
+    {"parallel.deterministic": True, "task.batch": 8, "parallel.remat": "none",  # one device's shard loop over 8
+     "numerics.default": "fp8_e4m3 @scale(per_tensor)"}])                      # canonical shards, layers unrolled
+def test_the_loops_cast_only_activations(monkeypatch, over):
+    """Held, a train step's loops (the layers' scan; deterministic mode's loop over canonical shards) cast only
+    activations to e4m3, each of the seven weights outside them, once; quantised in the products, the loops cast a
+    weight as often as an activation. (That the steps are the same bits: tests/lower/test_fp8_delayed.py and, in
+    deterministic mode, test_a_deterministic_step_holds_its_weights_before_the_shard_loop below.)"""
+    held, plain = _e4m3_casts(_step_jaxpr(monkeypatch, True, **over)), _e4m3_casts(_step_jaxpr(monkeypatch, False, **over))
     assert held[True] >= 2 * 7 and plain[True] == 2 * held[True]
-    assert held[False] >= 7 and plain[False] == 0
+    assert held[False] == 7 and plain[False] == 0

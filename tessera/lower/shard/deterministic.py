@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.diagnostics import TesseraError
 from tessera.ir.check import MAX_CANONICAL, canonical_problems, canonical_shards  # noqa: F401 (re-exported)
-from tessera.lower import fp8_delayed, loss_scale, precast
+from tessera.lower import fp8_delayed, fp8_held, loss_scale, precast
 from tessera.lower.fence import fenced
-from tessera.lower.interpret import stacked_layers
+from tessera.lower.interpret import param_bindings, stacked_layers
 from tessera.lower.reference.losses import token_cross_entropy
 from tessera.lower.shard import det_pipeline, layerwise
 from tessera.lower.shard.collectives import gather_full, local_block
@@ -444,6 +444,9 @@ class Deterministic:
         one, unroll = not self.axes, self.unrolls(c)
         cast = precast.cast(params, narrow)
         diff = cast if one else params
+        # one device: fp8 weights quantised once here, not by every shard (lower/fp8_held.py); {} otherwise
+        held = fp8_held.before_shards(self.prog.graph, self.prog.lower_ctx(mode="train"), cast, history,
+                                      param_bindings, layerwise.split if unroll else lambda h, _: h) if one else {}
         if unroll:  # each layer's weights their own buffers, split once here (layerwise.py)
             cast, diff = (layerwise.split(t, self.stacked) for t in (cast, diff))
         top, hooks = (None, None) if one else self._layer_gathers()
@@ -452,7 +455,7 @@ class Deterministic:
             if not one:
                 p = top({k: layerwise.held(v, cast[k] if k in narrow else None) if k in self.param_specs else v
                          for k, v in p.items()})
-            s, count, terms = self.shard_sums(p, sh, param_use=hooks, unroll=unroll)
+            s, count, terms = self.shard_sums({**p, **held}, sh, param_use=hooks, unroll=unroll)
             return (s if ls is None else s * ls.scale), (count, terms)
 
         inputs = fp8_delayed.merged(diff, history)
