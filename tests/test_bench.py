@@ -335,7 +335,8 @@ def test_every_e2e_row_is_a_valid_spec():
     from tessera.spec import load_experiment
 
     exps = {name: load_experiment(spec, overrides=overrides) for name, (_, spec, overrides, _) in e2e.ROWS.items()}
-    for fp8, bf16 in (("llama-1b train fp8", "llama-1b train"), ("llama-8b-layers train fp8", "llama-8b-layers train")):
+    for fp8, bf16 in (("llama-1b train fp8", "llama-1b train"), ("llama-8b-layers train fp8", "llama-8b-layers train"),
+                      ("llama-1b train fp8 deterministic", "llama-1b train deterministic")):
         a, b = exps[fp8].model_dump(), exps[bf16].model_dump()
         assert a.pop("numerics")["default"] != b.pop("numerics")["default"]
         assert a == b
