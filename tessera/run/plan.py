@@ -313,6 +313,32 @@ def delayed_history_bytes(graph) -> int:
                for path, lead in fp8_weights(graph).items())
 
 
+def fp8_copy_bytes(exp, graph, layout: cost.Layout) -> float:
+    """Bytes of the fp8 copies a train step holds of its layers' stacked fp8 weights (tessera/lower/fp8_held.py): one
+    byte a weight, twice where deterministic mode's shard loop unrolls the layers (the copies split into them too);
+    0 where each product quantises its own weight (per_block scaling, or a mesh: every fp8 mesh step is a
+    deterministic one that gathers blocks) and without fp8 products."""
+    import math
+
+    from tessera.ir.passes.numerics import fp8_weight_uses, fp8_weights
+    from tessera.lower.fp8_delayed import history_length
+
+    scaling = graph.attrs.get("fp8") or ""
+    if not _trains(exp) or layout.devices != 1 or (scaling != "per_tensor" and history_length(scaling) is None):
+        return 0.0
+    stacked = fp8_weights(graph)  # {path: leading (stacked) dims}
+    n = sum(math.prod(d.size for d in graph.params[path].type.dims) for op, path, _ in fp8_weight_uses(graph)
+            if op.name in ("linear", "attention", "mlp") and stacked[path] > 0)
+    unrolled = exp.parallel.deterministic and history_length(scaling) is None and _canonical(exp) >= _unroll_from()
+    return float(n * (2 if unrolled else 1))
+
+
+def _unroll_from() -> int:
+    from tessera.lower.shard.deterministic import UNROLL_FROM
+
+    return UNROLL_FROM
+
+
 def _held(exp, graph) -> dict:
     """{path: TensorType} of the params as the program holds them: a moe's d_ff padded for packed experts."""
     from tessera.lower.options import CompileOptions
@@ -453,6 +479,8 @@ def build_plan(exp, device: str | None = None) -> dict:
     summary["bytes"], summary["bytes_by_dtype"] = _held_bytes(exp, graph)  # bytes: what the program holds
     memory = {**param_memory(graph, layout, exp, train),
               **activation_memory(graph, exp, sizes, layout, train, losses)}
+    if copies := fp8_copy_bytes(exp, graph, layout):
+        memory["fp8_weight_copies"] = copies
     if train and _sums_after_the_shards(exp):
         memory["released_before_the_sum"] = -min(memory["activations"], _summed_bytes(exp, graph))
     memory["total"] = sum(memory.values())

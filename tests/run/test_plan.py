@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from tessera.cli import main
+from tessera.lower.program import program_graph
 from tessera.run import plan_compile
+from tessera.spec import load_experiment
 from tests.cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -327,3 +329,21 @@ def test_the_manifest_records_the_plans_numerics(capsys):
     assert recorded == plan["numerics"]  # what tessera run writes under the manifest's `numerics`
     assert recorded["loss_scale"] == "dynamic" and recorded["compute"] == "f16"
     assert recorded["by_param"]["layers/moe/experts/gate"]["storage"] == "bf16"
+
+
+@pytest.mark.parametrize("over, copies", [
+    (["parallel.deterministic=false"], 1),             # the layers' scan holds one copy
+    (["task.batch=8"], 2),                              # deterministic, 8 shards: layers unrolled, the copy split
+    (["task.batch=8", "numerics.default=fp8_e4m3 @scale(delayed(4)) @accum(fp32)"], 1),  # delayed: scanned
+    (["numerics.default=bf16 @accum(fp32)"], 0),
+])
+def test_the_plan_counts_the_held_fp8_weight_copies(capsys, over, copies):
+    """One byte for each weight of the layers' fp8 products (q, k, v, o, gate, up, down of llama_tiny's two layers),
+    per copy the step holds (tessera/lower/fp8_held.py); none without fp8 products."""
+    plan = run_json(capsys, SPECS / "llama_tiny.yaml", "--no-compile", "--set",
+                    "numerics.default=fp8_e4m3 @scale(per_tensor) @accum(fp32)", *(a for o in over for a in ("--set", o)))
+    fp8 = {path: p["storage"] for path, p in plan["numerics"]["by_param"].items() if p["compute"] == "fp8_e4m3"}
+    assert len(fp8) == (7 if copies else 0)
+    graph = program_graph(load_experiment(SPECS / "llama_tiny.yaml"))
+    weights = sum(graph.params[p].type.numel() for p in fp8)
+    assert plan["memory_per_device"].get("fp8_weight_copies", 0) == copies * weights
