@@ -32,14 +32,18 @@ from tessera.lower.fp8_delayed import HISTORY
 from tessera.lower.reference import fp8 as fp8_ref
 
 HELD = "#fp8_held"  # a held weight's key: its path + this; the value {compute dtype name: (w_q, s, amax) stacks}
-_DENSE = ("linear", "attention", "mlp")
+DENSE = ("linear", "attention", "mlp")  # the ops whose fp8 weights are held (the experts' grouped products are not)
+
+
+def held_scaling(scaling: str | None) -> bool:
+    """Whether products of this fp8 scaling (LowerCtx.fp8, the graph attribute `fp8`) can take held weights:
+    per_tensor and delayed(H); per_block(N) quantises blocks in the product."""
+    return scaling == "per_tensor" or fp8_ref.delayed_of(scaling) is not None
 
 
 def holds(ctx: LowerCtx) -> bool:
     """Whether a repeat under `ctx` quantises its fp8 weights before its scan."""
-    scaling = ctx.fp8 or ""
-    return (scaling == "per_tensor" or fp8_ref.delayed_of(scaling) is not None) and ctx.shard is None \
-        and ctx.param_use is None and ctx.tensor is None
+    return held_scaling(ctx.fp8) and ctx.shard is None and ctx.param_use is None and ctx.tensor is None
 
 
 def held_weights(region: Region, params: dict, stacked: list[str], ctx: LowerCtx, bindings) -> dict:
@@ -49,7 +53,7 @@ def held_weights(region: Region, params: dict, stacked: list[str], ctx: LowerCtx
         return {}
     out: dict = {}
     for op in region.ops:
-        if op.name not in _DENSE:
+        if op.name not in DENSE:
             continue
         dtype = jnp_dtype(op.values[0].type.dtype)
         for name, path in bindings(op):
@@ -64,12 +68,6 @@ def held_weights(region: Region, params: dict, stacked: list[str], ctx: LowerCtx
                 held = jax.vmap(lambda a, h: fp8_ref.hold(a, dtype, h))(w, history)
             out.setdefault(path + HELD, {})[jnp.dtype(dtype).name] = jax.lax.stop_gradient(held)
     return out
-
-
-def held_for(op_bindings, params: dict) -> dict | None:
-    """{local name: {dtype: (w_q, s, amax)}} of an op's held weights (its layer's slices), or None."""
-    held = {name: params[path + HELD] for name, path in op_bindings if path + HELD in params}
-    return held or None
 
 
 def held_of(ctx: LowerCtx, name: str, dtype):

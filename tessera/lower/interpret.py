@@ -38,7 +38,7 @@ from tessera.ir.types import Op, ParamRef, PerLayer, Region, Value
 from tessera.lower.context import REMAT_SAVED, LowerCtx
 from tessera.lower.fence import fenced
 from tessera.lower.fp8_delayed import HISTORY
-from tessera.lower.fp8_held import HELD, held_for, held_weights
+from tessera.lower.fp8_held import HELD, held_weights
 from tessera.lower.table import get_lowering
 
 State = dict[str, Any]
@@ -143,14 +143,16 @@ def _used(ctx: LowerCtx, path: str, w):
 def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):
     lowering = get_lowering(op.name)
     attrs = resolve_attrs(op.attrs, layer)
-    local = {name: _used(ctx, path, params[path]) for name, path in param_bindings(op)}
+    bindings = param_bindings(op)
+    local = {name: _used(ctx, path, params[path]) for name, path in bindings}
     if ctx.fp8 is not None and ctx.fp8.startswith("delayed("):  # the train step's amax histories (fp8_delayed.py)
-        history = {name: params[path + HISTORY] for name, path in param_bindings(op) if path + HISTORY in params}
+        history = {name: params[path + HISTORY] for name, path in bindings if path + HISTORY in params}
         ctx = ctx.replace(fp8_history=history or None)
     if ctx.fp8 is not None:  # weights quantised before the repeat's scan (fp8_held.py)
-        ctx = ctx.replace(fp8_held=held_for(param_bindings(op), params))
+        held = {name: params[path + HELD] for name, path in bindings if path + HELD in params}
+        ctx = ctx.replace(fp8_held=held or None)
     if ctx.shard is not None:  # FSDP: gather what the op does not handle split, per layer inside the scan
-        local = {name: ctx.shard.gather_param(op.name, name, path, params[path]) for name, path in param_bindings(op)}
+        local = {name: ctx.shard.gather_param(op.name, name, path, params[path]) for name, path in bindings}
     if lowering.stateful:
         outs, st = lowering.fn(ctx, op, attrs, ins, local, state)
         return list(outs), st

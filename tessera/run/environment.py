@@ -121,8 +121,8 @@ _fp8_set: set = set()  # the fp8 flags this process's tessera added (a second ca
 
 def recorded_settings(spec: dict):
     """What `request_deterministic_kernels` and `request_fp8_gemms` read (parallel.deterministic, the task's kind and
-    what it times, numerics.default) from a manifest's recorded spec, so `tessera replay` settles the process as the run it replays did, before JAX starts
-    and without loading the spec's files."""
+    what it times, numerics.default) from a manifest's recorded spec, so `tessera replay` settles the process as the
+    run it replays did, before JAX starts and without loading the spec's files."""
     from types import SimpleNamespace
 
     parallel, task = spec.get("parallel") or {}, spec.get("task") or {}

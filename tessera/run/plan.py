@@ -321,22 +321,17 @@ def fp8_copy_bytes(exp, graph, layout: cost.Layout) -> float:
     import math
 
     from tessera.ir.passes.numerics import fp8_weight_uses, fp8_weights
-    from tessera.lower.fp8_delayed import history_length
+    from tessera.lower.fp8_held import DENSE, held_scaling
+    from tessera.lower.shard.deterministic import unrolls
 
-    scaling = graph.attrs.get("fp8") or ""
-    if not _trains(exp) or layout.devices != 1 or (scaling != "per_tensor" and history_length(scaling) is None):
+    scaling = graph.attrs.get("fp8")
+    if not _trains(exp) or layout.devices != 1 or not held_scaling(scaling):
         return 0.0
     stacked = fp8_weights(graph)  # {path: leading (stacked) dims}
     n = sum(math.prod(d.size for d in graph.params[path].type.dims) for op, path, _ in fp8_weight_uses(graph)
-            if op.name in ("linear", "attention", "mlp") and stacked[path] > 0)
-    unrolled = exp.parallel.deterministic and history_length(scaling) is None and _canonical(exp) >= _unroll_from()
+            if op.name in DENSE and stacked[path] > 0)
+    unrolled = exp.parallel.deterministic and unrolls(_canonical(exp), scaling)
     return float(n * (2 if unrolled else 1))
-
-
-def _unroll_from() -> int:
-    from tessera.lower.shard.deterministic import UNROLL_FROM
-
-    return UNROLL_FROM
 
 
 def _held(exp, graph) -> dict:

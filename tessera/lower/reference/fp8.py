@@ -76,14 +76,11 @@ def _split(spec: str):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
 def _einsum(spec, x, w, accum, out_dtype):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
-    return _product(spec, xq, wq, sx * sw, accum, out_dtype)
+    return _fwd(spec, x, w, accum, out_dtype)[0]
 
 
-def _fwd(spec, x, w, accum, out_dtype):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
-    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # carry the operands' dtypes, not their values
-    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
+def _fwd(spec, x, w, accum, out_dtype):  # the held weight's forward (below), w quantised here
+    return _held_fwd(spec, x, w, *quantize(w, E4M3), accum, out_dtype)
 
 
 def _bwd(spec, accum, out_dtype, res, g):
@@ -146,7 +143,7 @@ def _einsum_held(spec, x, w, wq, sw, accum, out_dtype):
 
 def _held_fwd(spec, x, w, wq, sw, accum, out_dtype):
     xq, sx = quantize(x, E4M3)
-    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
+    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # carry the operands' dtypes, not their values
     return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
 
 
@@ -240,11 +237,8 @@ def _delayed(spec, x, w, history, accum, out_dtype):
     return _delayed_fwd(spec, x, w, history, accum, out_dtype)[0]
 
 
-def _delayed_fwd(spec, x, w, history, accum, out_dtype):
-    seen = jnp.stack([_amax(x), _amax(w)])
-    (xq, sx), (wq, sw) = quantize_delayed(x, history[0], E4M3), quantize_delayed(w, history[1], E4M3)
-    zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
-    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
+def _delayed_fwd(spec, x, w, history, accum, out_dtype):  # the held weight's forward (above), w quantised here
+    return _delayed_held_fwd(spec, x, w, *hold(w, w.dtype, history), history, accum, out_dtype)
 
 
 def _delayed_bwd(spec, accum, out_dtype, res, g):
