@@ -8,6 +8,9 @@ otherwise. Variants (names hold no commas: `--only` splits on them):
 - "base": as built (the layers' weights quantised once before their scan: tessera/lower/fp8_held.py);
 - "not held": each product quantises its own weight slice, in the forward and again in remat's replay (the form
   before 9a3940e), to measure holding within one process;
+- "one layout": deterministic mode's weights held before its shard loop in w_q's layout alone (as before session 44),
+  where built they are held in both layouts their products read; for a spec run with
+  `--set parallel.deterministic=true` (the fast step's scan holds one layout either way);
 - "fp8 unembedding": the untied unembedding's product in fp8 too (per_tensor: no history carries it), where the
   built policy, like torchtitan's Float8, leaves it in bf16: at this shape its three products took 33.4 ms of a
   207.7 ms step (session 43's profile, docs/kernels-log.md). A loss after the steps is printed to compare with base;
@@ -40,8 +43,14 @@ def fp8_unembed(ctx, op, attrs, ins, params):
     return [y.astype(dt)]
 
 
+def one_layout(*args, transposed=False, **kw):
+    return HELD_WEIGHTS(*args, **kw)
+
+
+HELD_WEIGHTS = fp8_held.held_weights
 VARIANTS = {
     "base": [],
+    "one layout": [(fp8_held, "held_weights", one_layout)],
     "not held": [(fp8_held, "holds", lambda ctx: False)],
     "fp8 unembedding": [(LOWERINGS, "unembed", Lowering("unembed", fp8_unembed))],
 }

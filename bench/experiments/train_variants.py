@@ -27,7 +27,7 @@ import argparse
 import re
 from collections import Counter
 
-from tessera.run.environment import configure_allocator
+from tessera.run.environment import configure_allocator, configure_process
 
 configure_allocator()
 
@@ -97,6 +97,7 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(variants)
     exp = load_experiment(args.spec, [*overrides, *args.set])
+    configure_process(exp)  # before JAX starts its backend, as `tessera run` does (fp8: XLA's Triton GEMM off)
     b, s = int(exp.task.batch), int(exp.task.seq_len)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.spec} {args.set}, batch {b} x {s}", flush=True)
     tokens = np.random.default_rng(0).integers(0, compile_experiment(exp).vocab, (b, s), dtype=np.int32)

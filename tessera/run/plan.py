@@ -315,7 +315,8 @@ def delayed_history_bytes(graph) -> int:
 
 def fp8_copy_bytes(exp, graph, layout: cost.Layout) -> float:
     """Bytes of the fp8 copies a train step holds of its layers' stacked fp8 weights (tessera/lower/fp8_held.py): one
-    byte a weight, twice where deterministic mode's shard loop unrolls the layers (the copies split into them too);
+    byte a weight; in deterministic mode two (both layouts the products read, `before_shards`), twice that where its
+    shard loop unrolls the layers (the copies split into them too);
     0 where each product quantises its own weight (per_block scaling, or a mesh: every fp8 mesh step is a
     deterministic one that gathers blocks) and without fp8 products."""
     import math
@@ -330,8 +331,9 @@ def fp8_copy_bytes(exp, graph, layout: cost.Layout) -> float:
     stacked = fp8_weights(graph)  # {path: leading (stacked) dims}
     n = sum(math.prod(d.size for d in graph.params[path].type.dims) for op, path, _ in fp8_weight_uses(graph)
             if op.name in DENSE and stacked[path] > 0)
-    unrolled = exp.parallel.deterministic and unrolls(_canonical(exp), scaling)
-    return float(n * (2 if unrolled else 1))
+    if not exp.parallel.deterministic:
+        return float(n)
+    return float(2 * n * (2 if unrolls(_canonical(exp), scaling) else 1))
 
 
 def _held(exp, graph) -> dict:

@@ -91,3 +91,37 @@ def test_the_loops_cast_only_activations(monkeypatch, over):
     held, plain = _e4m3_casts(_step_jaxpr(monkeypatch, True, **over)), _e4m3_casts(_step_jaxpr(monkeypatch, False, **over))
     assert held[True] >= 2 * 7 and plain[True] == 2 * held[True]
     assert held[False] == 7 and plain[False] == 0
+
+
+def _weight_products(jaxpr, out=None) -> list:
+    """(lhs dtype, whether the e4m3 rhs's contracted dims are its minor ones) of every dot_general in `jaxpr` (and
+    every jaxpr its equations hold) whose rhs is an e4m3 weight: the forward products (lhs e4m3) and the backward's
+    input gradients (lhs e5m2)."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and eqn.invars[1].aval.dtype == jnp.float8_e4m3fn:
+            (_, rc), _ = eqn.params["dimension_numbers"]
+            nd = eqn.invars[1].aval.ndim
+            out.append((eqn.invars[0].aval.dtype, sorted(rc) == list(range(nd - len(rc), nd))))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _weight_products(sub, out)
+    return out
+
+
+def test_the_shard_loop_reads_each_weight_in_its_products_layout(monkeypatch):
+    """Deterministic mode on one device holds each fp8 weight in both layouts its products read, so every product
+    with a weight — forward (e4m3 activations) and input gradient (e5m2) — contracts the weight's minor dims, the
+    form cuBLASLt's fp8 GEMM takes without XLA:GPU transposing the weight in every shard (session 44's profile of
+    the Llama-1B step at C = 8: 896 such transposes a step). The fast step's scan keeps one layout (its forward
+    reads the weight's leading dims)."""
+    det = {"parallel.deterministic": True, "task.batch": 8, "parallel.remat": "none",
+           "numerics.default": "fp8_e4m3 @scale(per_tensor)"}
+    products = _weight_products(_step_jaxpr(monkeypatch, True, **det))
+    forward = [minor for dtype, minor in products if dtype == jnp.float8_e4m3fn]
+    backward = [minor for dtype, minor in products if dtype == jnp.float8_e5m2]
+    assert len(forward) == len(backward) == 7 * 2 and all(forward) and all(backward)
+    fast = _weight_products(_step_jaxpr(monkeypatch, True, **{"parallel.deterministic": False}))
+    assert not any(minor for dtype, minor in fast if dtype == jnp.float8_e4m3fn)

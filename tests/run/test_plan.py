@@ -333,8 +333,8 @@ def test_the_manifest_records_the_plans_numerics(capsys):
 
 @pytest.mark.parametrize("over, copies", [
     (["parallel.deterministic=false"], 1),             # the layers' scan holds one copy
-    (["task.batch=8"], 2),                              # deterministic, 8 shards: layers unrolled, the copy split
-    (["task.batch=8", "numerics.default=fp8_e4m3 @scale(delayed(4)) @accum(fp32)"], 1),  # delayed: scanned
+    (["task.batch=8"], 4),      # deterministic, 8 shards: both layouts held, layers unrolled, the copies split
+    (["task.batch=8", "numerics.default=fp8_e4m3 @scale(delayed(4)) @accum(fp32)"], 2),  # delayed: scanned
     (["numerics.default=bf16 @accum(fp32)"], 0),
 ])
 def test_the_plan_counts_the_held_fp8_weight_copies(capsys, over, copies):

@@ -80,7 +80,8 @@ def _einsum(spec, x, w, accum, out_dtype):
 
 
 def _fwd(spec, x, w, accum, out_dtype):  # the held weight's forward (below), w quantised here
-    return _held_fwd(spec, x, w, *quantize(w, E4M3), accum, out_dtype)
+    wq, sw = quantize(w, E4M3)
+    return _held_fwd(spec, "", x, w, wq, sw, wq, accum, out_dtype)
 
 
 def _bwd(spec, accum, out_dtype, res, g):
@@ -101,17 +102,21 @@ def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str 
     `scaling` (LowerCtx.fp8): "per_tensor", "per_block(N)" for the blocked products below, or "delayed(H)" with
     `history` this product's amax history (fp32 [3, H]: delayed scaling below; without one, as per_tensor).
     `held`: w already quantised as this product would quantise it (`hold`, LowerCtx.fp8_held), the same numbers
-    without the product reading w itself; its gradient still goes to w."""
+    without the product reading w itself; its gradient still goes to w. A fourth element (w_q with its contracted
+    dims last, `hold`'s `lead`) is what the forward product then reads."""
     n = block_of(scaling)
     if n is not None:
         return block_einsum(spec, x, w, n, preferred_element_type=preferred_element_type)
     out = jnp.dtype(preferred_element_type or x.dtype)
     delayed = history is not None and delayed_of(scaling) is not None
     if held is not None:
-        wq, sw, aw = held
+        (wq, sw, aw), wt = held[:3], (held[3] if len(held) > 3 else None)
+        spec = spec.replace(" ", "")
+        fspec = _forward(spec, wq, wt)
+        wt = wt if fspec else wq
         if delayed:
-            return _delayed_held(spec.replace(" ", ""), x, w, wq, sw, aw, history, jnp.dtype(accum), out)
-        return _einsum_held(spec.replace(" ", ""), x, w, wq, sw, jnp.dtype(accum), out)
+            return _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, jnp.dtype(accum), out)
+        return _einsum_held(spec, fspec, x, w, wq, sw, wt, jnp.dtype(accum), out)
     if delayed:
         return _delayed(spec.replace(" ", ""), x, w, history, jnp.dtype(accum), out)
     return _einsum(spec.replace(" ", ""), x, w, jnp.dtype(accum), out)
@@ -128,49 +133,67 @@ def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str 
 # none for the held copy (stop_gradient before the scan; zeros here).
 
 
-def hold(w, dtype, history=None):
+def hold(w, dtype, history=None, lead: int | None = None):
     """(w_q, s, amax|w|) of one weight `w` cast to `dtype` (its product's compute type) as the product would take
-    it: `quantize`, or with `history` (delayed scaling's [3, H]) `quantize_delayed` from its weight row."""
+    it: `quantize`, or with `history` (delayed scaling's [3, H]) `quantize_delayed` from its weight row. With `lead`
+    (the number of leading dims its forward product contracts) a fourth: w_q with those dims moved last, the
+    layout cuBLASLt's fp8 GEMM reads (contracted dims minor), so a forward product reading it inside a loop does
+    not transpose w_q there on every iteration (`_forward`); the backward's product reads w_q as it is."""
     w = w.astype(dtype)
     wq, sw = quantize(w, E4M3) if history is None else quantize_delayed(w, history[1], E4M3)
-    return wq, sw, _amax(w)
+    if lead is None:
+        return wq, sw, _amax(w)
+    return wq, sw, _amax(w), jnp.moveaxis(wq, tuple(range(lead)), tuple(range(wq.ndim - lead, wq.ndim)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _einsum_held(spec, x, w, wq, sw, accum, out_dtype):
-    return _held_fwd(spec, x, w, wq, sw, accum, out_dtype)[0]
+def _forward(spec: str, wq, wt) -> str:
+    """The forward product's spec over `wt` (the held w_q with its leading contracted dims moved last, `hold`),
+    where `wt` is that for `spec`; else "" (the product reads w_q)."""
+    if wt is None:
+        return ""
+    a, b, o = _split(spec)
+    k = len(b) - len(b.lstrip("".join(c for c in b if c not in o)))  # leading contracted dims
+    if not 0 < k < len(b) or any(c not in o for c in b[k:]) or wt.shape != wq.shape[k:] + wq.shape[:k]:
+        return ""
+    return f"{a},{b[k:] + b[:k]}->{o}"
 
 
-def _held_fwd(spec, x, w, wq, sw, accum, out_dtype):
+# `fspec`: the forward product's spec over `wt` (`_forward`), or "" for w_q itself (then `wt` is w_q)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 7, 8))
+def _einsum_held(spec, fspec, x, w, wq, sw, wt, accum, out_dtype):
+    return _held_fwd(spec, fspec, x, w, wq, sw, wt, accum, out_dtype)[0]
+
+
+def _held_fwd(spec, fspec, x, w, wq, sw, wt, accum, out_dtype):
     xq, sx = quantize(x, E4M3)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # carry the operands' dtypes, not their values
-    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
+    return _product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
 
 
-def _held_bwd(spec, accum, out_dtype, res, g):
+def _held_bwd(spec, fspec, accum, out_dtype, res, g):  # the held copies take no gradient (None: zeros)
     dx, dw = _bwd(spec, accum, out_dtype, res, g)
-    return dx, dw, jnp.zeros_like(res[2]), jnp.zeros_like(res[3])
+    return dx, dw, jnp.zeros_like(res[2]), jnp.zeros_like(res[3]), None
 
 
 _einsum_held.defvjp(_held_fwd, _held_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7, 8))
-def _delayed_held(spec, x, w, wq, sw, aw, history, accum, out_dtype):
-    return _delayed_held_fwd(spec, x, w, wq, sw, aw, history, accum, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 9, 10))
+def _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype):
+    return _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype)[0]
 
 
-def _delayed_held_fwd(spec, x, w, wq, sw, aw, history, accum, out_dtype):
+def _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype):
     seen = jnp.stack([_amax(x), aw])
     xq, sx = quantize_delayed(x, history[0], E4M3)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
-    return _product(spec, xq, wq, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
+    return _product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
 
 
-def _delayed_held_bwd(spec, accum, out_dtype, res, g):
+def _delayed_held_bwd(spec, fspec, accum, out_dtype, res, g):
     dx, dw, dh = _delayed_bwd(spec, accum, out_dtype, res, g)
     wq, sw = res[2], res[3]
-    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(sw), jnp.zeros((), jnp.float32), dh
+    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(sw), jnp.zeros((), jnp.float32), None, dh
 
 
 _delayed_held.defvjp(_delayed_held_fwd, _delayed_held_bwd)
@@ -238,7 +261,8 @@ def _delayed(spec, x, w, history, accum, out_dtype):
 
 
 def _delayed_fwd(spec, x, w, history, accum, out_dtype):  # the held weight's forward (above), w quantised here
-    return _delayed_held_fwd(spec, x, w, *hold(w, w.dtype, history), history, accum, out_dtype)
+    wq, sw, aw = hold(w, w.dtype, history)
+    return _delayed_held_fwd(spec, "", x, w, wq, sw, aw, wq, history, accum, out_dtype)
 
 
 def _delayed_bwd(spec, accum, out_dtype, res, g):
