@@ -43,6 +43,21 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
+def hlo_transpose_list(text: str, dtypes=("f8e4m3fn", "f8e5m2")) -> list[str]:
+    """"computation: instruction type" of each transpose `hlo_transposes` counts whose result holds one of `dtypes`."""
+    fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", text))
+    out, inside = [], None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.-]+) ", line)
+        if head and not line.startswith(" "):
+            inside = ("ENTRY " if line.startswith("ENTRY") else "") + head.group(1)
+        m = _DEF.match(line)
+        if m and inside not in fused and ("transpose" in m.group(1) or m.group(3) == "transpose") \
+                and any(d in m.group(2) for d in dtypes):
+            out.append(f"{inside}: {m.group(1)} {m.group(2)}")
+    return out
+
+
 def hlo_transposes(text: str) -> dict[str, tuple[int, int]]:
     """{element type: (instructions, bytes written)} of the transposes in an optimized HLO module's text: `transpose`
     instructions and the fusions XLA names after one (`wrapped_transpose*`, `*_transpose_fusion*`), counted once per
@@ -94,6 +109,7 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--checksum", action="store_true", help="print each variant's final parameters' sha256")
     ap.add_argument("--hlo", action="store_true", help="print the transposes in each variant's compiled step")
+    ap.add_argument("--hlo-list", action="store_true", help="with --hlo: each fp8 transpose, where and its type")
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(variants)
     exp = load_experiment(args.spec, [*overrides, *args.set])
@@ -120,7 +136,10 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
 
                 print(f"{name:<24} parameters' sha256 {params_checksum(holder[0].params)}", flush=True)
             if args.hlo:  # the step as compiled (JAX's cached executable: no second compile)
-                found = hlo_transposes(prog.lower("train_step", holder[0], batch).compile().as_text())
+                text = prog.lower("train_step", holder[0], batch).compile().as_text()
+                found = hlo_transposes(text)
+                if args.hlo_list:
+                    print("\n".join(f"{name:<24} {t}" for t in hlo_transpose_list(text)), flush=True)
                 print(f"{name:<24} transposes: " + (", ".join(f"{k} {n} ({b / 2 ** 30:.2f} GiB)"
                                                              for k, (n, b) in sorted(found.items())) or "none"),
                       flush=True)

@@ -170,6 +170,24 @@ def test_a_deterministic_step_holds_its_weights_before_the_shard_loop(runs, monk
                                      jax.device_get(state.params), jax.device_get(runs["fp8"][1].params)))
 
 
+def test_a_deterministic_step_casts_its_fp8_weights_once_before_the_shard_loop(runs, monkeypatch):
+    """The fp8 run's seven weights are cast to bf16 once before the shard loop (tessera/lower/precast.py), as the
+    bf16 run's are: the loop reads them only in its products, the fp8 copies being held before it. Each shard casting
+    them itself (in fp32 its gradients, as until session 44) gives the same five steps, bit for bit."""
+    from tessera.lower import precast
+
+    narrow = runs["fp8"][0].deterministic_executor().precast_types(4, 16)
+    assert narrow == runs["bf16"][0].deterministic_executor().precast_types(4, 16)
+    assert len(narrow) == 7 and set(narrow.values()) == {jnp.dtype(jnp.bfloat16)}
+    monkeypatch.setattr(precast, "hoistable", lambda *a, **k: {})
+    # canonical_shards 4, what batch 4 takes anyway, makes it a program of its own: programs are cached on the spec
+    prog, state, _, losses = _train("fp8_e4m3 @scale(per_tensor)", **{"parallel.canonical_shards": 4})
+    assert prog.deterministic_executor().precast_types(4, 16) == {}
+    assert np.array_equal(losses, runs["fp8"][3])
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                                     jax.device_get(state.params), jax.device_get(runs["fp8"][1].params)))
+
+
 def test_the_train_step_quantises_products_to_e4m3_and_gradients_to_e5m2(runs):
     prog, state, batch, _ = runs["fp8"]
     text = str(jax.make_jaxpr(prog.train_step_fn())(state, batch))

@@ -184,12 +184,20 @@ class Deterministic:
         shard = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // n,) + a.shape[1:], a.dtype), batch)
         return precast.cast(params, self._hoistable(fn, params, shard))
 
-    def _hoistable(self, fn, params: dict, shard: dict) -> dict:
+    def _hoistable(self, fn, params: dict, *args) -> dict:
         """precast.hoistable of one shard's fn; nothing (and no trace) when the program computes in fp32 or wider,
         where no parameter is cast to a narrower type at its use."""
         if self.prog.graph.attrs.get("compute", "f32") in ("f32", "f64"):
             return {}
-        return precast.hoistable(fn, params, shard)
+        return precast.hoistable(fn, params, *args)
+
+    def _held(self, params: dict, history=None, unroll: bool = False) -> dict:
+        """The fp8 weights a one-device per-layer step holds before its shard loop (fp8_held.before_shards, from
+        `params` as the loop reads them; split into layers where the loop unrolls), else {}."""
+        if self.axes:
+            return {}
+        return fp8_held.before_shards(self.prog.graph, self.prog.lower_ctx(mode="train"), params, history,
+                                      param_bindings, layerwise.split if unroll else lambda h, _: h)
 
     def precast_types(self, batch: int, seq: int) -> dict:
         """{path: dtype} of the parameters a language model's train step casts once before its shard loop, for a
@@ -199,8 +207,12 @@ class Deterministic:
         if (batch, seq) not in self._precast_types:  # traced once per shape (`mesh: auto` plans several meshes)
             rows = batch // canonical_shards(batch, self.prog.options.canonical_shards)
             shard = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
-            self._precast_types[batch, seq] = self._hoistable(lambda p, sh: self.shard_sums(p, sh)[0],
-                                                              self.prog.param_shapes(), shard)
+            params = self.prog.param_shapes()
+            # the loop's reads as the step makes them: fp8 weights held before it (from the narrow copies), which
+            # a shard quantising its own would read beside its products' casts (two uses: nothing hoisted)
+            held = jax.eval_shape(self._held, params)
+            self._precast_types[batch, seq] = self._hoistable(lambda p, sh, h: self.shard_sums({**p, **h}, sh)[0],
+                                                              params, shard, held)
         return self._precast_types[batch, seq]
 
     def _shards(self, batch: dict) -> tuple[int, dict]:
@@ -450,8 +462,7 @@ class Deterministic:
         cast = precast.cast(params, narrow)
         diff = cast if one else params
         # one device: fp8 weights quantised once here, not by every shard (lower/fp8_held.py); {} otherwise
-        held = fp8_held.before_shards(self.prog.graph, self.prog.lower_ctx(mode="train"), cast, history,
-                                      param_bindings, layerwise.split if unroll else lambda h, _: h) if one else {}
+        held = self._held(cast, history, unroll)
         if unroll:  # each layer's weights their own buffers, split once here (layerwise.py)
             cast, diff = (layerwise.split(t, self.stacked) for t in (cast, diff))
         top, hooks = (None, None) if one else self._layer_gathers()
