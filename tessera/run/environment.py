@@ -77,7 +77,7 @@ def request_deterministic_kernels(exp) -> None:
     if getattr(exp, "task", None) is not None and trains(exp.task):
         wanted = (*wanted, *DETERMINISTIC_TRAIN_XLA_FLAGS)
     flags = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in wanted if f.split("=")[0] not in flags]
+    missing = [f for f in wanted if _flag(flags, f.split("=")[0]) is None]
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
     os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)

@@ -173,7 +173,7 @@ class Numerics(Section):
                              description="type of activations and matmuls, e.g. `bf16 @accum(fp32)`")
     params: Numeric = Field(default_factory=lambda: parse("fp32"), description="type of the master weights")
     rules: dict[str, Numeric] = Field(
-        default_factory=dict, description="glob on parameter/op path -> type; applied in order, last match wins")
+        default_factory=dict, description="glob on parameter path -> storage type; applied in order, last match wins")
     loss_scale: Annotated[str, PlainValidator(_loss_scale)] = Field(
         "none", description="loss scaling for low-precision training: none | dynamic | static(<float>)")
 

@@ -55,6 +55,15 @@ def test_the_persons_dot_merger_setting_wins(monkeypatch):
     assert mine in flags and DETERMINISTIC_TRAIN_XLA_FLAGS[0] not in flags
 
 
+def test_a_flag_is_the_persons_only_where_they_name_it(monkeypatch):
+    """A flag of the person's whose name merely begins with one of Tessera's (here a made-up
+    `--xla_gpu_deterministic_ops_report`) does not stand for it: Tessera's is still asked for."""
+    ops = DETERMINISTIC_XLA_FLAGS[0]
+    theirs = f"{ops.split('=')[0]}_report=true"
+    flags = _flags(monkeypatch, ["parallel.deterministic=true", "task.kind=train"], flags=theirs).split()
+    assert theirs in flags and ops in flags
+
+
 @pytest.mark.parametrize("overrides", [["task.kind=train"], ["task.kind=bench", "task.what=[forward, train_step]"],
                                        ["task.kind=generate", "task.prompts=[hi]"], ["parallel.deterministic=false"]])
 def test_replay_settles_the_process_as_the_run_it_replays(monkeypatch, overrides):
