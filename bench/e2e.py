@@ -39,6 +39,7 @@ LONG = [int(t) for t in np.random.default_rng(0).integers(0, 200000, 2048)]
 FP8_ATTENTION = {"*/moe/experts/*": "mxfp4", "*/moe/experts/*_bias": "bf16",
                  "*/attention/[qo]": "fp8_e4m3 @scale(per_block(64))",
                  "*/attention/[kv]": "fp8_e4m3 @scale(per_block(8))"}
+FP8_UNEMBED = "fp8_e4m3 @scale(per_tensor) @accum(fp32)"
 # name: (kind, spec, overrides, published peer)
 ROWS = {
     "120b decode b1": ("decode", "specs/gpt_oss_120b.yaml", {},
@@ -70,6 +71,13 @@ ROWS = {
     "llama-8b-layers train fp8 delayed": ("train", "specs/bench/llama_8b_layers_train.yaml",
                                           {"numerics.default": "fp8_e4m3 @scale(delayed(16)) @accum(fp32)"},
                                           "torchtitan Float8: 1.28x bf16 tokens/s (Llama-3-8B)"),
+    # the unembedding's product in fp8 too (a numerics.compute rule; the default keeps it bf16, as torchtitan does)
+    "llama-8b-layers train fp8 unembedding": ("train", "specs/bench/llama_8b_layers_train.yaml",
+                                              {"numerics.default": FP8_UNEMBED,
+                                               "numerics.compute": {"*unembed": FP8_UNEMBED}}, "-"),
+    "llama-1b train fp8 unembedding": ("train", "specs/bench/llama_1b_train.yaml",
+                                       {"numerics.default": FP8_UNEMBED, "numerics.compute": {"*unembed": FP8_UNEMBED}},
+                                       "-"),
     "20b-layers train": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml", {},
                          "NeMo AutoModel 20B: 28 %; torchtitan 20B: 16.5-19.5 %"),
     "20b-layers train deterministic": ("train", "specs/bench/gpt_oss_20b_layers_train.yaml",

@@ -32,3 +32,17 @@ def test_the_comparison_averages_windows_and_reports_the_largest_late_gap(capsys
     # the second half is steps 21-40: windows ending at 30 (+1 %) and 40 (+0.2 %); the early +5 % is not in it
     assert "over steps 21-40: 1.00%" in out
     assert "fp8: 125 tok/s over its last logged steps (1.250x bf16)" in out
+
+
+def test_every_policy_passes_check_on_the_curve_spec(tmp_path):
+    """Each policy as the script runs it (its numerics.default and SETTINGS) is one `tessera check` accepts: the
+    fp8-unembedding policy's compute rule names the tied unembedding and takes effect there."""
+    from tessera.ir.check import check_experiment
+    from tessera.ir.passes.numerics import fp8_ops_of
+
+    path = fp8_curve.build_corpus(tmp_path / "bytes.bin", min_tokens=1000, root=Path(json.__file__).parent)
+    for name, default in fp8_curve.POLICIES.items():
+        exp = load_experiment(fp8_curve.SPEC, [f"numerics.default={default}", f"task.data.path={path}",
+                                               *fp8_curve.SETTINGS.get(name, ())])
+        graph = check_experiment(exp)
+        assert fp8_ops_of(graph.attrs) == ({"embed/unembed": True} if name == "fp8-unembedding" else None)

@@ -511,8 +511,16 @@ def check_objectives(exp, graph: Graph) -> list[Diagnostic]:
     return objective_problems(exp, graph)
 
 
-CHECKS = [check_mesh_divides, check_canonical_batch, check_canonical_tp, check_canonical_ep, check_numeric_rules, check_compute_type, check_numerics_take_effect, check_whole_dims,
-          check_objectives]
+def check_compute_rules(exp, graph: Graph) -> list[Diagnostic]:
+    """Each `numerics.compute` rule names ops whose products can run in fp8 and a type that takes effect there
+    (tessera/ir/check_compute.py)."""
+    from tessera.ir.check_compute import compute_rule_problems
+
+    return compute_rule_problems(exp, graph)
+
+
+CHECKS = [check_mesh_divides, check_canonical_batch, check_canonical_tp, check_canonical_ep, check_numeric_rules,
+          check_compute_type, check_compute_rules, check_numerics_take_effect, check_whole_dims, check_objectives]
 
 
 def experiment_graph(exp) -> Graph:

@@ -56,6 +56,8 @@ class LowerCtx:
     # scaling (tessera/lower/reference/fp8.py)
     fp8_history: Any = None  # under delayed scaling in a train step: {the op's param name: its amax history [3, H]}
     # (tessera/lower/fp8_delayed.py); None elsewhere (the products then take the current amax, as per_tensor)
+    fp8_ops: Any = None  # {op label: its products in fp8} from numerics.compute's rules (ir/passes/numerics.py
+    # `fp8_ops_of`, `fp8_op`); None: the policy's ops
     fp8_held: Any = None  # {the op's param name: (w_q, s, amax)}: its weight quantised before the repeat's scan
     # (tessera/lower/fp8_held.py); None elsewhere (each product quantises its weight)
     last_only: bool = False

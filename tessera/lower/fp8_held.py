@@ -61,7 +61,7 @@ def held_weights(region: Region, params: dict, stacked: list[str], ctx: LowerCtx
         dtype = jnp_dtype(op.values[0].type.dtype)
         for name, path in bindings(op):
             w = params.get(path)
-            if path not in stacked or path + HELD in params or not fp8_product(op.name, name) \
+            if path not in stacked or path + HELD in params or not fp8_product(op, name, ctx.fp8_ops) \
                     or not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
                 continue  # (held already: before a deterministic step's shard loop, `before_shards`)
             history = params.get(path + HISTORY)

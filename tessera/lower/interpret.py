@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.ir.ops_recurrence import invariant
+from tessera.ir.passes.numerics import FP8_OPS, fp8_op
 from tessera.ir.registry import get_op
 from tessera.ir.types import Op, ParamRef, PerLayer, Region, Value
 from tessera.lower.context import REMAT_SAVED, LowerCtx
@@ -145,6 +146,8 @@ def _eval_op(op: Op, ins: list, params: dict, ctx: LowerCtx, state, layer):
     attrs = resolve_attrs(op.attrs, layer)
     bindings = param_bindings(op)
     local = {name: _used(ctx, path, params[path]) for name, path in bindings}
+    if ctx.fp8 is not None and op.name in FP8_OPS and not fp8_op(op, ctx.fp8_ops):  # numerics.compute's rules
+        ctx = ctx.replace(fp8=None)
     if ctx.fp8 is not None and ctx.fp8.startswith("delayed("):  # the train step's amax histories (fp8_delayed.py)
         history = {name: params[path + HISTORY] for name, path in bindings if path + HISTORY in params}
         ctx = ctx.replace(fp8_history=history or None)

@@ -77,11 +77,13 @@ def _unembed(ctx, op, attrs, ins, params):
     if ctx.last_only and "seq" in have:  # only the last position is read (prefill): [batch, 1, vocab]
         x = jax.lax.slice_in_dim(x, x.shape[have.index("seq")] - 1, None, axis=have.index("seq"))
     store = stored_dtype(dt, ctx.accum_dtype)
+    fp8 = ctx.fp8  # set only where a numerics.compute rule puts the unembedding in fp8 (interpret._eval_op)
     if attrs["tied"]:
         table = packed_ref.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]
-        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store).astype(dt)]
+        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store,
+                       fp8=fp8).astype(dt)]
     w = packed_ref.dense(params["weight"], x.dtype)
-    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store).astype(dt)]
+    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store, fp8=fp8).astype(dt)]
 
 
 @lowers("pos_embed")

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tessera.ir.passes.numerics import fp8_ops_of
 from tessera.ir.types import Graph
 from tessera.lower.context import LowerCtx, jnp_dtype
 from tessera.lower.generation import generation_fn
@@ -237,6 +238,7 @@ class Program:
         kw.setdefault("report", self._report)
         kw.setdefault("accum_dtype", jnp_dtype(self.graph.attrs.get("accum", "f32")))
         kw.setdefault("fp8", self.graph.attrs.get("fp8"))
+        kw.setdefault("fp8_ops", fp8_ops_of(self.graph.attrs))
         # a model with loss entries differentiates small stacks two and three times over (PDE residuals, then the
         # parameters): XLA runs the scan unrolled, 4.5x faster a Kovasznay step on the CPU than as a loop
         kw.setdefault("scan_unroll", bool(self.graph.losses))

@@ -174,6 +174,10 @@ class Numerics(Section):
     params: Numeric = Field(default_factory=lambda: parse("fp32"), description="type of the master weights")
     rules: dict[str, Numeric] = Field(
         default_factory=dict, description="glob on parameter path -> storage type; applied in order, last match wins")
+    compute: dict[str, Numeric] = Field(
+        default_factory=dict, description="glob on an op's path (as profiles name it: layers/attention, embed/unembed) "
+        "-> the type its products with weights compute in: the fp8 default's type to put the unembedding in fp8, or "
+        "the program's compute type (bf16) to keep an op out of it; applied in order, last match wins")
     loss_scale: Annotated[str, PlainValidator(_loss_scale)] = Field(
         "none", description="loss scaling for low-precision training: none | dynamic | static(<float>)")
 

@@ -6,7 +6,9 @@ Params are stored in `params` (master weights), then each rule whose glob matche
 The policy's accumulation type is recorded as the graph attribute `accum`. Under `fp8_e4m3 @scale(per_tensor)` (or
 `@scale(per_block(N))`, `@scale(delayed(H))`)
 activations are bf16 and the graph attribute `fp8` (the scaling, sizes written out: `delayed` is `delayed(16)`)
-tells the lowering to run the products with weights in fp8 (tessera/lower/reference/fp8.py).
+tells the lowering to run the products with weights in fp8 (tessera/lower/reference/fp8.py). A `numerics.compute`
+rule (glob on an op's label -> type) lists the op's label in the graph attribute `fp8_out` (its products kept in the
+program's compute type) or `fp8_in` (the unembedding's put in fp8); `fp8_op` reads them.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def apply_numerics(graph: Graph, ctx) -> Graph:
         for op in region.ops:
             if "dtype" in op.attrs:
                 op.attrs = {**op.attrs, "dtype": compute}
+            rule = compute_rule(op.label(0), policy) if op.name in FP8_OPS else None
+            if rule is not None:  # whether its products with weights run in fp8 (`fp8_op`)
+                key = "fp8_in" if rule[1].base == "fp8_e4m3" else "fp8_out"
+                if op.label(0) not in graph.attrs.get(key, ()):
+                    graph.attrs[key] = (*graph.attrs.get(key, ()), op.label(0))
     graph.attrs["compute"] = compute
     if fp8:
         graph.attrs["fp8"] = default.scale.explicit if default.scale is not None else "per_tensor"
@@ -79,10 +86,45 @@ _FP8_WEIGHTS = {("attention", n) for n in "qkvo"} | {(op, n) for op in ("mlp", "
     | {("linear", "weight")}
 
 
-def fp8_product(op_name: str, param: str) -> bool:
-    """Whether weight `param` (the name after its last `/`) of op `op_name` runs its product in fp8 under an fp8
-    policy."""
-    return (op_name, param) in _FP8_WEIGHTS
+# ops a `numerics.compute` rule may name (their products with weights can run in fp8), and the weights that run in
+# fp8 only where such a rule puts their op in: the unembedding's (or the tied table's), which Transformer Engine's,
+# torchtitan's and DeepSeek-V3's recipes keep in the compute type
+FP8_OPS = ("linear", "attention", "mlp", "moe", "unembed")
+_OPT_IN = {("unembed", "weight"), ("unembed", "table")}
+
+
+def fp8_op(op, fp8_ops: dict | None) -> bool:
+    """Whether `op`'s products with weights run in fp8 in a program with fp8 products: the policy's ops (linear,
+    attention, mlp, moe) unless a `numerics.compute` rule keeps the op in the compute type, and the unembedding
+    where a rule puts it in. `fp8_ops`: {op label: in fp8} from those rules (`fp8_ops_of`)."""
+    if op.name not in FP8_OPS:
+        return False
+    on = (fp8_ops or {}).get(op.label(0))
+    return on is True if op.name == "unembed" else on is not False
+
+
+def fp8_ops_of(attrs: dict) -> dict[str, bool] | None:
+    """{op label: its products in fp8} from the graph attributes `fp8_in` / `fp8_out` (the labels `numerics.compute`
+    rules put in or kept out of fp8), or None without such rules."""
+    ops = {**{label: False for label in attrs.get("fp8_out", ())}, **{label: True for label in attrs.get("fp8_in", ())}}
+    return ops or None
+
+
+def fp8_product(op, param: str, fp8_ops: dict | None = None) -> bool:
+    """Whether weight `param` (the name after its last `/`) of `op` runs its product in fp8 under an fp8 policy
+    (linear's weight, attention's q/k/v/o, the MLP's and experts' gate/up/down, the unembedding's weight or tied
+    table; `fp8_op` says whether the op does)."""
+    return ((op.name, param) in _FP8_WEIGHTS or (op.name, param) in _OPT_IN) and fp8_op(op, fp8_ops)
+
+
+def compute_rule(label: str, policy) -> tuple[str, Any] | None:
+    """(glob, type) of the last `numerics.compute` rule whose glob matches an op's label (`Op.label`: its
+    parameters' directory, e.g. `layers/attention`, `embed/unembed`), or None."""
+    found = None
+    for glob, t in (_get(policy, "compute") or {}).items():
+        if fnmatch.fnmatchcase(label, glob):
+            found = (glob, numeric(t))
+    return found
 
 
 def fp8_product_dims(op_name: str, param: str, attrs: dict) -> tuple[int, int]:
@@ -108,7 +150,7 @@ def fp8_weight_uses(graph: Graph):
                 if not isinstance(ref, ParamRef) or ref.path in seen or ref.path not in graph.params:
                     continue
                 name = ref.path.rsplit("/", 1)[-1]
-                if (op.name, name) in _FP8_WEIGHTS:
+                if fp8_product(op, name, fp8_ops_of(graph.attrs)):
                     seen.add(ref.path)
                     yield op, ref.path, name
 
@@ -131,7 +173,7 @@ def resolved_policy(graph: Graph, policy: Any) -> dict:
     if loss == "none" and default is not None and default.loss_scale is not None:
         loss = "dynamic" if default.loss_scale == "dynamic" else f"static({default.loss_scale})"
     rules = _get(policy, "rules") or {}
-    owner = {ref.path: op.name for region, _ in regions(graph) for op in region.ops
+    owner = {ref.path: op for region, _ in regions(graph) for op in region.ops
              for ref in op.operands if isinstance(ref, ParamRef)}
     params = {}
     for path, p in graph.params.items():
@@ -140,13 +182,18 @@ def resolved_policy(graph: Graph, policy: Any) -> dict:
             if fnmatch.fnmatchcase(path, glob):
                 rule = glob
         used = compute if is_float(p.type.dtype) else p.type.dtype
-        if owner.get(path) in _FP32_STATISTICS or path.endswith("/sinks"):  # scales of fp32 statistics
+        op = owner.get(path)
+        if op is not None and op.name in _FP32_STATISTICS or path.endswith("/sinks"):  # scales of fp32 statistics
             used = "f32"
-        elif graph.attrs.get("fp8") and (owner.get(path), path.rsplit("/", 1)[-1]) in _FP8_WEIGHTS:
+        elif graph.attrs.get("fp8") and op is not None and fp8_product(op, path.rsplit("/", 1)[-1],
+                                                                        fp8_ops_of(graph.attrs)):
             used = "fp8_e4m3"
         params[path] = {"storage": p.type.dtype, "compute": used, "rule": rule}
     out = {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss,
            "fp8_products": graph.attrs.get("fp8"), "by_param": params}
+    if fp8_ops_of(graph.attrs):  # the ops numerics.compute rules decided (labels as in profiles)
+        out["by_op"] = {label: {"fp8": on, "rule": compute_rule(label, policy)[0]}
+                        for label, on in fp8_ops_of(graph.attrs).items()}
     scaling = graph.attrs.get("fp8") or ""
     if scaling.startswith("delayed("):  # tessera/lower/fp8_delayed.py
         out["fp8_amax_history"] = {"length": int(scaling[len("delayed("):-1]), "operands": ["input", "weight", "grad"],
