@@ -11,10 +11,10 @@ otherwise. Variants (names hold no commas: `--only` splits on them):
 - "one layout": deterministic mode's weights held before its shard loop in w_q's layout alone (as before session 44),
   where built they are held in both layouts their products read; for a spec run with
   `--set parallel.deterministic=true` (the fast step's scan holds one layout either way);
-- "fp8 unembedding": the untied unembedding's product in fp8 too (per_tensor: no history carries it), where the
-  built policy, like torchtitan's Float8, leaves it in bf16: at this shape its three products took 33.4 ms of a
-  207.7 ms step (session 43's profile, docs/kernels-log.md). A loss after the steps is printed to compare with base;
-  accuracy over a real run would need bench.fp8_curve.
+- "fp8 unembedding": the untied unembedding's product in fp8 too (per_tensor: no history carries it) while the
+  rest runs under the spec's scaling (delayed(16) here), which no spec can write: a `numerics.compute` rule puts the
+  unembedding in fp8 under a per_tensor default only. Session 44 (one H100): 193.1 against base's 205.6 ms
+  (1.065x). Its accuracy over a run: `bench.fp8_curve --policies bf16,fp8,fp8-unembedding`.
 `--hlo` prints the transposes each compiled step holds, by element type: as landed before 9a3940e the 8B-shape
 per_tensor step held seven of fp32 weight stacks (6.5 GiB written a step) beside 0.8 GiB of fp8 ones.
 """

@@ -31,6 +31,7 @@ def compute_rule_problems(exp, graph: Graph) -> list[Diagnostic]:
     default = exp.numerics.default
     fp8 = default.base == "fp8_e4m3"
     compute = "bf16" if fp8 else default.base
+    accum = (None, default.accum or "fp32")  # a rule's @accum: none, or the program's (fp32 unless written)
     ops = {}
     for region, _ in regions(graph):
         for op in region.ops:
@@ -47,7 +48,7 @@ def compute_rule_problems(exp, graph: Graph) -> list[Diagnostic]:
         if not named:
             refuse(f"matches no op whose products with weights can run in fp8 ({', '.join(FP8_OPS)}) in model "
                    f"`{graph.name}`", "such ops here: " + ", ".join(list(ops)[:4]))
-        elif t.base == compute and t.scale is None and t.accum in (None, default.accum):
+        elif t.base == compute and t.scale is None and t.loss_scale is None and t.accum in accum:
             continue  # the op's products in the program's compute type
         elif t.base != "fp8_e4m3":
             refuse(f"`{t}`: an op's products run in the program's compute type (`{compute}`) or, under an fp8 "
@@ -57,7 +58,7 @@ def compute_rule_problems(exp, graph: Graph) -> list[Diagnostic]:
             refuse(f"`{t}` under numerics.default `{default}`: the default chooses fp8 compute and its scaling; a "
                    "rule keeps ops out of it (or puts the unembedding in)",
                    f"set numerics.default to `{t}` and keep other ops out with `<op>: {compute}` rules")
-        elif t.scale != default.scale or t.accum not in (None, default.accum):
+        elif t.scale != default.scale or t.accum not in accum or t.loss_scale is not None:
             refuse(f"`{t}` differs from numerics.default `{default}`: one fp8 scaling and accumulation a program",
                    f"write `{default}`")
         elif default.scale.kind != "per_tensor" and any(ops[label] == "unembed" for label in named):

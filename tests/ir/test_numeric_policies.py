@@ -1,6 +1,6 @@
-"""Every numeric type of the grammar, with each modifier, as numerics.default, numerics.params and a rule, on a
-training and a generation task: `tessera check` refuses it with a positioned error, or the program it passes
-lowers (traced at the task's shapes). Nothing parsed is silently ignored, and nothing fails in the lowering."""
+"""Every numeric type of the grammar, with each modifier, as numerics.default, numerics.params, a rule and a
+per-op compute rule, on a training and a generation task: `tessera check` refuses it with a positioned error, or
+the program it passes lowers (traced at the task's shapes). Nothing parsed is silently ignored, and nothing fails in the lowering."""
 
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ def specs(tmp_path_factory) -> dict:
 
 
 def _overrides(numeric: str, where: str) -> dict:
-    key = {"default": "numerics.default", "params": "numerics.params", "rule": "numerics.rules"}[where]
+    key = {"default": "numerics.default", "params": "numerics.params", "rule": "numerics.rules",
+           "compute": "numerics.compute"}[where]
+    value = {RULE: numeric} if where == "rule" else {"layers/moe": numeric} if where == "compute" else numeric
     # one layer: every op of the model still lowers, in half the tracing of two
-    return {key: {RULE: numeric} if where == "rule" else numeric, "model.args.layers": 1}
+    return {key: value, "model.args.layers": 1}
 
 
 def _check(spec: str, over: dict) -> list:
@@ -73,7 +75,7 @@ def _lowers(spec: str, over: dict, task: str) -> None:
 
 
 @pytest.mark.parametrize("task", ["train", "generate"])
-@pytest.mark.parametrize("where", ["default", "params", "rule"])
+@pytest.mark.parametrize("where", ["default", "params", "rule", "compute"])
 def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
     accepted, spec = [], specs[task]
     for base in BASE_TYPES:
@@ -101,6 +103,9 @@ def test_every_numeric_type_is_refused_at_check_or_runs(specs, where, task):
                                            "fp16 @accum(fp32)"] + extra)
     elif where == "params":
         assert accepted == ["fp32", "bf16", "fp16"]
+    elif where == "compute":  # a per-op compute rule under the spec's fp32 default: the program's own type (fp8
+        # per op only under an fp8 default: tests/lower/test_fp8_compute_rules.py)
+        assert accepted == ["fp32", "fp32 @accum(fp32)"]
     else:
         plain = ["fp32", "fp32 @accum(fp32)", "bf16", "bf16 @accum(fp32)", "fp16", "fp16 @accum(fp32)"]
         fp8 = ["fp8_e4m3", "fp8_e4m3 @accum(fp32)", "fp8_e4m3 @scale(per_block(32))",  # held as fp8 arrays, the
