@@ -2,7 +2,8 @@
 
 A rule maps a glob on an op's label (`Op.label`: the directory its parameters share, as profiles and HLO name scopes
 name it: `layers/attention`, `layers/mlp`, `embed/unembed`) to the type its products with weights run in. Two kinds
-take effect (tessera/ir/passes/numerics.py sets the op attribute `fp8`, the lowering reads it):
+take effect (tessera/ir/passes/numerics.py lists the op's label in the graph attribute `fp8_out` or `fp8_in`, and
+`fp8_op` tells the lowering):
 
 - the program's compute type (`bf16` under an fp8 default) keeps the op's products out of fp8;
 - the fp8 default's own type (`fp8_e4m3 @scale(per_tensor)`) puts the unembedding's product in fp8, which the
@@ -25,6 +26,7 @@ from tessera.ir.types import Graph
 
 
 def compute_rule_problems(exp, graph: Graph) -> list[Diagnostic]:
+    """A positioned refusal for each `numerics.compute` rule that would not take effect as written."""
     rules = exp.numerics.compute or {}
     if not rules:
         return []

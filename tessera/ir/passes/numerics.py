@@ -183,7 +183,7 @@ def resolved_policy(graph: Graph, policy: Any) -> dict:
                 rule = glob
         used = compute if is_float(p.type.dtype) else p.type.dtype
         op = owner.get(path)
-        if op is not None and op.name in _FP32_STATISTICS or path.endswith("/sinks"):  # scales of fp32 statistics
+        if (op is not None and op.name in _FP32_STATISTICS) or path.endswith("/sinks"):  # scales of fp32 statistics
             used = "f32"
         elif graph.attrs.get("fp8") and op is not None and fp8_product(op, path.rsplit("/", 1)[-1],
                                                                         fp8_ops_of(graph.attrs)):
