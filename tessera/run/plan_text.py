@@ -100,6 +100,9 @@ def _numerics_rows(n: dict) -> list[tuple[str, str]]:
         h = n["fp8_amax_history"]
         rows.append(("  amax history", f"{h['length']} steps x (input, weight, grad) per product, in the optimizer "
                                        f"state; {h['inference']} at inference"))
+    for label, op in (n.get("by_op") or {}).items():  # numerics.compute's rules, per op
+        rows.append((f"  op {label}", f"{'fp8 products' if op['fp8'] else n['compute'] + ' products'}  "
+                                      f"(compute rule {op['rule']})"))
     for path, p in n["by_param"].items():
         rule = f"  (rule {p['rule']})" if p["rule"] else ""
         rows.append((f"  {path}", f"{p['storage']} -> {p['compute']}{rule}"))

@@ -80,6 +80,7 @@ def test_a_rule_keeps_the_attention_projections_out_of_fp8(runs):
         **{f"layers/attention/{n}": "bf16" for n in "qkvo"}, **{f"layers/mlp/{n}": "fp8_e4m3" for n in
                                                                ("gate", "up", "down")}}
     assert not np.array_equal(losses, runs["fp8"][2]) and not np.array_equal(losses, runs["bf16"][2])
+
     np.testing.assert_allclose(losses, runs["bf16"][2], rtol=5e-3)
 
 
@@ -91,6 +92,18 @@ def test_a_rule_puts_the_tied_unembedding_in_fp8(runs):
     assert prog.numerics_report()["by_param"]["embed/table"]["compute"] == "fp8_e4m3"
     assert losses[-1] < losses[0] - 0.2 and not np.array_equal(losses, runs["fp8"][2])
     np.testing.assert_allclose(losses, runs["bf16"][2], rtol=1e-2)  # issue 35's bar for fp8 training: 1 %
+
+
+def test_the_plan_prints_each_rule_with_its_op(capsys):
+    from tessera.cli import main
+
+    rules = '{"layers/attention": "bf16", "*unembed": "%s"}' % FP8
+    assert main(["plan", str(ROOT / "specs" / "llama_tiny.yaml"), "--no-compile", "--set", f"numerics.default={FP8}",
+                 "--set", f"numerics.compute={rules}"]) == 0
+    out = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert "op layers/attention bf16 products (compute rule layers/attention)" in out
+    assert "op embed/unembed fp8 products (compute rule *unembed)" in out
+    assert "layers/attention/q f32 -> bf16" in out and "layers/mlp/gate f32 -> fp8_e4m3" in out
 
 
 @pytest.mark.parametrize("default, compute, says", [
