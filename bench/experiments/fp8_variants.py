@@ -11,10 +11,10 @@ otherwise. Variants (names hold no commas: `--only` splits on them):
 - "one layout": deterministic mode's weights held before its shard loop in w_q's layout alone (as before session 44),
   where built they are held in both layouts their products read; for a spec run with
   `--set parallel.deterministic=true` (the fast step's scan holds one layout either way);
-- "fp8 unembedding": the untied unembedding's product in fp8 too (per_tensor: no history carries it) while the
-  rest runs under the spec's scaling (delayed(16) here), which no spec can write: a `numerics.compute` rule puts the
-  unembedding in fp8 under a per_tensor default only. Session 44 (one H100): 193.1 against base's 205.6 ms
-  (1.065x). Its accuracy over a run: `bench.fp8_curve --policies bf16,fp8,fp8-unembedding`.
+- "fp8 unembedding": the untied unembedding's product in fp8 too, per_tensor while the rest runs under the
+  spec's scaling (delayed(16) here). Session 44 (one H100): 193.1 against base's 205.6 ms (1.065x). Built since as
+  a spec rule, `numerics.compute: {"*unembed": <the default's fp8 type>}`, with the unembedding then scaled as the
+  rest (delayed: its own amax history); bench.e2e "llama-8b-layers train fp8 delayed unembedding".
 `--hlo` prints the transposes each compiled step holds, by element type: as landed before 9a3940e the 8B-shape
 per_tensor step held seven of fp32 weight stacks (6.5 GiB written a step) beside 0.8 GiB of fp8 ones.
 """

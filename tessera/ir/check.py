@@ -147,7 +147,7 @@ def _delayed_fp8_problems(exp, t, graph: Graph, span, key) -> list[Diagnostic]:
     entry a step: each is read by one op, outside weight-shared repeats, loops and derivative regions (a stacked
     repeat's layers each have their own history); a model trained on loss entries is refused (its train step does
     not carry the histories)."""
-    from tessera.ir.passes.numerics import _FP8_WEIGHTS
+    from tessera.ir.passes.numerics import fp8_product, rule_fp8_ops
 
     written = f"fp8_e4m3 @scale({t.scale})"
     if graph.losses:
@@ -155,12 +155,12 @@ def _delayed_fp8_problems(exp, t, graph: Graph, span, key) -> list[Diagnostic]:
                            f"with loss entries (`{graph.losses[0].name}`) is not trained with them",
                            span=span, key=key, hint=f"write `{FP8_COMPUTE}` (current scaling) for this model")]
     readers: dict[str, list] = {}
+    fp8_ops = rule_fp8_ops(graph, exp.numerics)  # numerics.compute's choices
 
     def walk(region, around):
         for op in region.ops:
             for ref in op.operands:
-                if getattr(ref, "path", None) in graph.params and \
-                        (op.name, ref.path.rsplit("/", 1)[-1]) in _FP8_WEIGHTS:
+                if getattr(ref, "path", None) in graph.params and fp8_product(op, ref.path.rsplit("/", 1)[-1], fp8_ops):
                     readers.setdefault(ref.path, []).append((op, around))
             if op.region is not None:
                 stacked = op.name == "repeat" and op.attrs.get("axis") is not None and op.attrs.get("grad") != "last"

@@ -6,13 +6,14 @@ take effect (tessera/ir/passes/numerics.py lists the op's label in the graph att
 `fp8_op` tells the lowering):
 
 - the program's compute type (`bf16` under an fp8 default) keeps the op's products out of fp8;
-- the fp8 default's own type (`fp8_e4m3 @scale(per_tensor)`) puts the unembedding's product in fp8, which the
-  default leaves in bf16 as Transformer Engine's, torchtitan's and DeepSeek-V3's recipes do.
+- the fp8 default's own type (`fp8_e4m3 @scale(per_tensor)` or `@scale(delayed(H))`, its amax history then kept
+  like a layer's) puts the unembedding's product in fp8, which the default leaves in bf16 as Transformer Engine's,
+  torchtitan's and DeepSeek-V3's recipes do.
 
 Anything else would not be the arithmetic done, so it is refused here with the rule's position: a rule that names no
 op whose products can run in fp8, fp8 under a default that is not fp8 (the default chooses fp8 and its scaling), a
-scaling other than the default's, an fp8 unembedding under delayed or per-block scaling (its history and blocks are
-not built), and any other per-op type.
+scaling other than the default's, an fp8 unembedding under per-block scaling (its blocks are not built), and any
+other per-op type.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def compute_rule_problems(exp, graph: Graph) -> list[Diagnostic]:
         elif t.scale != default.scale or t.accum not in accum or t.loss_scale is not None:
             refuse(f"`{t}` differs from numerics.default `{default}`: one fp8 scaling and accumulation a program",
                    f"write `{default}`")
-        elif default.scale.kind != "per_tensor" and any(ops[label] == "unembed" for label in named):
-            refuse(f"the unembedding in fp8 under `@scale({default.scale})` is not implemented (its amax history "
-                   "and blocks are not built); it runs in fp8 under `@scale(per_tensor)`",
-                   f"leave the unembedding in {compute} (no rule), or use `@scale(per_tensor)`")
+        elif default.scale.kind == "per_block" and any(ops[label] == "unembed" for label in named):
+            refuse(f"the unembedding in fp8 under `@scale({default.scale})` is not implemented (its blocks are not "
+                   "built); it runs in fp8 under `@scale(per_tensor)` and `@scale(delayed)`",
+                   f"leave the unembedding in {compute} (no rule), or scale per_tensor or delayed")
     return out

@@ -79,11 +79,13 @@ def _unembed(ctx, op, attrs, ins, params):
     store = stored_dtype(dt, ctx.accum_dtype)
     fp8 = ctx.fp8  # set only where a numerics.compute rule puts the unembedding in fp8 (interpret._eval_op)
     if attrs["tied"]:
-        table = packed_ref.dense(params.get("embed/table", params.get("table")), x.dtype)  # [vocab, embed]
-        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store,
-                       fp8=fp8).astype(dt)]
+        name = "embed/table" if "embed/table" in params else "table"
+        table = packed_ref.dense(params[name], x.dtype)  # [vocab, embed]
+        return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store, fp8=fp8,
+                       fp8_history=_history(ctx, name)).astype(dt)]
     w = packed_ref.dense(params["weight"], x.dtype)
-    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store, fp8=fp8).astype(dt)]
+    return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store, fp8=fp8,
+                   fp8_history=_history(ctx, "weight")).astype(dt)]
 
 
 @lowers("pos_embed")

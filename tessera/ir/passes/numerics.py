@@ -62,11 +62,10 @@ def apply_numerics(graph: Graph, ctx) -> Graph:
         for op in region.ops:
             if "dtype" in op.attrs:
                 op.attrs = {**op.attrs, "dtype": compute}
-            rule = compute_rule(op.label(0), policy) if op.name in FP8_OPS else None
-            if rule is not None:  # whether its products with weights run in fp8 (`fp8_op`)
-                key = "fp8_in" if rule[1].base == "fp8_e4m3" else "fp8_out"
-                if op.label(0) not in graph.attrs.get(key, ()):
-                    graph.attrs[key] = (*graph.attrs.get(key, ()), op.label(0))
+    ops = rule_fp8_ops(graph, policy) or {}  # whether each op's products run in fp8 (`fp8_op`)
+    for key, want in (("fp8_in", True), ("fp8_out", False)):
+        if any(on is want for on in ops.values()):
+            graph.attrs[key] = tuple(label for label, on in ops.items() if on is want)
     graph.attrs["compute"] = compute
     if fp8:
         graph.attrs["fp8"] = default.scale.explicit if default.scale is not None else "per_tensor"
@@ -115,6 +114,18 @@ def fp8_product(op, param: str, fp8_ops: dict | None = None) -> bool:
     (linear's weight, attention's q/k/v/o, the MLP's and experts' gate/up/down, the unembedding's weight or tied
     table; `fp8_op` says whether the op does)."""
     return ((op.name, param) in _FP8_WEIGHTS or (op.name, param) in _OPT_IN) and fp8_op(op, fp8_ops)
+
+
+def rule_fp8_ops(graph: Graph, policy) -> dict[str, bool] | None:
+    """{op label: its products in fp8} that `policy`'s `numerics.compute` rules decide for `graph`'s ops (before or
+    after this pass), or None without a rule that matches."""
+    out = {}
+    for region, _ in regions(graph):
+        for op in region.ops:
+            rule = compute_rule(op.label(0), policy) if op.name in FP8_OPS else None
+            if rule is not None:
+                out[op.label(0)] = rule[1].base == "fp8_e4m3"
+    return out or None
 
 
 def compute_rule(label: str, policy) -> tuple[str, Any] | None:
