@@ -64,7 +64,7 @@ def compute_rule_problems(exp, graph: Graph) -> list[Diagnostic]:
         elif t.scale != default.scale or t.accum not in accum or t.loss_scale is not None:
             refuse(f"`{t}` differs from numerics.default `{default}`: one fp8 scaling and accumulation a program",
                    f"write `{default}`")
-        elif default.scale.kind == "per_block" and any(ops[label] == "unembed" for label in named):
+        elif getattr(default.scale, "kind", None) == "per_block" and any(ops[n] == "unembed" for n in named):
             refuse(f"the unembedding in fp8 under `@scale({default.scale})` is not implemented (its blocks are not "
                    "built); it runs in fp8 under `@scale(per_tensor)` and `@scale(delayed)`",
                    f"leave the unembedding in {compute} (no rule), or scale per_tensor or delayed")
