@@ -145,3 +145,10 @@ def test_a_rule_that_would_not_take_effect_is_refused(default, compute, says):
         check_experiment(_exp(default, compute))
     (d,) = err.value.diagnostics
     assert d.key == "numerics.compute" and d.span is not None and says in d.message
+
+
+def test_a_rule_under_an_unscaled_fp8_default_leaves_the_refusal_to_the_default():
+    with pytest.raises(TesseraError) as err:
+        check_experiment(_exp("fp8_e4m3", {"*unembed": "fp8_e4m3"}))
+    (d,) = err.value.diagnostics
+    assert d.key == "numerics.default" and "fp8 compute with no scale is not implemented" in d.message
