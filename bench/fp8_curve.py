@@ -1,7 +1,7 @@
 """fp8 against bf16 training on the same data: the loss curves of specs/bench/llama_1b_fp8_curve.yaml (the
 Llama-3.2-1B shape, 300 steps of byte-level text) under each numeric policy, and their step times (issue 35).
 
-    python -m bench.fp8_curve [--steps 300] [--policies bf16,fp8,fp8-delayed] [--records DIR] [--set KEY=VALUE ...]
+    python -m bench.fp8_curve [--steps 300] [--policies bf16,fp8,fp8-delayed,fp8-delayed-unembedding,...] [--records DIR] [--set KEY=VALUE ...]
 
 The token file is the Python standard library's `.py` sources as bytes (ids 0-255, sorted by path), written once
 to .cache/tessera/stdlib_bytes.bin: text every machine has, so the curves need no download. Each policy runs as
@@ -33,10 +33,12 @@ POLICIES = {
     "fp8": "fp8_e4m3 @scale(per_tensor) @accum(fp32)",
     "fp8-delayed": "fp8_e4m3 @scale(delayed(16)) @accum(fp32)",
     "fp8-unembedding": "fp8_e4m3 @scale(per_tensor) @accum(fp32)",
+    "fp8-delayed-unembedding": "fp8_e4m3 @scale(delayed(16)) @accum(fp32)",
 }
 # a policy's settings beside its numerics.default: the (tied) unembedding's product in fp8 too, which the default,
 # like torchtitan's and Transformer Engine's recipes, leaves in bf16 (docs/kernels-log.md: 1.065x the 8B-shape step)
-SETTINGS = {"fp8-unembedding": ['numerics.compute={"*unembed": "fp8_e4m3 @scale(per_tensor) @accum(fp32)"}']}
+SETTINGS = {name: [f'numerics.compute={{"*unembed": "{POLICIES[name]}"}}'] for name in ("fp8-unembedding",
+                                                                                   "fp8-delayed-unembedding")}
 
 
 def build_corpus(path: Path = CORPUS, min_tokens: int = 8 * 2048 * 300 * 2, root: Path | None = None) -> Path:
