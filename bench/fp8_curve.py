@@ -1,7 +1,8 @@
 """fp8 against bf16 training on the same data: the loss curves of specs/bench/llama_1b_fp8_curve.yaml (the
 Llama-3.2-1B shape, 300 steps of byte-level text) under each numeric policy, and their step times (issue 35).
 
-    python -m bench.fp8_curve [--steps 300] [--policies bf16,fp8,fp8-delayed,fp8-delayed-unembedding,...] [--records DIR] [--set KEY=VALUE ...]
+    python -m bench.fp8_curve [--steps 300] [--policies bf16,fp8,fp8-delayed,fp8-delayed-unembedding,...]
+        [--records DIR] [--set KEY=VALUE ...]
 
 The token file is the Python standard library's `.py` sources as bytes (ids 0-255, sorted by path), written once
 to .cache/tessera/stdlib_bytes.bin: text every machine has, so the curves need no download. Each policy runs as
