@@ -323,7 +323,7 @@ def fp8_copy_bytes(exp, graph, layout: cost.Layout) -> float:
 
     from tessera.ir.passes.numerics import fp8_weight_uses, fp8_weights
     from tessera.lower.fp8_held import DENSE, held_scaling
-    from tessera.lower.shard.deterministic import unrolls
+    from tessera.lower.shard.layerwise import unrolls
 
     scaling = graph.attrs.get("fp8")
     if not _trains(exp) or layout.devices != 1 or not held_scaling(scaling):

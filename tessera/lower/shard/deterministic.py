@@ -139,20 +139,6 @@ def _per_spec(fn, specs, tree):
                         is_leaf=lambda s: isinstance(s, P))
 
 
-UNROLL_FROM = 4  # canonical shards from which the shard loop runs the layers unrolled (`unrolls`)
-
-
-def unrolls(c: int, fp8: str | None) -> bool:
-    """Whether the per-layer step's shard loop over C canonical shards runs the layers unrolled over weights split
-    into their layers before it (layerwise.py) rather than as the layer scan, on every mesh alike (C, not a device's
-    share of it, decides); `fp8` the graph's fp8 scaling. The scan copies each layer's slice of the stacked weights in
-    every shard (C copies of the weights a step); unrolled pays one split of the weights and one restacking of the
-    gradients. Measured on one H100 (bench/experiments/det_unrolled.py): Llama-1B at C = 8 410.1 -> 382.0 ms,
-    GPT-OSS-20B's layers at C = 2 170.3 -> 179.3 ms; so from `UNROLL_FROM` shards. Never under delayed fp8 scaling,
-    whose amax histories ride stacked beside their weights through the layer scan."""
-    return c >= UNROLL_FROM and not str(fp8 or "").startswith("delayed")
-
-
 class Deterministic:
     """The deterministic loss and train step of a program on its plan's mesh (one device included)."""
 
@@ -173,8 +159,9 @@ class Deterministic:
         return stacked_layers(self.prog.graph.body, self.prog.param_shapes())
 
     def unrolls(self, c: int) -> bool:
-        """Whether this program's per-layer step over C canonical shards runs the layers unrolled (`unrolls`)."""
-        return unrolls(c, self.prog.graph.attrs.get("fp8"))
+        """Whether this program's per-layer step over C canonical shards runs the layers unrolled
+        (`layerwise.unrolls`)."""
+        return layerwise.unrolls(c, self.prog.graph.attrs.get("fp8"))
 
     def _precast(self, fn, params: dict, batch: dict, c: int) -> dict:
         """params with those whose only use in one shard's fn(params, shard) is a single narrowing cast already cast

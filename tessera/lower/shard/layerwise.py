@@ -20,7 +20,7 @@ slice of every stacked weight a GEMM reads and zero-fills the stacked gradients,
 split weights are read in place and each layer's gradient is its own buffer (`restack` stacks them again after the
 shards' sum). Measured (bench/experiments/det_unrolled.py, one H100): the Llama-1B step at C = 8 382.0 ms unrolled
 against the scan's 410.1, GPT-OSS-20B's two layers at C = 2 179.3 against 170.3, so the loop unrolls from
-`deterministic.UNROLL_FROM` canonical shards.
+`UNROLL_FROM` canonical shards (`unrolls`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,20 @@ from jax.sharding import PartitionSpec as P
 from tessera.ir.types import ParamRef
 from tessera.lower.shard.collectives import block_index, gather_full, local_block
 from tessera.lower.shard.shard_loop import opaque_map
+
+
+UNROLL_FROM = 4  # canonical shards from which the shard loop runs the layers unrolled (`unrolls`)
+
+
+def unrolls(c: int, fp8: str | None) -> bool:
+    """Whether the per-layer step's shard loop over C canonical shards runs the layers unrolled over weights split
+    into their layers before it (`split`) rather than as the layer scan, on every mesh alike (C, not a device's
+    share of it, decides); `fp8` the graph's fp8 scaling. The scan copies each layer's slice of the stacked weights in
+    every shard (C copies of the weights a step); unrolled pays one split of the weights and one restacking of the
+    gradients. Measured on one H100 (bench/experiments/det_unrolled.py): Llama-1B at C = 8 410.1 -> 382.0 ms,
+    GPT-OSS-20B's layers at C = 2 170.3 -> 179.3 ms; so from `UNROLL_FROM` shards. Never under delayed fp8 scaling,
+    whose amax histories ride stacked beside their weights through the layer scan."""
+    return c >= UNROLL_FROM and not str(fp8 or "").startswith("delayed")
 
 
 def _entry_axes(e) -> tuple[str, ...]:

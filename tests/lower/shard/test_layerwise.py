@@ -121,7 +121,7 @@ def test_the_deterministic_step_runs_no_layer_scan_in_its_shard_loop(shards):
     shards' loop. Under it, the layer scan (its per-shard weight copies cost less than a split and a restacking)."""
     from bench.experiments.step_primitives import equations, step_jaxpr
     from tessera.lower.program import compile_experiment
-    from tessera.lower.shard.deterministic import UNROLL_FROM
+    from tessera.lower.shard.layerwise import UNROLL_FROM
 
     over = ["parallel.deterministic=true", f"task.batch={shards}", "task.seq_len=16",
             f"parallel.canonical_shards={shards}"]
