@@ -11,7 +11,7 @@ otherwise. Variants (names hold no commas: `--only` splits on them):
 - "one layout": deterministic mode's weights held before its shard loop in w_q's layout alone (as before session 44),
   where built they are held in both layouts their products read; for a spec run with
   `--set parallel.deterministic=true` (the fast step's scan holds one layout either way);
-- "fp8 unembedding": the untied unembedding's product in fp8 too, per_tensor while the rest runs under the
+- "fp8 unembedding": the unembedding's product in fp8 too, per_tensor while the rest runs under the
   spec's scaling (delayed(16) here). Session 44 (one H100): 193.1 against base's 205.6 ms (1.065x). Built since as
   a spec rule, `numerics.compute: {"*unembed": <the default's fp8 type>}`, with the unembedding then scaled as the
   rest (delayed: its own amax history); bench.e2e "llama-8b-layers train fp8 delayed unembedding".
@@ -23,24 +23,15 @@ from __future__ import annotations
 
 from bench.experiments.train_variants import main as time_variants
 from tessera.lower import fp8_held
-from tessera.lower.context import jnp_dtype
-from tessera.lower.named import einsum, names, stored_dtype
-from tessera.lower.reference import packed as packed_ref
 from tessera.lower.table import LOWERINGS, Lowering, get_lowering
 
 BUILT_UNEMBED = get_lowering("unembed")
 
 
 def fp8_unembed(ctx, op, attrs, ins, params):
-    """The unembedding's product in fp8 with per-tensor current scaling, where its graph's products run in fp8 (an
-    untied weight, one device, every position); anything else as built."""
-    if ctx.fp8 is None or attrs["tied"] or ctx.shard is not None or ctx.last_only:
-        return BUILT_UNEMBED.fn(ctx, op, attrs, ins, params)
-    x, dt = ins[0], jnp_dtype(op.results[0].type.dtype)
-    w = packed_ref.dense(params["weight"], x.dtype)
-    y = einsum([names(op.values[0]), ("embed", "vocab")], names(op.results[0]), x, w, accum=ctx.accum_dtype,
-               store=stored_dtype(dt, ctx.accum_dtype), fp8="per_tensor")
-    return [y.astype(dt)]
+    """The built unembedding with its product in fp8 under per-tensor current scaling, whatever the rest runs under
+    (the lowering multiplies in fp8 whenever its context carries a scaling)."""
+    return BUILT_UNEMBED.fn(ctx.replace(fp8="per_tensor", fp8_history=None), op, attrs, ins, params)
 
 
 def one_layout(*args, transposed=False, **kw):

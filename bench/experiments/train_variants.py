@@ -43,38 +43,35 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
-def hlo_transpose_list(text: str, dtypes=("f8e4m3fn", "f8e5m2")) -> list[str]:
-    """"computation: instruction type" of each transpose `hlo_transposes` counts whose result holds one of `dtypes`."""
+def _transposes(text: str):
+    """(computation, instruction, result type) of each transpose in an optimized HLO module's text: `transpose`
+    instructions and the fusions XLA names after one (`wrapped_transpose*`, `*_transpose_fusion*`), once per
+    instruction (a loop body's once, however often the loop runs); computations inside a fusion not counted."""
     fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", text))
-    out, inside = [], None
+    inside = None
     for line in text.splitlines():
         head = re.match(r"^(?:ENTRY )?%([\w.-]+) ", line)
         if head and not line.startswith(" "):
             inside = ("ENTRY " if line.startswith("ENTRY") else "") + head.group(1)
         m = _DEF.match(line)
-        if m and inside not in fused and ("transpose" in m.group(1) or m.group(3) == "transpose") \
-                and any(d in m.group(2) for d in dtypes):
-            out.append(f"{inside}: {m.group(1)} {m.group(2)}")
-    return out
+        if m and inside.removeprefix("ENTRY ") not in fused and \
+                ("transpose" in m.group(1) or m.group(3) == "transpose"):
+            yield inside, m.group(1), m.group(2)
+
+
+def hlo_transpose_list(text: str, dtypes=("f8e4m3fn", "f8e5m2")) -> list[str]:
+    """"computation: instruction type" of each transpose (`_transposes`) whose result holds one of `dtypes`."""
+    return [f"{where}: {name} {kind}" for where, name, kind in _transposes(text) if any(d in kind for d in dtypes)]
 
 
 def hlo_transposes(text: str) -> dict[str, tuple[int, int]]:
-    """{element type: (instructions, bytes written)} of the transposes in an optimized HLO module's text: `transpose`
-    instructions and the fusions XLA names after one (`wrapped_transpose*`, `*_transpose_fusion*`), counted once per
-    instruction (a loop body's once, however often the loop runs), each array of a tuple result by its own type."""
-    fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", text))  # computations inside a fusion: not counted
+    """{element type: (instructions, bytes written)} of the transposes (`_transposes`), each array of a tuple result
+    by its own type."""
     out: Counter = Counter()
     count: Counter = Counter()
-    inside = None
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.-]+) ", line)
-        if head and not line.startswith(" "):
-            inside = head.group(1)
-        m = _DEF.match(line)
-        if not m or inside in fused or ("transpose" not in m.group(1) and m.group(3) != "transpose"):
-            continue
-        for dtype, dims in _ARRAY.findall(m.group(2)):
-            if dtype.startswith("s8") and m.group(2).startswith("("):
+    for _, _, kind in _transposes(text):
+        for dtype, dims in _ARRAY.findall(kind):
+            if dtype.startswith("s8") and kind.startswith("("):
                 continue  # a custom call's workspace
             size = 1
             for d in filter(None, dims.split(",")):

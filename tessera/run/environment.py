@@ -76,10 +76,7 @@ def request_deterministic_kernels(exp) -> None:
     wanted = DETERMINISTIC_XLA_FLAGS
     if getattr(exp, "task", None) is not None and trains(exp.task):
         wanted = (*wanted, *DETERMINISTIC_TRAIN_XLA_FLAGS)
-    flags = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in wanted if _flag(flags, f.split("=")[0]) is None]
-    if missing:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    _add_flags(wanted)
     os.environ.setdefault("PJRT_NPROC", DETERMINISTIC_CPU_THREADS)
 
 
@@ -107,12 +104,8 @@ def request_fp8_gemms(exp) -> dict | None:
     if not computes_in_fp8(exp):
         return None
     names = {f.split("=")[0] for f in FP8_XLA_FLAGS}
-    flags = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in FP8_XLA_FLAGS if _flag(flags, f.split("=")[0]) is None]
-    if missing:
-        flags = os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
-        _fp8_set.update(missing)
-    given = [f for f in flags.split() if f.split("=")[0] in names]
+    _fp8_set.update(_add_flags(FP8_XLA_FLAGS))
+    given = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] in names]
     return {"set_by": "tessera" if all(f in _fp8_set for f in given) else "user", "flags": given}
 
 
@@ -195,6 +188,16 @@ _autotune: dict = {"set_by": "user", "dir": None}  # configure_autotune_cache's 
 # `select_first_config`), so its choice is a function of the program and nothing is kept.
 FIRST_CANDIDATE = {"--xla_gpu_deterministic_ops": "true", "--xla_gpu_exclude_nondeterministic_ops": "true",
                    "--xla_gpu_autotune_level": "0"}
+
+
+def _add_flags(wanted) -> list[str]:
+    """Append to XLA_FLAGS each of `wanted` (`--name=value`) whose name the person's XLA_FLAGS does not give (theirs
+    wins); returns the ones added."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in wanted if _flag(flags, f.split("=")[0]) is None]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    return missing
 
 
 def _flag(flags: str, name: str) -> str | None:
