@@ -316,9 +316,9 @@ def delayed_history_bytes(graph) -> int:
 def fp8_copy_bytes(exp, graph, layout: cost.Layout) -> float:
     """Bytes of the fp8 copies a train step holds of its layers' stacked fp8 weights (tessera/lower/fp8_held.py): one
     byte a weight; in deterministic mode two (both layouts the products read, `before_shards`), twice that where its
-    shard loop unrolls the layers (the copies split into them too);
-    0 where each product quantises its own weight (per_block scaling, or a mesh: every fp8 mesh step is a
-    deterministic one that gathers blocks) and without fp8 products."""
+    shard loop unrolls the layers (the copies split into them too); 0 where each product quantises its own weight
+    (per_block scaling, or a mesh: every fp8 mesh step is a deterministic one that gathers blocks) and without fp8
+    products."""
     import math
 
     from tessera.ir.passes.numerics import fp8_weight_uses, fp8_weights

@@ -155,13 +155,14 @@ def fp8_weight_uses(graph: Graph):
     """(op, param path, weight name) at the first use of every weight whose product runs in fp8 under an fp8
     policy, in first-use order."""
     seen: set[str] = set()
+    fp8_ops = fp8_ops_of(graph.attrs)
     for region, _ in regions(graph):
         for op in region.ops:
             for ref in op.operands:
                 if not isinstance(ref, ParamRef) or ref.path in seen or ref.path not in graph.params:
                     continue
                 name = ref.path.rsplit("/", 1)[-1]
-                if fp8_product(op, name, fp8_ops_of(graph.attrs)):
+                if fp8_product(op, name, fp8_ops):
                     seen.add(ref.path)
                     yield op, ref.path, name
 
@@ -184,6 +185,7 @@ def resolved_policy(graph: Graph, policy: Any) -> dict:
     if loss == "none" and default is not None and default.loss_scale is not None:
         loss = "dynamic" if default.loss_scale == "dynamic" else f"static({default.loss_scale})"
     rules = _get(policy, "rules") or {}
+    fp8_ops = fp8_ops_of(graph.attrs)
     owner = {ref.path: op for region, _ in regions(graph) for op in region.ops
              for ref in op.operands if isinstance(ref, ParamRef)}
     params = {}
@@ -196,15 +198,13 @@ def resolved_policy(graph: Graph, policy: Any) -> dict:
         op = owner.get(path)
         if (op is not None and op.name in _FP32_STATISTICS) or path.endswith("/sinks"):  # scales of fp32 statistics
             used = "f32"
-        elif graph.attrs.get("fp8") and op is not None and fp8_product(op, path.rsplit("/", 1)[-1],
-                                                                        fp8_ops_of(graph.attrs)):
+        elif graph.attrs.get("fp8") and op is not None and fp8_product(op, path.rsplit("/", 1)[-1], fp8_ops):
             used = "fp8_e4m3"
         params[path] = {"storage": p.type.dtype, "compute": used, "rule": rule}
     out = {"compute": compute, "accumulate": graph.attrs.get("accum", "f32"), "loss_scale": loss,
            "fp8_products": graph.attrs.get("fp8"), "by_param": params}
-    if fp8_ops_of(graph.attrs):  # the ops numerics.compute rules decided (labels as in profiles)
-        out["by_op"] = {label: {"fp8": on, "rule": compute_rule(label, policy)[0]}
-                        for label, on in fp8_ops_of(graph.attrs).items()}
+    if fp8_ops:  # the ops numerics.compute rules decided (labels as in profiles)
+        out["by_op"] = {label: {"fp8": on, "rule": compute_rule(label, policy)[0]} for label, on in fp8_ops.items()}
     scaling = graph.attrs.get("fp8") or ""
     if scaling.startswith("delayed("):  # tessera/lower/fp8_delayed.py
         out["fp8_amax_history"] = {"length": int(scaling[len("delayed("):-1]), "operands": ["input", "weight", "grad"],
