@@ -338,6 +338,7 @@ def test_every_e2e_row_is_a_valid_spec():
     for fp8, bf16 in (("llama-1b train fp8", "llama-1b train"), ("llama-8b-layers train fp8", "llama-8b-layers train"),
                       ("llama-1b train fp8 deterministic", "llama-1b train deterministic"),
                       ("llama-1b train fp8 unembedding", "llama-1b train"),
+                      ("llama-1b train fp8 delayed unembedding", "llama-1b train"),
                       ("llama-8b-layers train fp8 delayed unembedding", "llama-8b-layers train")):
         a, b = exps[fp8].model_dump(), exps[bf16].model_dump()
         assert a.pop("numerics")["default"] != b.pop("numerics")["default"]
@@ -346,5 +347,6 @@ def test_every_e2e_row_is_a_valid_spec():
     from tessera.ir.passes.numerics import fp8_ops_of
 
     for row, label in (("llama-1b train fp8 unembedding", "embed/unembed"),  # tied: the table's directory
+                       ("llama-1b train fp8 delayed unembedding", "embed/unembed"),
                        ("llama-8b-layers train fp8 delayed unembedding", "unembed")):
         assert fp8_ops_of(check_experiment(exps[row]).attrs) == {label: True}
