@@ -1,6 +1,6 @@
 """Whole programs on one GPU, as a user runs them (`tessera run`), against the plan and published peers.
 
-    python -m bench.e2e [--only decode,prefill,train] [--rows NAME,...]
+    python -m bench.e2e [--only decode,prefill,train] [--rows NAME,...] [--set KEY=VALUE ...]
 
 Each row runs a shipped spec through `run_experiment` (mesh: auto, Tessera's allocator setting), then
 prints tokens/s, model FLOP utilisation or the share of the decode roofline, the first token's latency
@@ -11,6 +11,8 @@ bandwidth measured in the row's process after the row (bench.timing.copy_bandwid
 columns (issue 32's table). Rows with a PyTorch peer (bench/peers.py: the Llama train step in
 `transformers`, eager and `torch.compile`) run it first, in a process of its own, on the same GPU and
 shapes, and print it under the row with its MFU counted with Tessera's FLOPs per token (--no-peers skips).
+`--set` overrides every row's spec after the row's own overrides, as `tessera run --set` (a variant of the whole
+table, e.g. `--set parallel.remat=none`); each row prints the sets it ran with.
 `measure` returns the rows as dicts: `python -m bench.results` takes them from there into bench/RESULTS.md.
 """
 
@@ -96,11 +98,10 @@ PEERS = {"llama-1b train": [("llama_train", ["--eager"]), ("llama_train", [])],
 
 def run_peers(name: str) -> list[dict]:
     """The row's PyTorch peers, each in a subprocess (before this process starts JAX: it would hold the card)."""
-    _, spec, overrides, _ = ROWS[name]
+    spec = ROWS[name][1]
     out = []
     for peer, flags in PEERS.get(name, []):
-        sets = [f"--set={k}={json.dumps(v)}" for k, v in overrides.items()]
-        cmd = [sys.executable, "-m", "bench.peers", peer, spec, *flags, *sets]
+        cmd = [sys.executable, "-m", "bench.peers", peer, spec, *flags, *(f"--set={s}" for s in row_overrides(name))]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if done.returncode == 0 and "RESULT " in done.stdout:
             out.append(json.loads(done.stdout.split("RESULT ", 1)[1]))
@@ -136,13 +137,18 @@ def _gib(b) -> str:
     return "-" if b is None else f"{b / 2 ** 30:.1f}"
 
 
-def run_row(name: str, out: Path) -> dict:
+def row_overrides(name: str, sets: list[str] = ()) -> list[str]:
+    """Row `name`'s spec overrides as `--set` strings (values in JSON, which the spec's YAML reads), then `sets`."""
+    return [*(f"{k}={json.dumps(v)}" for k, v in ROWS[name][2].items()), *sets]
+
+
+def run_row(name: str, out: Path, sets: list[str] = ()) -> dict:
     from tessera.run.main import run_experiment
     from tessera.run.plan import pick_device
     from tessera.spec import load_experiment
 
-    kind, spec, overrides, peer = ROWS[name]
-    exp = load_experiment(spec, overrides=overrides)
+    kind, spec, _, peer = ROWS[name]
+    exp = load_experiment(spec, overrides=row_overrides(name, sets))
     log = io.StringIO()
     started = time.perf_counter()
     result = run_experiment(exp, out=out / name.replace(" ", "_"), stream=log, tensorboard=False)
@@ -153,7 +159,7 @@ def run_row(name: str, out: Path) -> dict:
     peak = (m.get("device_memory") or {}).get("peak_bytes_in_use")
     row = {"row": name, "kind": kind, "wall_s": wall, "planned_bytes": planned, "peak_bytes": peak, "peer": peer,
            "mesh": (m.get("mesh_choice") or {}).get("mesh"), "log": log.getvalue().splitlines()[:3],
-           "deterministic": bool(exp.parallel.deterministic)}
+           "deterministic": bool(exp.parallel.deterministic), "sets": list(sets)}
     if kind in ("decode", "prefill"):
         s = m["speed"]
         batch = plan["shapes"]["batch"]
@@ -182,7 +188,9 @@ def show(row: dict) -> str:
         what = ", ".join(f"{p} {row[p + '_ms']:.1f} ms MFU {row[p + '_mfu']:.1%} (compile {row[p + '_compile_s']:.0f} s)"
                          for p in ("forward", "train_step") if p + "_ms" in row)
     mode = "deterministic" if row.get("deterministic") else "fast"
-    return f"{row['row']:<18} {what}; {mem}; {mode}; mesh {row['mesh']}; wall {row['wall_s']:.0f} s | peer: {row['peer']}"
+    sets = "".join(f" --set {s}" for s in row.get("sets") or ())
+    return (f"{row['row']:<18}{sets} {what}; {mem}; {mode}; mesh {row['mesh']}; wall {row['wall_s']:.0f} s | peer: "
+            f"{row['peer']}")
 
 
 def select(kinds: str | None = None, rows: str | None = None) -> list[str]:
@@ -201,7 +209,7 @@ def measure_peers(names: list[str]) -> dict[str, list[dict]]:
     return {n: run_peers(n) for n in names if n in PEERS}
 
 
-def measure(names: list[str], peers: dict[str, list[dict]] | None = None) -> list[dict]:
+def measure(names: list[str], peers: dict[str, list[dict]] | None = None, sets: list[str] = ()) -> list[dict]:
     """Run the rows `names`, each in a process of its own, and return them (a dict a row, its peers under
     "peers"; a failed row holds "error"), printing each as it comes.
 
@@ -212,7 +220,8 @@ def measure(names: list[str], peers: dict[str, list[dict]] | None = None) -> lis
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
-            cmd = [sys.executable, "-m", "bench.e2e", "--rows", name, "--no-peers", "--here", "--json", str(out)]
+            cmd = [sys.executable, "-m", "bench.e2e", "--rows", name, "--no-peers", "--here", "--json", str(out),
+                   *(f"--set={s}" for s in sets)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             if done.returncode == 0 and out.exists():
                 row = json.loads(out.read_text())[0]
@@ -229,7 +238,7 @@ def measure(names: list[str], peers: dict[str, list[dict]] | None = None) -> lis
     return rows
 
 
-def measure_here(names: list[str]) -> list[dict]:
+def measure_here(names: list[str], sets: list[str] = ()) -> list[dict]:
     """The rows `names` run in this process (one row a process is what `measure` asks for), then the copy
     bandwidth their decode rooflines are held to (measured after the rows: its buffers would set the peak)."""
     import jax
@@ -242,7 +251,7 @@ def measure_here(names: list[str]) -> list[dict]:
             gc.collect()
             jax.clear_caches()
             try:
-                rows.append(run_row(name, Path(tmp)))
+                rows.append(run_row(name, Path(tmp), sets))
             except Exception as exc:  # one row's failure (out of memory) is a result, not the end of the table
                 rows.append({"row": name, "kind": ROWS[name][0], "peer": ROWS[name][3],
                              "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
@@ -268,16 +277,18 @@ def main(argv=None) -> int:
     parser.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
     parser.add_argument("--here", action="store_true", help="run the rows in this process (what each row's own "
                         "process does)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override every row's spec (after the row's own overrides), as `tessera run --set`")
     args = parser.parse_args(argv)
     try:
         names = select(args.only, args.rows)
     except ValueError as exc:
         parser.error(str(exc))
     if args.here:
-        rows = measure_here(names)
+        rows = measure_here(names, args.set)
     else:
         peers = {} if args.no_peers else measure_peers(names)  # before JAX takes the card
-        rows = measure(names, peers)
+        rows = measure(names, peers, args.set)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

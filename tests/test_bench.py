@@ -350,3 +350,17 @@ def test_every_e2e_row_is_a_valid_spec():
                        ("llama-1b train fp8 delayed unembedding", "embed/unembed"),
                        ("llama-8b-layers train fp8 delayed unembedding", "unembed")):
         assert fp8_ops_of(check_experiment(exps[row]).attrs) == {label: True}
+
+
+def test_e2e_sets_override_every_row_after_its_own():
+    """`bench.e2e --set` reaches each row's spec after the row's overrides: a row's policy survives its JSON round
+    trip, and the set's key takes the set's value."""
+    from bench import e2e
+    from tessera.spec import load_experiment
+
+    name = "llama-1b train fp8 delayed unembedding"
+    _, spec, overrides, _ = e2e.ROWS[name]
+    got = load_experiment(spec, overrides=e2e.row_overrides(name, ["parallel.remat=none"])).model_dump()
+    want = load_experiment(spec, overrides={**overrides, "parallel.remat": "none"}).model_dump()
+    assert got == want and got["parallel"]["remat"] == "none"
+    assert list(got["numerics"]["compute"]) == ["*unembed"]
