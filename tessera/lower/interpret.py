@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from tessera.ir.ops_recurrence import invariant
 from tessera.ir.passes.numerics import FP8_OPS, fp8_op
@@ -44,12 +45,23 @@ from tessera.lower.table import get_lowering
 
 State = dict[str, Any]
 
-REMAT_POLICIES = {  # parallel.remat -> the jax.checkpoint policy of a `repeat` body in training (none: no remat)
+REMAT_POLICIES = {  # parallel.remat -> the jax.checkpoint policy of a `repeat` body in training (none: KEEP_RESULTS)
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED)),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
+
+# `remat: none` in a repeat's layers: every IR op's results kept (a train step names them OP_RESULT, `eval_region`),
+# and what `dots` keeps (the products with weights, attention's kernel residuals), as the plan counts them
+# (tessera/ir/cost.py `activation_bytes`); what an op computes inside itself from those (an fp32 upcast, a norm's
+# statistics, an activation's sigmoid; the reference attention's scores) is recomputed by the backward. Without a
+# policy JAX kept every such value: the Llama-1B step (batch 8 x 2048, one H100, session 45) asked for one 70.8 GiB
+# allocation where the plan's total, parameters and optimizer included, was 43.0 GiB.
+OP_RESULT = "tessera_op_result"
+KEEP_RESULTS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(OP_RESULT, *REMAT_SAVED))
 
 
 def param_bindings(op: Op) -> list[tuple[str, str]]:
@@ -108,6 +120,8 @@ def eval_region(region: Region, args: list, params: dict, ctx: LowerCtx, state: 
                 op, ins = _explicit_params(op, env, params, ctx)
             with jax.named_scope(op.label(index, scope)):
                 outs, st = _eval_op(op, ins, params, ctx, None if state is None else state.get(key), layer)
+            if ctx.mode == "train":  # what remat none keeps of a layer (KEEP_RESULTS)
+                outs = [_named_result(o) for o in outs]
         if st is not None and new_state is not None:
             new_state[key] = st
         env.update(zip(op.results, outs))
@@ -256,10 +270,26 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     return list(carry), new_state
 
 
+def _named_result(x):
+    """An op's result named for KEEP_RESULTS (fp8 values unnamed: jax would round a saved e4m3fn value through IEEE
+    `reduce_precision`, making its largest values inf; layerwise.saveable_but_gathers says more)."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits > 8:
+        return checkpoint_name(x, OP_RESULT)
+    return x
+
+
 def _rematerialised(fn, ctx: LowerCtx, remat: str):
-    """A train step's layer (the scan's body, or an unrolled layer) under the spec's remat policy, else
-    `ctx.layer_remat`; fn itself where neither applies."""
-    policy = REMAT_POLICIES.get(remat, ctx.layer_remat) if ctx.mode == "train" else None
+    """A train step's layer (the scan's body, or an unrolled layer) under the spec's remat policy (dots, full; none:
+    KEEP_RESULTS in fast mode), else `ctx.layer_remat`; fn itself where none applies.
+
+    Deterministic mode keeps none as JAX does without a policy: its steps are bit for bit the same on every mesh
+    because each computes the same values in the same fusions, and values recomputed in the backward's fusions came
+    out a rounding apart between one device and a mesh on XLA:CPU (test_train_meshes)."""
+    if ctx.mode != "train":
+        return fn
+    policy = REMAT_POLICIES.get(remat)
+    if policy is None:
+        policy = KEEP_RESULTS if remat == "none" and not ctx.deterministic else ctx.layer_remat
     return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 

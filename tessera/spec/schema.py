@@ -126,7 +126,8 @@ class Parallel(Section):
     pipeline: Pipeline = Field(default_factory=Pipeline, description="pipeline microbatches and schedule")
     sequence_parallel: bool = Field(False, description="shard activations along seq between tensor-parallel ops")
     remat: Literal["none", "dots", "full"] = Field(
-        "none", description="rematerialisation: none | dots (save matmul outputs only) | full")
+        "none", description="rematerialisation: none (save every op's results) | dots (save matmul outputs only) | "
+        "full")
     deterministic: bool = Field(True, description="fixed-order reductions: bitwise-reproducible on any mesh")
     canonical_shards: int | None = Field(
         None, ge=1, description="deterministic mode: the batch is cut into this many canonical shards (a divisor of "
