@@ -1,0 +1,152 @@
+"""SwiGLU's gradient quantised to e5m2 in both layouts in one pass (Pallas, Triton backend), against XLA's fusion.
+
+    python -m bench.experiments.fp8_cast_transpose [--m 16384] [--f 8192] [--check]
+
+In an fp8 train step the MLP's backward takes the gradient dh of SwiGLU's output h = silu(gate) * up, forms the
+gradients of gate and up, and quantises each to e5m2 (delayed scaling: a scale known beforehand) in the row layout
+the input gradient's GEMM reads and in the transposed, token-minor, layout the weight gradient's GEMM reads
+(cuBLASLt's fp8 GEMMs take both operands contiguous along K), with each gradient's amax for the history. XLA makes
+that one multi-output fusion: 1,165 us a layer at the Llama-1B shape (16,384 tokens x 8,192) in the session-45
+profile of the step, ~2.5x the time of its bytes (768 MiB read, 512 MiB written) at the copy rate.
+
+Variants timed on the same inputs (GPU milliseconds a call, bench.timing.time_jax):
+- "xla": the step's form (the VJP of reference/activations.swiglu, then `quantize` with the given scale, `.T`);
+- "xla, barrier": the same with the quantised values behind an optimization barrier before their transposes, so
+  the transposes are copies of their own (bench.experiments.train_variants "barrier before weight gradient");
+- "pallas": `swiglu_grad_e5m2`, one program per [bm, bf] tile: reads dh, gate, up once, writes both codes in both
+  layouts and the tile's two amaxes.
+`--check` compares the kernel with the step's form (codes equal but where the fp32 gradients differ in their last
+bits across a rounding boundary; amaxes within a bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from tessera.lower.reference import activations
+
+E5M2 = jnp.float8_e5m2
+BIG = float(jnp.finfo(E5M2).max)
+
+
+def _codes(x, s):
+    """x (fp32) times the power of two s, saturated and rounded to e5m2 (reference/fp8.quantize_delayed's cast)."""
+    return jnp.clip(x * s, -BIG, BIG).astype(E5M2)
+
+
+def _kernel(s_ref, dh_ref, g_ref, u_ref, gq_ref, gt_ref, uq_ref, ut_ref, ga_ref, ua_ref):
+    g = g_ref[...].astype(jnp.float32)
+    u = u_ref[...].astype(jnp.float32)
+    dh = dh_ref[...].astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    # the VJP of (g * sigmoid(g) * u) in fp32, each gradient rounded to the gradients' type as the step's are
+    dg = (dh * u * (sig + g * sig * (1.0 - sig))).astype(dh_ref.dtype).astype(jnp.float32)
+    du = (dh * (g * sig)).astype(dh_ref.dtype).astype(jnp.float32)
+    qg, qu = _codes(dg, s_ref[0]), _codes(du, s_ref[1])
+    gq_ref[...] = qg
+    gt_ref[...] = qg.T
+    uq_ref[...] = qu
+    ut_ref[...] = qu.T
+    ga_ref[...] = jnp.max(jnp.abs(dg)).reshape(1, 1)
+    ua_ref[...] = jnp.max(jnp.abs(du)).reshape(1, 1)
+
+
+def swiglu_grad_e5m2(dh, gate, up, scales, *, bm: int = 64, bf: int = 128, num_warps: int = 4,
+                     interpret: bool = False):
+    """SwiGLU's gradients quantised: dh, gate, up [M, F] (bf16), scales fp32 [2] (gate's, up's) ->
+    (gate codes [M, F], their transpose [F, M], up codes, their transpose (e5m2), amax |d gate|, amax |d up|)."""
+    m, f = dh.shape
+    if m % bm or f % bf:
+        raise ValueError(f"[{m}, {f}] is not a whole number of [{bm}, {bf}] tiles")
+    tile = pl.BlockSpec((bm, bf), lambda i, j: (i, j))
+    tile_t = pl.BlockSpec((bf, bm), lambda i, j: (j, i))
+    one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
+    grid = (m // bm, f // bf)
+    codes = jax.ShapeDtypeStruct((m, f), E5M2)
+    codes_t = jax.ShapeDtypeStruct((f, m), E5M2)
+    amax = jax.ShapeDtypeStruct(grid, jnp.float32)
+    compiler = {} if interpret else {"compiler_params": _triton(num_warps)}
+    gq, gt, uq, ut, ga, ua = pl.pallas_call(
+        _kernel, grid=grid,
+        in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), tile, tile, tile],
+        out_specs=[tile, tile_t, tile, tile_t, one, one],
+        out_shape=[codes, codes_t, codes, codes_t, amax, amax], interpret=interpret, **compiler,
+    )(scales.astype(jnp.float32), dh, gate, up)
+    return gq, gt, uq, ut, jnp.max(ga), jnp.max(ua)
+
+
+def _triton(num_warps: int):
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def reference(dh, gate, up, scales, barrier: bool = False):
+    """The step's form: the VJP of reference/activations.swiglu, each gradient quantised and transposed."""
+    _, vjp = jax.vjp(activations.swiglu, gate, up)
+    dg, du = vjp(dh)
+    qg, qu = _codes(dg.astype(jnp.float32), scales[0]), _codes(du.astype(jnp.float32), scales[1])
+    if barrier:
+        qg, qu = jax.lax.optimization_barrier((qg, qu))
+    amax = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)))  # noqa: E731
+    return qg, qg.T, qu, qu.T, amax(dg), amax(du)
+
+
+def inputs(m: int, f: int, seed: int = 0):
+    """dh, gate, up (bf16 [m, f], gradients at a mean loss's scale) and power-of-two scales that fit them."""
+    k = jax.random.split(jax.random.key(seed), 3)
+    gate = jax.random.normal(k[0], (m, f), jnp.bfloat16)
+    up = jax.random.normal(k[1], (m, f), jnp.bfloat16)
+    dh = (1e-4 * jax.random.normal(k[2], (m, f), jnp.float32)).astype(jnp.bfloat16)
+    return dh, gate, up, jnp.asarray([2.0 ** 22, 2.0 ** 22], jnp.float32)
+
+
+def compare(got, want) -> dict:
+    """Code mismatches (count, and the largest distance in e5m2 steps) of each coded output, and the amaxes."""
+    out = {}
+    for name, a, b in zip(("gate", "gate.T", "up", "up.T"), got[:4], want[:4]):
+        ia = jax.lax.bitcast_convert_type(a, jnp.uint8).astype(jnp.int32)
+        ib = jax.lax.bitcast_convert_type(b, jnp.uint8).astype(jnp.int32)
+        out[name] = (int(jnp.sum(ia != ib)), int(jnp.max(jnp.abs(ia - ib))))
+    out["amax"] = (float(got[4]), float(want[4]), float(got[5]), float(want[5]))
+    return out
+
+
+def main(argv=None) -> int:
+    from bench.timing import time_jax
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--f", type=int, default=8192)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--tiles", default="64x128,128x64,64x64,128x128", help="bm x bf of the Pallas variants")
+    args = ap.parse_args(argv)
+    args_ = inputs(args.m, args.f)
+    moved = 3 * 2 * args.m * args.f + 4 * args.m * args.f  # bytes read and written
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: [{args.m}, {args.f}], {moved / 2**20:.0f} MiB",
+          flush=True)
+    variants = {"xla": reference, "xla, barrier": functools.partial(reference, barrier=True)}
+    for t in args.tiles.split(","):
+        bm, bf = (int(v) for v in t.split("x"))
+        variants[f"pallas {t}"] = functools.partial(swiglu_grad_e5m2, bm=bm, bf=bf)
+    want = jax.jit(reference)(*args_) if args.check else None
+    for name, fn in variants.items():
+        try:
+            ms = time_jax(fn, *args_)
+        except Exception as exc:  # a tiling Triton refuses is a result, not the end of the table
+            print(f"{name:<16} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        line = f"{name:<16} {ms * 1e3:8.1f} us  {moved / ms / 1e6:7.0f} GB/s"
+        if want is not None and name.startswith("pallas"):
+            line += f"  {compare(jax.jit(fn)(*args_), want)}"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
