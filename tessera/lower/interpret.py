@@ -45,7 +45,7 @@ from tessera.lower.table import get_lowering
 
 State = dict[str, Any]
 
-REMAT_POLICIES = {  # parallel.remat -> the jax.checkpoint policy of a `repeat` body in training (none: KEEP_RESULTS)
+REMAT_POLICIES = {  # parallel.remat -> the jax.checkpoint policy of a `repeat` body in training (none: below)
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED)),
