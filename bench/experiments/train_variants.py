@@ -14,8 +14,10 @@ variants:
 - "every operand falls back": the form built until session 33, every operand scaled from its current amax while its
   history is empty, a select that keeps each operand's amax reduction ahead of its cast;
 - "barrier before weight gradient": the weight gradient's two fp8 operands behind an optimization barrier, so the
-  transposes its GEMM needs are not fused into the fusions that quantise them (lowering_variants).
-The first three need a spec under `fp8_e4m3 @scale(delayed(H))`, the last any fp8 default, e.g.
+  transposes its GEMM needs are not fused into the fusions that quantise them (lowering_variants);
+- "fused swiglu gradient": "history only" with the MLP's gate, up and SwiGLU as one custom VJP whose backward
+  quantises SwiGLU's gradient in both layouts in one Pallas pass (fp8_fused_mlp; compare it with "history only").
+All but the barrier need a spec under `fp8_e4m3 @scale(delayed(H))`, the barrier any fp8 default, e.g.
 `--set 'numerics.default=fp8_e4m3 @scale(delayed(16)) @accum(fp32)'`. Variant names hold no commas (`--only`).
 
 Measured (session 33, one H100, jax 0.11.2, delayed(16), batch 8 x 2048; base then being "every operand falls back"
@@ -38,6 +40,7 @@ import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import (  # noqa: E402
     barrier_before_weight_gradient, every_operand_falls_back, history_only, patched)
+from bench.experiments import fp8_fused_mlp  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
 
 
@@ -89,6 +92,7 @@ VARIANTS = {
     "history only": [(fp8, "quantize_delayed", history_only)],
     "every operand falls back": [(fp8, "quantize_delayed", every_operand_falls_back)],
     "barrier before weight gradient": [(fp8, "_product", barrier_before_weight_gradient)],
+    "fused swiglu gradient": [(fp8, "quantize_delayed", history_only), *fp8_fused_mlp.PATCHES],
 }
 
 
