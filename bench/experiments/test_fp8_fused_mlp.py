@@ -31,6 +31,7 @@ def _train(patches, steps=4):
         program._PROGRAMS.clear()
         prog = compile_experiment(exp, optimizer=build_optimizer(exp))
         state = prog.init_train_state(prog.init(0))
+        kernels = str(jax.make_jaxpr(prog.train_step_fn())(state, batch)).count("pallas_call")
         # every gradient row seeded with a range (1e-3) its gradients lie under, so step 1's gradients do not
         # underflow e5m2 at scale 1 (history only: no fallback to their amax) and flip codes on rounding noise
         history = {k: v.at[..., 2, 0].set(1e-3) for k, v in state.opt_state.history.items()}
@@ -40,7 +41,7 @@ def _train(patches, steps=4):
             state, m = prog.train_step(state, batch)
             losses.append(float(m["loss"]))
     program._PROGRAMS.clear()
-    return np.array(losses), state
+    return np.array(losses), state, kernels
 
 
 def test_the_fused_product_is_the_built_products_bit_for_bit():
@@ -77,8 +78,9 @@ def test_the_fused_product_is_the_built_products_bit_for_bit():
 def test_the_fused_mlp_trains_as_the_built_one():
     """The tiny Llama's step with the fused MLP: the losses of four steps within 1e-3 of the built lowering's (the
     same scaling), and gate's amax history takes every row's amax."""
-    base, _ = _train([(fp8, "quantize_delayed", history_only)])
-    fused, s1 = _train([(fp8, "quantize_delayed", history_only), *fp8_fused_mlp.PATCHES])
+    base, _, none = _train([(fp8, "quantize_delayed", history_only)])
+    fused, s1, kernels = _train([(fp8, "quantize_delayed", history_only), *fp8_fused_mlp.PATCHES])
+    assert none == 0 and kernels >= 1  # the layers' MLP took the fused path (its kernel in the step)
     np.testing.assert_allclose(fused, base, rtol=1e-3)
     (h,) = (v for k, v in s1.opt_state.history.items() if "mlp/gate" in k)
     assert (np.asarray(h)[..., :, 0] > 0).all()  # every row took each step's amax: input, weight, gradient
