@@ -1,6 +1,6 @@
 """SwiGLU's gradient quantised to e5m2 in both layouts in one pass (Pallas, Triton backend), against XLA's fusion.
 
-    python -m bench.experiments.fp8_cast_transpose [--m 16384] [--f 8192] [--check]
+    python -m bench.experiments.fp8_cast_transpose [--m 16384] [--f 8192] [--logits 16384x128256] [--check]
 
 In an fp8 train step the MLP's backward takes the gradient dh of SwiGLU's output h = silu(gate) * up, forms the
 gradients of gate and up, and quantises each to e5m2 (delayed scaling: a scale known beforehand) in the row layout
@@ -17,6 +17,11 @@ Variants timed on the same inputs (GPU milliseconds a call, bench.timing.time_ja
   layouts and the tile's two amaxes.
 `--check` compares the kernel with the step's form (codes equal but where the fp32 gradients differ in their last
 bits across a rounding boundary; amaxes within a bf16 rounding).
+
+A second table (`--logits M x N`, the Llama-1B step's 16,384 x 128,256 by default) times the plain form for the
+unembedding's logits gradient, `cast_transpose_e5m2`: a materialised bf16 gradient to codes in both layouts and its
+amax, against XLA's (the step's fusion computes the gradient from the logits as well: 7.0 ms, and 3.0 ms for its
+amax, in the session-45 profile).
 """
 
 from __future__ import annotations
@@ -80,6 +85,42 @@ def swiglu_grad_e5m2(dh, gate, up, scales, *, bm: int = 64, bf: int = 128, num_w
     return gq, gt, uq, ut, jnp.max(ga), jnp.max(ua)
 
 
+def _cast_kernel(s_ref, x_ref, q_ref, t_ref, a_ref):
+    x = x_ref[...].astype(jnp.float32)
+    q = _codes(x, s_ref[0])
+    q_ref[...] = q
+    t_ref[...] = q.T
+    a_ref[...] = jnp.max(jnp.abs(x)).reshape(1, 1)
+
+
+def cast_transpose_e5m2(x, scale, *, bm: int = 64, bn: int = 128, num_warps: int = 4, interpret: bool = False):
+    """x [M, N] (a gradient, bf16) quantised to e5m2 with the power of two `scale` (fp32 [1]): (codes [M, N], their
+    transpose [N, M], amax |x|) in one pass: the unembedding's logits gradient, whose weight gradient's GEMM reads it
+    token-minor (in the session-45 step XLA's fusion took 7.0 ms after a 3.0 ms amax pass at 16,384 x 128,256)."""
+    m, n = x.shape
+    if m % bm or n % bn:
+        raise ValueError(f"[{m}, {n}] is not a whole number of [{bm}, {bn}] tiles")
+    grid = (m // bm, n // bn)
+    compiler = {} if interpret else {"compiler_params": _triton(num_warps)}
+    q, t, a = pl.pallas_call(
+        _cast_kernel, grid=grid,
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((bn, bm), lambda i, j: (j, i)),
+                   pl.BlockSpec((1, 1), lambda i, j: (i, j))],
+        out_shape=[jax.ShapeDtypeStruct((m, n), E5M2), jax.ShapeDtypeStruct((n, m), E5M2),
+                   jax.ShapeDtypeStruct(grid, jnp.float32)], interpret=interpret, **compiler,
+    )(scale.astype(jnp.float32), x)
+    return q, t, jnp.max(a)
+
+
+def cast_reference(x, scale, barrier: bool = False):
+    """XLA's form: quantise, transpose, amax."""
+    q = _codes(x.astype(jnp.float32), scale[0])
+    if barrier:
+        q = jax.lax.optimization_barrier(q)
+    return q, q.T, jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
 def _triton(num_warps: int):
     from jax.experimental.pallas import triton as pltriton
 
@@ -107,34 +148,54 @@ def inputs(m: int, f: int, seed: int = 0):
 
 
 def compare(got, want) -> dict:
-    """Code mismatches (count, and the largest distance in e5m2 steps) of each coded output, and the amaxes."""
-    out = {}
-    for name, a, b in zip(("gate", "gate.T", "up", "up.T"), got[:4], want[:4]):
-        ia = jax.lax.bitcast_convert_type(a, jnp.uint8).astype(jnp.int32)
-        ib = jax.lax.bitcast_convert_type(b, jnp.uint8).astype(jnp.int32)
-        out[name] = (int(jnp.sum(ia != ib)), int(jnp.max(jnp.abs(ia - ib))))
-    out["amax"] = (float(got[4]), float(want[4]), float(got[5]), float(want[5]))
+    """Each coded output's mismatches against `want`'s (count, largest distance in e5m2 steps), keyed by position
+    (SwiGLU's: gate, gate.T, up, up.T), and the amaxes (got, want)."""
+    out, amax = {}, []
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a.dtype == E5M2:
+            ia = jax.lax.bitcast_convert_type(a, jnp.uint8).astype(jnp.int32)
+            ib = jax.lax.bitcast_convert_type(b, jnp.uint8).astype(jnp.int32)
+            out[i] = (int(jnp.sum(ia != ib)), int(jnp.max(jnp.abs(ia - ib))))
+        else:
+            amax.append((float(a), float(b)))
+    out["amax"] = amax
     return out
 
 
 def main(argv=None) -> int:
-    from bench.timing import time_jax
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, default=16384)
     ap.add_argument("--f", type=int, default=8192)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tiles", default="64x128,128x64,64x64,128x128", help="bm x bf of the Pallas variants")
+    ap.add_argument("--logits", default="16384x128256", help="M x N of the plain cast-transpose table ('' skips)")
     args = ap.parse_args(argv)
-    args_ = inputs(args.m, args.f)
-    moved = 3 * 2 * args.m * args.f + 4 * args.m * args.f  # bytes read and written
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: [{args.m}, {args.f}], {moved / 2**20:.0f} MiB",
+    _table(args, "SwiGLU's gradient", inputs(args.m, args.f), 3 * 2 * args.m * args.f + 4 * args.m * args.f,
+           {"xla": reference, "xla, barrier": functools.partial(reference, barrier=True)}, swiglu_grad_e5m2,
+           "bf")
+    if args.logits:
+        m, n = (int(v) for v in args.logits.split("x"))
+        g = (1e-6 * jax.random.normal(jax.random.key(1), (m, n), jnp.float32)).astype(jnp.bfloat16)
+        _table(args, "the logits' gradient", (g, jnp.asarray([2.0 ** 26], jnp.float32)), 2 * m * n + 2 * m * n,
+               {"xla": cast_reference, "xla, barrier": functools.partial(cast_reference, barrier=True)},
+               cast_transpose_e5m2, "bn")
+    return 0
+
+
+def _table(args, what, args_, moved, variants, kernel, minor: str):
+    """Time each of `variants` and the kernel at every tile of `--tiles` on `args_`; `moved`: bytes read and
+    written (the rate printed); with `--check` the kernel's codes against the first variant's."""
+    from bench.timing import time_jax
+
+    shape = "x".join(str(d) for d in args_[0].shape)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {what} [{shape}], {moved / 2**20:.0f} MiB",
           flush=True)
-    variants = {"xla": reference, "xla, barrier": functools.partial(reference, barrier=True)}
+    variants = dict(variants)
+    first = next(iter(variants.values()))
     for t in args.tiles.split(","):
-        bm, bf = (int(v) for v in t.split("x"))
-        variants[f"pallas {t}"] = functools.partial(swiglu_grad_e5m2, bm=bm, bf=bf)
-    want = jax.jit(reference)(*args_) if args.check else None
+        bm, bn = (int(v) for v in t.split("x"))
+        variants[f"pallas {t}"] = functools.partial(kernel, bm=bm, **{minor: bn})
+    want = jax.jit(first)(*args_) if args.check else None
     for name, fn in variants.items():
         try:
             ms = time_jax(fn, *args_)
@@ -145,7 +206,6 @@ def main(argv=None) -> int:
         if want is not None and name.startswith("pallas"):
             line += f"  {compare(jax.jit(fn)(*args_), want)}"
         print(line, flush=True)
-    return 0
 
 
 if __name__ == "__main__":
