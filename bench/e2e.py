@@ -231,7 +231,8 @@ def measure(names: list[str], peers: dict[str, list[dict]] | None = None, sets: 
                 row = {"row": name, "kind": ROWS[name][0], "peer": ROWS[name][3],
                        "error": f"exit {done.returncode}: {tail[0][:400]}"}
         rows.append(row)
-        print(f"{name:<18} FAILED {row['error']}" if "error" in row else show(row), flush=True)
+        sets_shown = "".join(f" --set {s}" for s in sets)
+        print(f"{name:<18}{sets_shown} FAILED {row['error']}" if "error" in row else show(row), flush=True)
         row["peers"] = (peers or {}).get(name, [])
         for peer in row["peers"]:
             print(show_peer(peer, row), flush=True)
