@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tessera.lower.reference import activations
+from tessera.lower.reference import activations, fp8
 
 E5M2 = jnp.float8_e5m2
 BIG = float(jnp.finfo(E5M2).max)
@@ -61,28 +61,32 @@ def _kernel(s_ref, dh_ref, g_ref, u_ref, gq_ref, gt_ref, uq_ref, ut_ref, ga_ref,
     ua_ref[...] = jnp.max(jnp.abs(du)).reshape(1, 1)
 
 
+def _tiled(kernel, scales, *operands, codes: int, bm: int, bn: int, num_warps: int, interpret: bool):
+    """`kernel` over [bm, bn] tiles of the [M, N] `operands` (bf16) with `scales` (fp32, read whole): its outputs are
+    `codes` pairs of e5m2 codes [M, N] and their transpose [N, M], then one fp32 amax per code a tile, reduced here
+    to one each. Returns (code, transpose) * codes, then the amaxes."""
+    m, n = operands[0].shape
+    if m % bm or n % bn:
+        raise ValueError(f"[{m}, {n}] is not a whole number of [{bm}, {bn}] tiles")
+    grid = (m // bm, n // bn)
+    tile, tile_t = pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((bn, bm), lambda i, j: (j, i))
+    one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
+    pair = [jax.ShapeDtypeStruct((m, n), E5M2), jax.ShapeDtypeStruct((n, m), E5M2)]
+    compiler = {} if interpret else {"compiler_params": _triton(num_warps)}
+    out = pl.pallas_call(
+        kernel, grid=grid,
+        in_specs=[pl.BlockSpec(scales.shape, lambda i, j: (0,)), *[tile] * len(operands)],
+        out_specs=[tile, tile_t] * codes + [one] * codes,
+        out_shape=pair * codes + [jax.ShapeDtypeStruct(grid, jnp.float32)] * codes, interpret=interpret, **compiler,
+    )(scales.astype(jnp.float32), *operands)
+    return (*out[:2 * codes], *(jnp.max(a) for a in out[2 * codes:]))
+
+
 def swiglu_grad_e5m2(dh, gate, up, scales, *, bm: int = 64, bf: int = 128, num_warps: int = 4,
                      interpret: bool = False):
     """SwiGLU's gradients quantised: dh, gate, up [M, F] (bf16), scales fp32 [2] (gate's, up's) ->
     (gate codes [M, F], their transpose [F, M], up codes, their transpose (e5m2), amax |d gate|, amax |d up|)."""
-    m, f = dh.shape
-    if m % bm or f % bf:
-        raise ValueError(f"[{m}, {f}] is not a whole number of [{bm}, {bf}] tiles")
-    tile = pl.BlockSpec((bm, bf), lambda i, j: (i, j))
-    tile_t = pl.BlockSpec((bf, bm), lambda i, j: (j, i))
-    one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
-    grid = (m // bm, f // bf)
-    codes = jax.ShapeDtypeStruct((m, f), E5M2)
-    codes_t = jax.ShapeDtypeStruct((f, m), E5M2)
-    amax = jax.ShapeDtypeStruct(grid, jnp.float32)
-    compiler = {} if interpret else {"compiler_params": _triton(num_warps)}
-    gq, gt, uq, ut, ga, ua = pl.pallas_call(
-        _kernel, grid=grid,
-        in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), tile, tile, tile],
-        out_specs=[tile, tile_t, tile, tile_t, one, one],
-        out_shape=[codes, codes_t, codes, codes_t, amax, amax], interpret=interpret, **compiler,
-    )(scales.astype(jnp.float32), dh, gate, up)
-    return gq, gt, uq, ut, jnp.max(ga), jnp.max(ua)
+    return _tiled(_kernel, scales, dh, gate, up, codes=2, bm=bm, bn=bf, num_warps=num_warps, interpret=interpret)
 
 
 def _cast_kernel(s_ref, x_ref, q_ref, t_ref, a_ref):
@@ -97,20 +101,7 @@ def cast_transpose_e5m2(x, scale, *, bm: int = 64, bn: int = 128, num_warps: int
     """x [M, N] (a gradient, bf16) quantised to e5m2 with the power of two `scale` (fp32 [1]): (codes [M, N], their
     transpose [N, M], amax |x|) in one pass: the unembedding's logits gradient, whose weight gradient's GEMM reads it
     token-minor (in the session-45 step XLA's fusion took 7.0 ms after a 3.0 ms amax pass at 16,384 x 128,256)."""
-    m, n = x.shape
-    if m % bm or n % bn:
-        raise ValueError(f"[{m}, {n}] is not a whole number of [{bm}, {bn}] tiles")
-    grid = (m // bm, n // bn)
-    compiler = {} if interpret else {"compiler_params": _triton(num_warps)}
-    q, t, a = pl.pallas_call(
-        _cast_kernel, grid=grid,
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
-        out_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((bn, bm), lambda i, j: (j, i)),
-                   pl.BlockSpec((1, 1), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((m, n), E5M2), jax.ShapeDtypeStruct((n, m), E5M2),
-                   jax.ShapeDtypeStruct(grid, jnp.float32)], interpret=interpret, **compiler,
-    )(scale.astype(jnp.float32), x)
-    return q, t, jnp.max(a)
+    return _tiled(_cast_kernel, scale, x, codes=1, bm=bm, bn=bn, num_warps=num_warps, interpret=interpret)
 
 
 def cast_reference(x, scale, barrier: bool = False):
@@ -118,7 +109,7 @@ def cast_reference(x, scale, barrier: bool = False):
     q = _codes(x.astype(jnp.float32), scale[0])
     if barrier:
         q = jax.lax.optimization_barrier(q)
-    return q, q.T, jnp.max(jnp.abs(x.astype(jnp.float32)))
+    return q, q.T, fp8._amax(x)
 
 
 def _triton(num_warps: int):
@@ -134,8 +125,7 @@ def reference(dh, gate, up, scales, barrier: bool = False):
     qg, qu = _codes(dg.astype(jnp.float32), scales[0]), _codes(du.astype(jnp.float32), scales[1])
     if barrier:
         qg, qu = jax.lax.optimization_barrier((qg, qu))
-    amax = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)))  # noqa: E731
-    return qg, qg.T, qu, qu.T, amax(dg), amax(du)
+    return qg, qg.T, qu, qu.T, fp8._amax(dg), fp8._amax(du)
 
 
 def inputs(m: int, f: int, seed: int = 0):
