@@ -188,9 +188,13 @@ def show(row: dict) -> str:
         what = ", ".join(f"{p} {row[p + '_ms']:.1f} ms MFU {row[p + '_mfu']:.1%} (compile {row[p + '_compile_s']:.0f} s)"
                          for p in ("forward", "train_step") if p + "_ms" in row)
     mode = "deterministic" if row.get("deterministic") else "fast"
-    sets = "".join(f" --set {s}" for s in row.get("sets") or ())
-    return (f"{row['row']:<18}{sets} {what}; {mem}; {mode}; mesh {row['mesh']}; wall {row['wall_s']:.0f} s | peer: "
-            f"{row['peer']}")
+    return (f"{row['row']:<18}{_sets_text(row.get('sets'))} {what}; {mem}; {mode}; mesh {row['mesh']}; wall "
+            f"{row['wall_s']:.0f} s | peer: {row['peer']}")
+
+
+def _sets_text(sets) -> str:
+    """The `--set`s a row ran with, as its line prints them."""
+    return "".join(f" --set {s}" for s in sets or ())
 
 
 def select(kinds: str | None = None, rows: str | None = None) -> list[str]:
@@ -231,8 +235,7 @@ def measure(names: list[str], peers: dict[str, list[dict]] | None = None, sets: 
                 row = {"row": name, "kind": ROWS[name][0], "peer": ROWS[name][3],
                        "error": f"exit {done.returncode}: {tail[0][:400]}"}
         rows.append(row)
-        sets_shown = "".join(f" --set {s}" for s in sets)
-        print(f"{name:<18}{sets_shown} FAILED {row['error']}" if "error" in row else show(row), flush=True)
+        print(f"{name:<18}{_sets_text(sets)} FAILED {row['error']}" if "error" in row else show(row), flush=True)
         row["peers"] = (peers or {}).get(name, [])
         for peer in row["peers"]:
             print(show_peer(peer, row), flush=True)
