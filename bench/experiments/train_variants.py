@@ -38,9 +38,9 @@ configure_allocator()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.experiments import fp8_fused_mlp  # noqa: E402
 from bench.experiments.lowering_variants import (  # noqa: E402
     barrier_before_weight_gradient, every_operand_falls_back, history_only, patched)
-from bench.experiments import fp8_fused_mlp  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
 
 
