@@ -28,6 +28,7 @@ and "history only forward" today's built form): base 264.02 ms a step (loss afte
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections import Counter
 
@@ -115,6 +116,8 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
     ap.add_argument("--checksum", action="store_true", help="print each variant's final parameters' sha256")
     ap.add_argument("--hlo", action="store_true", help="print the transposes in each variant's compiled step")
     ap.add_argument("--hlo-list", action="store_true", help="with --hlo: each fp8 transpose, where and its type")
+    ap.add_argument("--hlo-save", default=None, metavar="DIR", help="with --hlo: write each variant's compiled step "
+                    "(HLO text) to DIR/<variant>.hlo.txt")
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(variants)
     exp = load_experiment(args.spec, [*overrides, *args.set])
@@ -143,6 +146,10 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
             if args.hlo:  # the step as compiled (JAX's cached executable: no second compile)
                 text = prog.lower("train_step", holder[0], batch).compile().as_text()
                 found = hlo_transposes(text)
+                if args.hlo_save:
+                    os.makedirs(args.hlo_save, exist_ok=True)
+                    with open(os.path.join(args.hlo_save, name.replace(" ", "_") + ".hlo.txt"), "w") as f:
+                        f.write(text)
                 if args.hlo_list:
                     print("\n".join(f"{name:<24} {t}" for t in hlo_transpose_list(text)), flush=True)
                 print(f"{name:<24} transposes: " + (", ".join(f"{k} {n} ({b / 2 ** 30:.2f} GiB)"
