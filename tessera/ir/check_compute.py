@@ -21,8 +21,7 @@ from __future__ import annotations
 import fnmatch
 
 from tessera.diagnostics import Diagnostic
-from tessera.ir.passes.numerics import FP8_OPS
-from tessera.ir.passes.rewrite import regions
+from tessera.ir.passes.numerics import FP8_OPS, fp8_op_labels
 from tessera.ir.types import Graph
 
 
@@ -35,11 +34,7 @@ def compute_rule_problems(exp, graph: Graph) -> list[Diagnostic]:
     fp8 = default.base == "fp8_e4m3"
     compute = "bf16" if fp8 else default.base
     accum = (None, default.accum or "fp32")  # a rule's @accum: none, or the program's (fp32 unless written)
-    ops = {}
-    for region, _ in regions(graph):
-        for op in region.ops:
-            if op.name in FP8_OPS:
-                ops.setdefault(op.label(0), op.name)
+    ops = fp8_op_labels(graph)
     out = []
     for glob, t in rules.items():
         span, key = exp.span(f"numerics.compute.{glob}") or exp.span("numerics.compute"), "numerics.compute"

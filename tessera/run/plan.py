@@ -321,16 +321,18 @@ def fp8_copy_bytes(exp, graph, layout: cost.Layout) -> float:
     products."""
     import math
 
-    from tessera.ir.passes.numerics import fp8_weight_uses, fp8_weights
+    from tessera.ir.passes.numerics import fp8_product_dims, fp8_weight_uses
     from tessera.lower.fp8_held import DENSE, held_scaling
     from tessera.lower.shard.layerwise import unrolls
 
     scaling = graph.attrs.get("fp8")
     if not _trains(exp) or layout.devices != 1 or not held_scaling(scaling):
         return 0.0
-    stacked = fp8_weights(graph)  # {path: leading (stacked) dims}
-    n = sum(math.prod(d.size for d in graph.params[path].type.dims) for op, path, _ in fp8_weight_uses(graph)
-            if op.name in DENSE and stacked[path] > 0)
+    n = 0
+    for op, path, name in fp8_weight_uses(graph):
+        dims = graph.params[path].type.dims
+        if op.name in DENSE and len(dims) > fp8_product_dims(op.name, name, op.attrs)[1]:  # stacked by a repeat
+            n += math.prod(d.size for d in dims)
     if not exp.parallel.deterministic:
         return float(n)
     return float(2 * n * (2 if unrolls(_canonical(exp), scaling) else 1))

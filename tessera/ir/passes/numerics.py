@@ -116,15 +116,25 @@ def fp8_product(op, param: str, fp8_ops: dict | None = None) -> bool:
     return ((op.name, param) in _FP8_WEIGHTS or (op.name, param) in _OPT_IN) and fp8_op(op, fp8_ops)
 
 
+def fp8_op_labels(graph: Graph) -> dict[str, str]:
+    """{op label: op name} of `graph`'s ops whose products with weights can run in fp8 (FP8_OPS): what a
+    `numerics.compute` rule's glob is matched against."""
+    out: dict[str, str] = {}
+    for region, _ in regions(graph):
+        for op in region.ops:
+            if op.name in FP8_OPS:
+                out.setdefault(op.label(0), op.name)
+    return out
+
+
 def rule_fp8_ops(graph: Graph, policy) -> dict[str, bool] | None:
     """{op label: its products in fp8} that `policy`'s `numerics.compute` rules decide for `graph`'s ops (before or
     after this pass), or None without a rule that matches."""
     out = {}
-    for region, _ in regions(graph):
-        for op in region.ops:
-            rule = compute_rule(op.label(0), policy) if op.name in FP8_OPS else None
-            if rule is not None:
-                out[op.label(0)] = rule[1].base == "fp8_e4m3"
+    for label in fp8_op_labels(graph):
+        rule = compute_rule(label, policy)
+        if rule is not None:
+            out[label] = rule[1].base == "fp8_e4m3"
     return out or None
 
 
