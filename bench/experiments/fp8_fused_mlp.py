@@ -49,10 +49,8 @@ def _gate_up(x, wg, wu, held_g, held_u, hist_g, hist_u, aw, accum, out_dtype):
 
 
 def _product_of(x2, held, accum, out_dtype, sx):
-    wq, sw = held[0], held[1]
-    wt = held[3] if len(held) > 3 else None
-    fspec = fp8._forward("te,ef->tf", wq, wt)
-    return fp8._product(fspec or "te,ef->tf", x2, wt if fspec else wq, sx * sw, accum, out_dtype)
+    fspec, w = fp8.forward_operand("te,ef->tf", held)
+    return fp8._product(fspec or "te,ef->tf", x2, w, sx * held[1], accum, out_dtype)
 
 
 def _gate_up_fwd(x, wg, wu, held_g, held_u, hist_g, hist_u, aw, accum, out_dtype):

@@ -24,6 +24,7 @@ e4m3 and e5m2 value is a bf16 value) and multiplied as reference/accum.py and `r
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,10 +111,9 @@ def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str 
     out = jnp.dtype(preferred_element_type or x.dtype)
     delayed = history is not None and delayed_of(scaling) is not None
     if held is not None:
-        (wq, sw, aw), wt = held[:3], (held[3] if len(held) > 3 else None)
+        wq, sw, aw = held[:3]
         spec = spec.replace(" ", "")
-        fspec = _forward(spec, wq, wt)
-        wt = wt if fspec else wq
+        fspec, wt = forward_operand(spec, held)
         if delayed:
             return _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, jnp.dtype(accum), out)
         return _einsum_held(spec, fspec, x, w, wq, sw, wt, jnp.dtype(accum), out)
@@ -156,6 +156,14 @@ def _forward(spec: str, wq, wt) -> str:
     if not 0 < k < len(b) or any(c not in o for c in b[k:]) or wt.shape != wq.shape[k:] + wq.shape[:k]:
         return ""
     return f"{a},{b[k:] + b[:k]}->{o}"
+
+
+def forward_operand(spec: str, held) -> tuple[str, Any]:
+    """(fspec, operand) of a forward product `spec` over a held weight (`hold`'s tuple): its fourth element, the
+    layout cuBLASLt reads, with `_forward`'s spec over it, where that applies; else ("", w_q)."""
+    wq, wt = held[0], (held[3] if len(held) > 3 else None)
+    fspec = _forward(spec, wq, wt)
+    return fspec, (wt if fspec else wq)
 
 
 # `fspec`: the forward product's spec over `wt` (`_forward`), or "" for w_q itself (then `wt` is w_q)
