@@ -2,7 +2,7 @@
 is freed before the next compiles: two Llama-1B train states do not fit one card).
 
     python -m bench.experiments.train_variants [--spec specs/bench/llama_1b_train.yaml] [--set KEY=VALUE ...]
-        [--only base,...] [--steps 5] [--checksum] [--hlo]
+        [--only base,...] [--steps 5] [--checksum] [--hlo [--hlo-list] [--hlo-save DIR]]
 
 Each variant replaces functions of the lowering while a fresh Program traces its train step (its first call), and is
 timed as `tessera run`'s bench task times `train_step` (median of `--steps` calls after two warm-up calls). The
@@ -80,12 +80,48 @@ def hlo_transposes(text: str) -> dict[str, tuple[int, int]]:
         for dtype, dims in _ARRAY.findall(kind):
             if dtype.startswith("s8") and kind.startswith("("):
                 continue  # a custom call's workspace
-            size = 1
-            for d in filter(None, dims.split(",")):
-                size *= int(d)
-            out[dtype] += size * _BYTES.get(dtype, 1)
+            out[dtype] += _nbytes(dtype, dims)
             count[dtype] += 1
     return {k: (count[k], out[k]) for k in out}
+
+
+_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_NAME = re.compile(r'\\?"(?:name|kernel_name)\\?"\s*:\s*\\?"([\w.$-]+)')
+_MOVES = ("copy", "dynamic-slice", "dynamic-update-slice", "copy-start")
+
+
+def hlo_calls(text: str) -> tuple[Counter, dict[str, tuple[int, int]]]:
+    """In an optimized HLO module's text, outside fusions: ({(custom-call target, kernel name or ""): instructions},
+    {opcode: (instructions, bytes of their results)} for the data moves XLA:GPU runs as copies of their own (`copy`,
+    `dynamic-slice`, `dynamic-update-slice`: a layer's slice of a stacked array taken or written outside a fusion,
+    the profile's MemcpyD2D). Once per instruction, as `_transposes` counts."""
+    fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", text))
+    calls: Counter = Counter()
+    moves: dict[str, list[int]] = {}
+    inside = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.-]+) ", line)
+        if head and not line.startswith(" "):
+            inside = head.group(1)
+        m = _DEF.match(line)
+        if not m or inside in fused:
+            continue
+        if m.group(3) == "custom-call":
+            target = _CALL.search(line)
+            name = _NAME.search(line)
+            calls[(target.group(1) if target else "?", name.group(1) if name else "")] += 1
+        elif m.group(3) in _MOVES:
+            size = sum(_nbytes(dtype, dims) for dtype, dims in _ARRAY.findall(m.group(2)))
+            n, b = moves.get(m.group(3), (0, 0))
+            moves[m.group(3)] = (n + 1, b + size)
+    return calls, moves
+
+
+def _nbytes(dtype: str, dims: str) -> int:
+    size = _BYTES.get(dtype, 1)
+    for d in filter(None, dims.split(",")):
+        size *= int(d)
+    return size
 
 
 VARIANTS = {
@@ -114,7 +150,8 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
     ap.add_argument("--only", default=None)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--checksum", action="store_true", help="print each variant's final parameters' sha256")
-    ap.add_argument("--hlo", action="store_true", help="print the transposes in each variant's compiled step")
+    ap.add_argument("--hlo", action="store_true", help="print the transposes, custom calls and standalone copies in "
+                    "each variant's compiled step")
     ap.add_argument("--hlo-list", action="store_true", help="with --hlo: each fp8 transpose, where and its type")
     ap.add_argument("--hlo-save", default=None, metavar="DIR", help="with --hlo: write each variant's compiled step "
                     "(HLO text) to DIR/<variant>.hlo.txt")
@@ -154,6 +191,13 @@ def main(argv=None, variants: dict = VARIANTS, overrides: tuple = (), descriptio
                     print("\n".join(f"{name:<24} {t}" for t in hlo_transpose_list(text)), flush=True)
                 print(f"{name:<24} transposes: " + (", ".join(f"{k} {n} ({b / 2 ** 30:.2f} GiB)"
                                                              for k, (n, b) in sorted(found.items())) or "none"),
+                      flush=True)
+                calls, moves = hlo_calls(text)
+                print(f"{name:<24} custom calls: " + (", ".join(f"{t}{' ' + k if k else ''} x{n}"
+                                                                for (t, k), n in sorted(calls.items())) or "none"),
+                      flush=True)
+                print(f"{name:<24} copies: " + (", ".join(f"{op} {n} ({b / 2 ** 30:.2f} GiB)"
+                                                          for op, (n, b) in sorted(moves.items())) or "none"),
                       flush=True)
         del holder[:]  # the state freed before the next variant compiles
         times[name] = t["median_s"]
