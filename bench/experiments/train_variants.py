@@ -87,6 +87,7 @@ def hlo_transposes(text: str) -> dict[str, tuple[int, int]]:
 
 _CALL = re.compile(r'custom_call_target="([^"]+)"')
 _NAME = re.compile(r'\\?"(?:name|kernel_name)\\?"\s*:\s*\\?"([\w.$-]+)')
+_OP_NAME = re.compile(r'op_name="(?:[^"]*/)?([^"/]+/[^"/]+)"')  # the last two scopes of the traced name
 _MOVES = ("copy", "dynamic-slice", "dynamic-update-slice", "copy-start")
 
 
@@ -108,7 +109,7 @@ def hlo_calls(text: str) -> tuple[Counter, dict[str, tuple[int, int]]]:
             continue
         if m.group(3) == "custom-call":
             target = _CALL.search(line)
-            name = _NAME.search(line)
+            name = _NAME.search(line) or _OP_NAME.search(line)  # a kernel's name, else where it was traced
             calls[(target.group(1) if target else "?", name.group(1) if name else "")] += 1
         elif m.group(3) in _MOVES:
             size = sum(_nbytes(dtype, dims) for dtype, dims in _ARRAY.findall(m.group(2)))
