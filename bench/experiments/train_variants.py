@@ -50,10 +50,10 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
-def _transposes(text: str):
-    """(computation, instruction, result type) of each transpose in an optimized HLO module's text: `transpose`
-    instructions and the fusions XLA names after one (`wrapped_transpose*`, `*_transpose_fusion*`), once per
-    instruction (a loop body's once, however often the loop runs); computations inside a fusion not counted."""
+def _instructions(text: str):
+    """(computation, line, `_DEF` match) of each instruction in an optimized HLO module's text, outside the
+    computations a fusion calls; once per instruction (a loop body's once, however often the loop runs). ENTRY's
+    computation is named "ENTRY <name>"."""
     fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", text))
     inside = None
     for line in text.splitlines():
@@ -61,8 +61,15 @@ def _transposes(text: str):
         if head and not line.startswith(" "):
             inside = ("ENTRY " if line.startswith("ENTRY") else "") + head.group(1)
         m = _DEF.match(line)
-        if m and inside.removeprefix("ENTRY ") not in fused and \
-                ("transpose" in m.group(1) or m.group(3) == "transpose"):
+        if m and inside.removeprefix("ENTRY ") not in fused:
+            yield inside, line, m
+
+
+def _transposes(text: str):
+    """(computation, instruction, result type) of each transpose (`_instructions`): `transpose` instructions and the
+    fusions XLA names after one (`wrapped_transpose*`, `*_transpose_fusion*`)."""
+    for inside, _, m in _instructions(text):
+        if "transpose" in m.group(1) or m.group(3) == "transpose":
             yield inside, m.group(1), m.group(2)
 
 
@@ -95,18 +102,10 @@ def hlo_calls(text: str) -> tuple[Counter, dict[str, tuple[int, int]]]:
     """In an optimized HLO module's text, outside fusions: ({(custom-call target, kernel name or ""): instructions},
     {opcode: (instructions, bytes of their results)} for the data moves XLA:GPU runs as copies of their own (`copy`,
     `dynamic-slice`, `dynamic-update-slice`: a layer's slice of a stacked array taken or written outside a fusion,
-    the profile's MemcpyD2D). Once per instruction, as `_transposes` counts."""
-    fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", text))
+    the profile's MemcpyD2D), each instruction once (`_instructions`)."""
     calls: Counter = Counter()
-    moves: dict[str, list[int]] = {}
-    inside = None
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.-]+) ", line)
-        if head and not line.startswith(" "):
-            inside = head.group(1)
-        m = _DEF.match(line)
-        if not m or inside in fused:
-            continue
+    moves: dict[str, tuple[int, int]] = {}
+    for _, line, m in _instructions(text):
         if m.group(3) == "custom-call":
             target = _CALL.search(line)
             name = _NAME.search(line) or _OP_NAME.search(line)  # a kernel's name, else where it was traced
