@@ -15,8 +15,12 @@ variants:
   history is empty, a select that keeps each operand's amax reduction ahead of its cast;
 - "barrier before weight gradient": the weight gradient's two fp8 operands behind an optimization barrier, so the
   transposes its GEMM needs are not fused into the fusions that quantise them (lowering_variants);
-- "fused swiglu gradient": "history only" with the MLP's gate, up and SwiGLU as one custom VJP whose backward
-  quantises SwiGLU's gradient in both layouts in one Pallas pass (fp8_fused_mlp; compare it with "history only").
+- "mlp products one by one": the MLP's gate and up as two fp8 products, each VJP quantising its own gradient after
+  JAX differentiated SwiGLU ("base" runs them as one custom VJP whose backward quantises both gradients in both
+  layouts in one pass: tessera/lower/fp8_mlp.py);
+- "gradients cast by xla": every other delayed product's output gradient quantised by XLA's fusions (an amax pass,
+  then the casts and the transpose), where "base" has the fp8_cast kernel write both layouts and the amax at once;
+- "casts by xla": both of the above: the step as built until session 47.
 All but the barrier need a spec under `fp8_e4m3 @scale(delayed(H))`, the barrier any fp8 default, e.g.
 `--set 'numerics.default=fp8_e4m3 @scale(delayed(16)) @accum(fp32)'`. Variant names hold no commas (`--only`).
 
@@ -39,9 +43,9 @@ configure_allocator()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.experiments import fp8_fused_mlp  # noqa: E402
 from bench.experiments.lowering_variants import (  # noqa: E402
     barrier_before_weight_gradient, every_operand_falls_back, history_only, patched)
+from tessera.lower import fp8_mlp, ops_nn  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
 
 
@@ -129,7 +133,9 @@ VARIANTS = {
     "history only": [(fp8, "quantize_delayed", history_only)],
     "every operand falls back": [(fp8, "quantize_delayed", every_operand_falls_back)],
     "barrier before weight gradient": [(fp8, "_product", barrier_before_weight_gradient)],
-    "fused swiglu gradient": [(fp8, "quantize_delayed", history_only), *fp8_fused_mlp.PATCHES],
+    "mlp products one by one": [(fp8_mlp, "applies", lambda *args: False)],
+    "gradients cast by xla": [(ops_nn, "_gradient_cast", lambda *args: None)],
+    "casts by xla": [(fp8_mlp, "applies", lambda *args: False), (ops_nn, "_gradient_cast", lambda *args: None)],
 }
 
 

@@ -28,13 +28,14 @@ def align(x, have: tuple[str, ...], want: tuple[str, ...]):
 
 
 def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=jnp.float32, store=None,
-           fp8: str | None = None, fp8_history=None, fp8_held=None):
+           fp8: str | None = None, fp8_history=None, fp8_held=None, fp8_cast=None):
     """einsum with named dims: each operand's dim names, the output's dim names.
 
     Products accumulate in `accum` (fp32, or bf16/fp16 as reference/accum.py does it); the result is stored
     as `store` (default `accum`): see `stored_dtype`. `fp8` (a scaling, LowerCtx.fp8): the second operand is a
     weight and the product runs in fp8 with that scaling (reference/fp8.py); `fp8_history`: its amax history
-    under delayed scaling in a train step; `fp8_held`: the weight already quantised (LowerCtx.fp8_held).
+    under delayed scaling in a train step; `fp8_held`: the weight already quantised (LowerCtx.fp8_held); `fp8_cast`:
+    the kernel its backward quantises the output gradient with (reference/fp8.py `einsum`'s `cast`).
     """
     letters: dict[str, str] = {}
     pool = iter(string.ascii_letters)
@@ -49,7 +50,7 @@ def einsum(spec_in: list[tuple[str, ...]], out: tuple[str, ...], *arrays, accum=
         store = None  # operands wider (or other) than the stored type: keep the accumulator's
     if fp8:
         return fp8_ref.einsum(spec, *arrays, accum=accum, preferred_element_type=store or accum, scaling=fp8,
-                              history=fp8_history, held=fp8_held)
+                              history=fp8_history, held=fp8_held, cast=fp8_cast)
     return accum_ref.einsum(spec, *arrays, accum=accum, preferred_element_type=store or accum)
 
 

@@ -28,7 +28,7 @@ from tessera.lower.reference.linear import plus_bias
 from tessera.lower.reference.norms import layer_norm, rms_norm
 from tessera.lower.reference.rows import take_rows
 from tessera.lower.shard import det_tensor, ops as shard_ops
-from tessera.lower import table
+from tessera.lower import fp8_mlp, table
 from tessera.lower.table import get_kind_lowering, lowers, lowers_kind
 
 BSE = ("batch", "seq", "embed")
@@ -82,10 +82,17 @@ def _unembed(ctx, op, attrs, ins, params):
         name = "embed/table" if "embed/table" in params else "table"
         table = packed_ref.dense(params[name], x.dtype)  # [vocab, embed]
         return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store, fp8=fp8,
-                       fp8_history=_history(ctx, name)).astype(dt)]
+                       fp8_history=_history(ctx, name), fp8_cast=_logits_cast(ctx, name, x, have, table.shape[0], store)).astype(dt)]
     w = packed_ref.dense(params["weight"], x.dtype)
     return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store, fp8=fp8,
-                   fp8_history=_history(ctx, "weight")).astype(dt)]
+                   fp8_history=_history(ctx, "weight"), fp8_cast=_logits_cast(ctx, "weight", x, have, w.shape[1], store)).astype(dt)]
+
+
+def _logits_cast(ctx, name: str, x, have, vocab: int, store):
+    """`_gradient_cast` for the unembedding in fp8 (a rule's): its gradient the logits' [tokens, vocab]."""
+    if not ctx.fp8:
+        return None
+    return _gradient_cast(ctx, name, (x.size // x.shape[have.index("embed")], vocab), store, _history(ctx, name))
 
 
 @lowers("pos_embed")
@@ -239,6 +246,20 @@ def _one_token(ctx, x) -> bool:
     return x.shape[0] * x.shape[1] == 1 and ctx.fp8 is None and not accum_ref.narrow(ctx.accum_dtype)
 
 
+def _gradient_cast(ctx, name: str, matrix, dtype, history):
+    """The kernel the backward of a delayed fp8 product (weight `name`, its output gradient the [tokens, outputs]
+    `matrix` of `dtype`) quantises that gradient with, writing the codes in both layouts and the amax in one pass
+    (`cast_transpose_delayed`, tessera/lower/kernels/fp8_cast.py), or None: the product quantises it itself (the
+    same numbers; the reference, which the CPU runs)."""
+    if history is None or matrix is None or accum_ref.narrow(ctx.accum_dtype):
+        return None
+    choice, fn = table.choose(ctx, "cast_transpose_delayed", jax.ShapeDtypeStruct(matrix, dtype),
+                              jax.ShapeDtypeStruct(history.shape[-1:], jnp.float32))
+    if ctx.report is not None:
+        ctx.report[f"{name}: gradient to e5m2"] = choice
+    return None if choice.startswith(table.REFERENCE_NAME) else fn
+
+
 def _weight_product(ctx, spec: str, x, w, store, name: str):
     """x ⊗ w for the op's weight `name`: in fp8 under an fp8 policy (reference/fp8.py), a block-scaled fp8 weight
     still held as such (one token: `_one_token`) read once in a fused multiply-reduce, else accumulating in
@@ -247,8 +268,10 @@ def _weight_product(ctx, spec: str, x, w, store, name: str):
         return table.dispatch(ctx, "weight_only_einsum", f"{name} (held fp8 blocks, one token)", spec, x, w,
                               compute_dtype=x.dtype, out_dtype=store)
     if ctx.fp8 is not None:
+        history = _history(ctx, name)
+        cast = _gradient_cast(ctx, name, fp8_ref.gradient_matrix(spec, x.shape, w.shape), store, history)
         return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8,
-                              history=_history(ctx, name), held=held_of(ctx, name, w.dtype))
+                              history=history, held=held_of(ctx, name, w.dtype), cast=cast)
     return accum_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
 
 
@@ -372,11 +395,14 @@ def _mlp(ctx, op, attrs, ins, params):
             y = plus_bias(y, p["down_bias"])
         return [align(y.astype(_dtype(op)), BSE, have)]
     cols = stored_dtype(x.dtype, ctx.accum_dtype)
-    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
-    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")
-    if "gate_bias" in p:
-        g, u = plus_bias(g, p["gate_bias"]), plus_bias(u, p["up_bias"])
-    h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
+    if fp8_mlp.applies(ctx, attrs, p, x):  # delayed fp8: SwiGLU's backward and its gradients' casts in one pass
+        h = fp8_mlp.gate_up(ctx, op_scope(op), x, p["gate"], p["up"], cols)
+    else:
+        g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
+        u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")
+        if "gate_bias" in p:
+            g, u = plus_bias(g, p["gate_bias"]), plus_bias(u, p["up_bias"])
+        h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
     y = _weight_product(ctx, "bsf,fe->bse", h, p["down"], rows, "down")
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns

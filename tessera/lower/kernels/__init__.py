@@ -8,6 +8,7 @@
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4 or a tuple of them, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
 | mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot and moe_pairs at decode | (through them) |
 | moe_pairs (Triton backend) | pairs_ffn(x, weights, experts, *, gate, up, down, biases, act, config): decode's experts after the routing | supported(...) |
+| fp8_cast (Triton backend) | swiglu_grad_delayed(dh, gate, up, rows, *, config), cast_transpose_delayed(g, row, *, config): gradients to e5m2 codes in both layouts with their amaxes, in one pass | supported(...), fitted(...) |
 | fp8_gemv (Triton backend) | weight_only_einsum(spec, x, w: FP8Blocks, *, out_dtype, config): one token times block-scaled fp8 weights | supported(...) |
 | moe_route (Triton backend) | route_blocks(blocks, bias, top_k, *, config): a decode step's routing after the router's product | supported(...) |
 
@@ -28,6 +29,7 @@ fused gate/up grouped GEMM + SwiGLU), with docs/kernels-log.md saying why.
 
 from tessera.lower import table as _table  # noqa: E402
 from tessera.lower.reference import fp8_blocks as _fp8_blocks  # noqa: E402
+from tessera.lower.reference import fp8_cast as _fp8_cast  # noqa: E402
 from tessera.lower.reference import moe as _moe  # noqa: E402
 from tessera.lower.reference import mxfp4 as _mxfp4  # noqa: E402
 from tessera.lower.reference.attention import attention as _attention_reference  # noqa: E402
@@ -45,6 +47,8 @@ _table.primitive("ragged_dot", _mxfp4.any_ragged_dot)  # the experts' grouped pr
 _table.primitive("pairs_ffn", _moe.pairs_ffn)  # decode's few (token, expert) copies after the routing
 _table.primitive("weight_only_einsum", _fp8_blocks.weight_only_einsum)  # one token times held fp8 blocks
 _table.primitive("route_blocks", _moe.route_blocks)  # the router's partial sums -> top-k experts, weights
+_table.primitive("swiglu_grad_delayed", _fp8_cast.swiglu_grad_delayed)  # SwiGLU's gradients to e5m2, both layouts
+_table.primitive("cast_transpose_delayed", _fp8_cast.cast_transpose_delayed)  # a product's gradient so
 
 
 def _flash_takes(q, k, v, *, sinks, causal, window, scale, q_offset=0):
@@ -156,3 +160,33 @@ def _fp8_gemv(spec, x, w, *, compute_dtype, out_dtype):
     from tessera.lower.kernels import fp8_gemv
 
     return fp8_gemv.weight_only_einsum(spec, x, w, compute_dtype=compute_dtype, out_dtype=out_dtype)
+
+
+def _swiglu_cast_takes(dh, gate, up, rows):
+    from tessera.lower.kernels import fp8_cast
+
+    config = fp8_cast.fitted(*dh.shape)
+    return (config is not None and fp8_cast.supported(dh, gate, up, config=config)) \
+        or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
+
+
+@_table.kernel("swiglu_grad_delayed", name="fp8_cast swiglu gradient (Pallas, Triton)", when=_swiglu_cast_takes)
+def _swiglu_cast(dh, gate, up, rows):
+    from tessera.lower.kernels import fp8_cast
+
+    return fp8_cast.swiglu_grad_delayed(dh, gate, up, rows, config=fp8_cast.fitted(*dh.shape))
+
+
+def _cast_takes(g, row):
+    from tessera.lower.kernels import fp8_cast
+
+    config = fp8_cast.fitted(*g.shape)
+    return (config is not None and fp8_cast.supported(g, config=config)) \
+        or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
+
+
+@_table.kernel("cast_transpose_delayed", name="fp8_cast (Pallas, Triton)", when=_cast_takes)
+def _cast(g, row):
+    from tessera.lower.kernels import fp8_cast
+
+    return fp8_cast.cast_transpose_delayed(g, row, config=fp8_cast.fitted(*g.shape))

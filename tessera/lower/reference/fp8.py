@@ -24,6 +24,7 @@ e4m3 and e5m2 value is a bf16 value) and multiplied as reference/accum.py and `r
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -98,27 +99,31 @@ _einsum.defvjp(_fwd, _bwd)
 
 
 def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str | None = "per_tensor",
-           history=None, held=None):
+           history=None, held=None, cast=None):
     """x (activations) ⊗ w (a weight) as the module doc says; the result in preferred_element_type (default x's).
     `scaling` (LowerCtx.fp8): "per_tensor", "per_block(N)" for the blocked products below, or "delayed(H)" with
     `history` this product's amax history (fp32 [3, H]: delayed scaling below; without one, as per_tensor).
     `held`: w already quantised as this product would quantise it (`hold`, LowerCtx.fp8_held), the same numbers
     without the product reading w itself; its gradient still goes to w. A fourth element (w_q with its contracted
-    dims last, `hold`'s `lead`) is what the forward product then reads."""
+    dims last, `hold`'s `lead`) is what the forward product then reads. `cast`: under delayed scaling, an
+    implementation of `reference.fp8_cast.cast_transpose_delayed` (a kernel) the backward quantises the output
+    gradient with, writing the transposed codes the weight gradient reads; None: quantised here (the same codes)."""
     n = block_of(scaling)
     if n is not None:
         return block_einsum(spec, x, w, n, preferred_element_type=preferred_element_type)
     out = jnp.dtype(preferred_element_type or x.dtype)
     delayed = history is not None and delayed_of(scaling) is not None
+    if cast is not None and (not delayed or gradient_matrix(spec, x.shape, w.shape) is None):
+        cast = None
     if held is not None:
         wq, sw, aw = held[:3]
         spec = spec.replace(" ", "")
         fspec, wt = forward_operand(spec, held)
         if delayed:
-            return _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, jnp.dtype(accum), out)
+            return _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, jnp.dtype(accum), out, cast)
         return _einsum_held(spec, fspec, x, w, wq, sw, wt, jnp.dtype(accum), out)
     if delayed:
-        return _delayed(spec.replace(" ", ""), x, w, history, jnp.dtype(accum), out)
+        return _delayed(spec.replace(" ", ""), x, w, history, jnp.dtype(accum), out, cast)
     return _einsum(spec.replace(" ", ""), x, w, jnp.dtype(accum), out)
 
 
@@ -186,20 +191,20 @@ def _held_bwd(spec, fspec, accum, out_dtype, res, g):  # the held copies take no
 _einsum_held.defvjp(_held_fwd, _held_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 9, 10))
-def _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype):
-    return _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 9, 10, 11))
+def _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, cast):
+    return _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, cast)[0]
 
 
-def _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype):
+def _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, cast=None):
     seen = jnp.stack([_amax(x), aw])
     xq, sx = quantize_delayed(x, history[0], E4M3)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
     return _product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
 
 
-def _delayed_held_bwd(spec, fspec, accum, out_dtype, res, g):
-    dx, dw, dh = _delayed_bwd(spec, accum, out_dtype, res, g)
+def _delayed_held_bwd(spec, fspec, accum, out_dtype, cast, res, g):
+    dx, dw, dh = _delayed_bwd(spec, accum, out_dtype, cast, res, g)
     wq, sw = res[2], res[3]
     return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(sw), jnp.zeros((), jnp.float32), None, dh
 
@@ -263,27 +268,55 @@ def _record(history, amaxes):
     return jnp.zeros_like(history).at[:, 0].set(amaxes.astype(history.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
-def _delayed(spec, x, w, history, accum, out_dtype):
-    return _delayed_fwd(spec, x, w, history, accum, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
+def _delayed(spec, x, w, history, accum, out_dtype, cast):
+    return _delayed_fwd(spec, x, w, history, accum, out_dtype, cast)[0]
 
 
-def _delayed_fwd(spec, x, w, history, accum, out_dtype):  # the held weight's forward (above), w quantised here
+def _delayed_fwd(spec, x, w, history, accum, out_dtype, cast):  # the held weight's forward (above)
     wq, sw, aw = hold(w, w.dtype, history)
     return _delayed_held_fwd(spec, "", x, w, wq, sw, aw, wq, history, accum, out_dtype)
 
 
-def _delayed_bwd(spec, accum, out_dtype, res, g):
+def _delayed_bwd(spec, accum, out_dtype, cast, res, g):
     xq, sx, wq, sw, zx, zw, history, seen = res
     a, b, o = _split(spec)
-    ag = _amax(g)
-    gq, sg = quantize_delayed(g, history[2], E5M2, ag)
+    if cast is None:
+        ag = _amax(g)
+        gq, sg = quantize_delayed(g, history[2], E5M2, ag)
+        gspec, gt = o, gq
+    else:
+        gq, gspec, gt, ag, sg = cast_gradient(cast, o, a, b, g, history[2])
     dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
-    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype, PRECISE)
+    dw = _product(f"{a},{gspec}->{b}", xq, gt, sx * sg, accum, zw.dtype, PRECISE)
     return dx, dw, _record(history, jnp.concatenate([seen, ag[None]]))
 
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def cast_gradient(cast, o: str, a: str, b: str, g, row):
+    """A product's output gradient g (letters `o` of its einsum `a,b->o`) quantised by `cast` (an implementation of
+    `cast_transpose_delayed`) over its matrix [tokens, outputs]: the tokens are o's leading letters, those it shares
+    with the activation `a` and not the weight `b`. Returns (codes shaped as g, the transposed codes' letters
+    (outputs, then tokens), those codes, amax, scale). `gradient_matrix` says where this applies."""
+    tokens = len(o) - len(o.lstrip(a.translate({ord(c): None for c in b})))
+    m = math.prod(g.shape[:tokens])
+    q, t, amax, s = cast(g.reshape(m, -1), row)
+    return q.reshape(g.shape), o[tokens:] + o[:tokens], t.reshape(g.shape[tokens:] + g.shape[:tokens]), amax, s
+
+
+def gradient_matrix(spec: str, x_shape, w_shape) -> tuple[int, int] | None:
+    """[tokens, outputs] of the output gradient of x ⊗ w (`spec`, a weight product a,b->o) as `cast_gradient` reads
+    it, or None where o does not lead with the tokens (the dims of x that w lacks) followed by w's kept dims."""
+    ins, o = spec.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    tokens = [c for c in a if c not in b]
+    kept = [c for c in b if c not in a]
+    if list(o) != tokens + kept or not tokens or not kept:
+        return None
+    sizes = {**dict(zip(a, x_shape)), **dict(zip(b, w_shape))}
+    return math.prod(sizes[c] for c in tokens), math.prod(sizes[c] for c in kept)
 
 
 # ---- the experts' grouped product (`ragged_dot`: lhs [M, K] rows grouped by group_sizes, rhs [G, K, N]) --------

@@ -1,0 +1,191 @@
+"""A gradient quantised to e5m2 in both layouts, with its amax, in one pass (Pallas, Triton backend).
+
+The kernels of `reference.fp8_cast` (the module says what they compute and why): `cast_transpose_delayed` for a
+materialised gradient [M, N], `swiglu_grad_delayed` for the gradients of gate and up formed from SwiGLU's
+output gradient in the same pass. One program per [bm, bn] tile reads its inputs once and writes the codes, the
+transposed codes (the [bn, bm] tile at (j, i)) and the tile's amax of each gradient; the amaxes are reduced
+outside (a max: any order gives the same number).
+
+The scale is delayed scaling's: from the history row alone once it holds a range, which is known before the
+pass. While a row is empty (a run's first step) the scale is the gradient's own amax, which one pass cannot know
+before it writes a code: a first, reduce-only pass (`_amax_pass`) measures it then. That pass runs every step,
+as a program has one graph; each of its programs reads the rows' "known" flags and returns at once where they
+hold a range, so after the first step it costs a launch of empty programs (no host round trip, unlike a
+`lax.cond`, whose predicate XLA:GPU reads back to the host).
+
+Numerics: the codes are the reference's `clip(x · s, ±max).astype(e5m2)`; SwiGLU's gradients follow the order
+of operations of JAX's VJP of `reference.activations.swiglu` (then rounded to gate's dtype, as the step's are),
+so they agree with the reference but where the GPU compilers contract a multiply and an add differently (the
+tests bound how often and by how much: a code step at a rounding boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from tessera.lower.kernels._vma import common, out_struct
+from tessera.lower.kernels.mxfp4_matmul import _capability
+from tessera.lower.reference.fp8 import E5M2, _pow2_scale
+from tessera.lower.reference.fp8_cast import known
+
+BIG = float(jnp.finfo(E5M2).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class CastConfig:
+    """[bm, bn]: the tile of the writing pass; [amax_bm, amax_bn]: the first step's reduce-only pass's."""
+    bm: int = 64
+    bn: int = 128
+    amax_bm: int = 128
+    amax_bn: int = 256
+    num_warps: int = 4
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("bm", "bn", "amax_bm", "amax_bn"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton tiles)")
+
+
+DEFAULT = CastConfig()
+
+
+def fitted(m: int, n: int, config: CastConfig = DEFAULT) -> CastConfig | None:
+    """`config` with each tile dim cut to the largest power of two (>= 16) that divides [m, n], or None where none
+    does: a test's small shapes in the interpreter, a model whose width is not a multiple of 128."""
+    def cut(want: int, dim: int) -> int | None:
+        b = want
+        while b >= 16 and dim % b:
+            b //= 2
+        return b if b >= 16 else None
+
+    tiles = {"bm": cut(config.bm, m), "bn": cut(config.bn, n), "amax_bm": cut(config.amax_bm, m),
+             "amax_bn": cut(config.amax_bn, n)}
+    return None if None in tiles.values() else dataclasses.replace(config, **tiles)
+
+
+def supported(*operands, config: CastConfig = DEFAULT) -> bool:
+    """Whether the kernels take these [M, N] operands (bf16, fp16 or fp32, all one shape, whole tiles of both
+    passes) on this device: Hopper or newer (e5m2 conversions), or the interpreter where `config` asks."""
+    if not config.interpret and (_capability() or (0, 0)) < (8, 9):
+        return False
+    shape = operands[0].shape
+    if len(shape) != 2 or any(o.shape != shape for o in operands):
+        return False
+    if any(jnp.dtype(o.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+           for o in operands):
+        return False
+    m, n = shape
+    return all(m % b == 0 for b in (config.bm, config.amax_bm)) and all(n % b == 0 for b in (config.bn,
+                                                                                             config.amax_bn))
+
+
+def _codes(x, s):
+    return jnp.clip(x * s, -BIG, BIG).astype(E5M2)
+
+
+def _swiglu_grads(dh_ref, g_ref, u_ref):
+    """d gate, d up of one tile in fp32, each rounded to gate's dtype (JAX's VJP's order of operations)."""
+    g = g_ref[...].astype(jnp.float32)
+    u = u_ref[...].astype(jnp.float32)
+    dh = dh_ref[...].astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    m = dh * u
+    dg = m * sig + (g * m) * (sig * (1.0 - sig))
+    du = (g * sig) * dh
+    wide = g_ref.dtype
+    return dg.astype(wide).astype(jnp.float32), du.astype(wide).astype(jnp.float32)
+
+
+def _plain(x_ref):
+    return (x_ref[...].astype(jnp.float32),)
+
+
+def _writing_kernel(grads, n: int):
+    """The writing pass over one tile: refs (scales, *inputs, then per gradient its codes and codes.T, then per
+    gradient its tile amax)."""
+    def kernel(s_ref, *refs):
+        outs = refs[len(refs) - 3 * n:]
+        for i, v in enumerate(grads(*refs[:len(refs) - 3 * n])):
+            q = _codes(v, s_ref[i])
+            outs[2 * i][...] = q
+            outs[2 * i + 1][...] = q.T
+            outs[2 * n + i][...] = jnp.max(jnp.abs(v)).reshape(1, 1)
+    return kernel
+
+
+def _amax_kernel(grads, n: int):
+    """The first step's pass over one tile: each gradient's tile amax, or 0 where every row holds a range."""
+    def kernel(flag_ref, *refs):
+        ins, outs = refs[:len(refs) - n], refs[len(refs) - n:]
+
+        @pl.when(flag_ref[0] == 0)
+        def _():
+            for o, v in zip(outs, grads(*ins)):
+                o[...] = jnp.max(jnp.abs(v)).reshape(1, 1)
+
+        @pl.when(flag_ref[0] != 0)
+        def _():
+            for o in outs:
+                o[...] = jnp.zeros((1, 1), jnp.float32)
+    return kernel
+
+
+def _compiler(config: CastConfig) -> dict:
+    if config.interpret:
+        return {"interpret": True}
+    from jax.experimental.pallas import triton as pltriton
+
+    return {"compiler_params": pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1)}
+
+
+def _tile_amaxes(kernel, operands, n: int, bm: int, bn: int, extra, config: CastConfig):
+    m, cols = operands[0].shape
+    grid = (m // bm, cols // bn)
+    one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
+    return pl.pallas_call(
+        kernel, grid=grid,
+        in_specs=[pl.BlockSpec(extra.shape, lambda i, j: (0,))] + [pl.BlockSpec((bm, bn), lambda i, j: (i, j))]
+        * len(operands),
+        out_specs=[one] * n, out_shape=[out_struct(grid, jnp.float32, *operands)] * n, **_compiler(config),
+    )(extra, *operands)
+
+
+def _quantised(grads, operands, rows, n: int, config: CastConfig):
+    """(codes, codes.T) per gradient, then the amaxes, then the scales: the two passes."""
+    operands = common(*operands)
+    m, cols = operands[0].shape
+    have = jnp.stack([known(r) for r in rows])
+    first = _tile_amaxes(_amax_kernel(grads, n), operands, n, config.amax_bm, config.amax_bn,
+                         jnp.all(have).astype(jnp.int32).reshape(1), config)
+    past = jnp.stack([jnp.max(r) for r in rows])
+    scales = jnp.stack([_pow2_scale(jnp.where(have[i], past[i], jnp.max(first[i])), E5M2) for i in range(n)])
+    grid = (m // config.bm, cols // config.bn)
+    tile = pl.BlockSpec((config.bm, config.bn), lambda i, j: (i, j))
+    tile_t = pl.BlockSpec((config.bn, config.bm), lambda i, j: (j, i))
+    one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
+    pair = [out_struct((m, cols), E5M2, *operands), out_struct((cols, m), E5M2, *operands)]
+    out = pl.pallas_call(
+        _writing_kernel(grads, n), grid=grid,
+        in_specs=[pl.BlockSpec((n,), lambda i, j: (0,))] + [tile] * len(operands),
+        out_specs=[tile, tile_t] * n + [one] * n,
+        out_shape=pair * n + [out_struct(grid, jnp.float32, *operands)] * n, **_compiler(config),
+    )(scales, *operands)
+    return out[:2 * n], [jnp.max(a) for a in out[2 * n:]], scales
+
+
+def cast_transpose_delayed(g, row, *, config: CastConfig = DEFAULT):
+    """`reference.fp8_cast.cast_transpose_delayed` in one pass (two on a first step)."""
+    (q, t), (amax,), s = _quantised(_plain, (g,), [row], 1, config)
+    return q, t, amax, s[0]
+
+
+def swiglu_grad_delayed(dh, gate, up, rows, *, config: CastConfig = DEFAULT):
+    """`reference.fp8_cast.swiglu_grad_delayed` in one pass (two on a first step)."""
+    (qg, tg, qu, tu), (ag, au), s = _quantised(_swiglu_grads, (dh, gate, up), [rows[0], rows[1]], 2, config)
+    return qg, tg, qu, tu, ag, au, s[0], s[1]

@@ -1,0 +1,58 @@
+"""A gradient quantised for its two fp8 products under delayed scaling: the codes in both layouts, the amax.
+
+In a train step under `fp8_e4m3 @scale(delayed(H))` each product's backward quantises its output gradient g to
+e5m2 once and reads it twice: the input gradient's GEMM g ⊗ wᵀ reads g as it is ([tokens, out]), the weight
+gradient's GEMM xᵀ ⊗ g reads it token-minor ([out, tokens]: cuBLASLt's fp8 GEMM takes both operands contiguous
+along the contracted dim). The scale is delayed scaling's (`fp8.quantize_delayed`): the power of two from the
+max of the history row, or from g's own amax while that row is empty (the first step); g's amax is measured for
+the history either way. These are the references of the lowering table's primitives (tessera/lower/table.py)
+that a kernel may compute in one pass (tessera/lower/kernels/fp8_cast.py):
+
+- `cast_transpose_delayed(g, row)`: a materialised gradient [M, N];
+- `swiglu_grad_delayed(dh, gate, up, rows)`: the gradients of gate and up through SwiGLU (h = silu(gate) · up)
+  from h's gradient dh, each quantised so: the MLP's backward (tessera/lower/fp8_mlp.py), where XLA's one fusion
+  of SwiGLU's backward, both casts and both transposes took ~2.5x its bytes' time.
+
+Each returns codes [M, N] (e5m2), codes.T, amax (fp32 scalar) and scale (fp32 scalar) per gradient: the numbers
+of the products' own quantisation (reference/fp8.py) bit for bit; the transposed codes are what XLA would
+transpose, here named so a kernel can write them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tessera.lower.reference import activations
+from tessera.lower.reference.fp8 import E5M2, _amax, quantize_delayed
+
+
+def cast_transpose_delayed(g, row):
+    """(g_q [M, N], g_qᵀ [N, M] in e5m2, amax |g|, s) of a gradient g [M, N] with delayed scaling's history row
+    `row` (fp32 [H])."""
+    amax = _amax(g)
+    q, s = quantize_delayed(g, row, E5M2, amax)
+    return q, q.T, amax, s
+
+
+def swiglu_grad(dh, gate, up):
+    """(d gate, d up) of h = swiglu(gate, up) (reference/activations.py) from dh, in gate's and up's dtype, as JAX
+    differentiates it."""
+    _, vjp = jax.vjp(activations.swiglu, gate, up)
+    return vjp(dh.astype(gate.dtype))
+
+
+def swiglu_grad_delayed(dh, gate, up, rows):
+    """SwiGLU's gradients quantised: dh, gate, up [M, F] and rows fp32 [2, H] (gate's and up's gradient rows) ->
+    (gate codes [M, F], their transpose, up codes, their transpose, amax |d gate|, amax |d up|, s gate, s up)."""
+    dg, du = swiglu_grad(dh, gate, up)
+    qg, tg, ag, sg = cast_transpose_delayed(dg, rows[0])
+    qu, tu, au, su = cast_transpose_delayed(du, rows[1])
+    return qg, tg, qu, tu, ag, au, sg, su
+
+
+def known(row):
+    """Whether a history row holds a range (delayed scaling's scale then comes from it alone): its max is positive
+    and finite."""
+    past = jnp.max(row)
+    return (past > 0) & jnp.isfinite(past)
