@@ -48,15 +48,15 @@ def every_operand_falls_back(x, row, dtype, fallback=None):
     """`reference.fp8.quantize_delayed` as it was until session 33: every operand, inputs and weights too, scaled
     from its current amax while its history is empty, a select that keeps each operand's amax reduction ahead of its
     cast (264.0 ms a Llama-1B step on one H100 against the built form's 249.9)."""
-    return _QUANTIZE_DELAYED(x, row, dtype, fp8._amax(x) if fallback is None else fallback)
+    return _QUANTIZE_DELAYED(x, row, dtype, fp8.amax_of(x) if fallback is None else fallback)
 
 
-_PRODUCT = fp8._product
+_PRODUCT = fp8.scaled_product
 
 
 def barrier_before_weight_gradient(spec, a_q, b_q, scale, accum, out_dtype, precision=None):
-    """`reference.fp8._product` with the weight gradient's operands (the forward's e4m3 x_q and the e5m2 gradient g_q,
-    the one product whose second operand is e5m2) behind an optimization barrier. cuBLASLt's fp8 GEMM takes both
+    """`reference.fp8.scaled_product` with the weight gradient's operands (the forward's e4m3 x_q and the e5m2
+    gradient g_q, the one product whose second operand is e5m2) behind an optimization barrier. cuBLASLt's fp8 GEMM takes both
     operands contiguous along K (here the tokens), so XLA transposes them; in the Llama-1B step (session 45 profile)
     it fused those transposes into the fusions that compute and quantise the gradient (SwiGLU's backward: 1.17 ms a
     layer, ~2.5x its bytes' time, the transposed writes the slow part). Behind the barrier the quantising fusion

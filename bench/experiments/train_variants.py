@@ -132,7 +132,7 @@ VARIANTS = {
     "base": [],
     "history only": [(fp8, "quantize_delayed", history_only)],
     "every operand falls back": [(fp8, "quantize_delayed", every_operand_falls_back)],
-    "barrier before weight gradient": [(fp8, "_product", barrier_before_weight_gradient)],
+    "barrier before weight gradient": [(fp8, "scaled_product", barrier_before_weight_gradient)],
     "mlp products one by one": [(fp8_mlp, "applies", lambda *args: False)],
     "gradients cast by xla": [(ops_nn, "_gradient_cast", lambda *args: None)],
     "casts by xla": [(fp8_mlp, "applies", lambda *args: False), (ops_nn, "_gradient_cast", lambda *args: None)],

@@ -70,10 +70,10 @@ def _gate_up(x, wg, wu, held, history_g, history_u, accum, out_dtype, grad_fn, f
 
 def _gate_up_fwd(x, wg, wu, held, history_g, history_u, accum, out_dtype, grad_fn, fspecs):
     wqg, swg, awg, wtg, wqu, swu, awu, wtu = held
-    ax = fp8._amax(x)
+    ax = fp8.amax_of(x)
     xq, sx = fp8.quantize_delayed(x, history_g[0], E4M3)
-    g = fp8._product(fspecs[0] or "bse,ef->bsf", xq, wtg, sx * swg, accum, out_dtype).astype(x.dtype)
-    u = fp8._product(fspecs[1] or "bse,ef->bsf", xq, wtu, sx * swu, accum, out_dtype).astype(x.dtype)
+    g = fp8.scaled_product(fspecs[0] or "bse,ef->bsf", xq, wtg, sx * swg, accum, out_dtype).astype(x.dtype)
+    u = fp8.scaled_product(fspecs[1] or "bse,ef->bsf", xq, wtu, sx * swu, accum, out_dtype).astype(x.dtype)
     h = activations.swiglu(g, u)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), wg.dtype)  # the operands' dtypes, not their values
     return h, (xq, sx, wqg, swg, wqu, swu, g, u, history_g, history_u, jnp.stack([ax, awg, awu]), zx, zw)
@@ -87,12 +87,12 @@ def _gate_up_bwd(accum, out_dtype, grad_fn, fspecs, res, dh):
                                              jnp.stack([history_g[2], history_u[2]]))
     qg, qu = qg.reshape(b, s, f), qu.reshape(b, s, f)
     tg, tu = tg.reshape(f, b, s), tu.reshape(f, b, s)
-    dx = (fp8._product("bsf,ef->bse", qg, wqg, sg * swg, accum, zx.dtype, PRECISE)
-          + fp8._product("bsf,ef->bse", qu, wqu, su * swu, accum, zx.dtype, PRECISE))
-    dwg = fp8._product("bse,fbs->ef", xq, tg, sx * sg, accum, zw.dtype, PRECISE)
-    dwu = fp8._product("bse,fbs->ef", xq, tu, sx * su, accum, zw.dtype, PRECISE)
-    records = (fp8._record(history_g, jnp.stack([seen[0], seen[1], ag])),
-               fp8._record(history_u, jnp.stack([seen[0], seen[2], au])))
+    dx = (fp8.scaled_product("bsf,ef->bse", qg, wqg, sg * swg, accum, zx.dtype, PRECISE)
+          + fp8.scaled_product("bsf,ef->bse", qu, wqu, su * swu, accum, zx.dtype, PRECISE))
+    dwg = fp8.scaled_product("bse,fbs->ef", xq, tg, sx * sg, accum, zw.dtype, PRECISE)
+    dwu = fp8.scaled_product("bse,fbs->ef", xq, tu, sx * su, accum, zw.dtype, PRECISE)
+    records = (fp8.record(history_g, jnp.stack([seen[0], seen[1], ag])),
+               fp8.record(history_u, jnp.stack([seen[0], seen[2], au])))
     return dx, dwg, dwu, None, *records  # the held copies take no gradient (None: zeros)
 
 

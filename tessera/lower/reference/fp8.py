@@ -53,7 +53,7 @@ def quantize(x, dtype):
 PRECISE = jax.lax.Precision.HIGHEST
 
 
-def _product(spec, a_q, b_q, scale, accum, out_dtype, precision=None):
+def scaled_product(spec, a_q, b_q, scale, accum, out_dtype, precision=None):
     if accum_ref.narrow(accum):  # the blocked narrow accumulation, on the fp8 values widened (exactly) to bf16
         y = accum_ref.einsum(spec, a_q.astype(jnp.bfloat16), b_q.astype(jnp.bfloat16), accum=accum,
                              preferred_element_type=jnp.float32)
@@ -90,8 +90,8 @@ def _bwd(spec, accum, out_dtype, res, g):
     xq, sx, wq, sw, zx, zw = res
     a, b, o = _split(spec)
     gq, sg = quantize(g, E5M2)
-    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
-    dw = _product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype, PRECISE)
+    dx = scaled_product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
+    dw = scaled_product(f"{a},{o}->{b}", xq, gq, sx * sg, accum, zw.dtype, PRECISE)
     return dx, dw
 
 
@@ -147,8 +147,8 @@ def hold(w, dtype, history=None, lead: int | None = None):
     w = w.astype(dtype)
     wq, sw = quantize(w, E4M3) if history is None else quantize_delayed(w, history[1], E4M3)
     if lead is None:
-        return wq, sw, _amax(w)
-    return wq, sw, _amax(w), jnp.moveaxis(wq, tuple(range(lead)), tuple(range(wq.ndim - lead, wq.ndim)))
+        return wq, sw, amax_of(w)
+    return wq, sw, amax_of(w), jnp.moveaxis(wq, tuple(range(lead)), tuple(range(wq.ndim - lead, wq.ndim)))
 
 
 def _forward(spec: str, wq, wt) -> str:
@@ -180,7 +180,7 @@ def _einsum_held(spec, fspec, x, w, wq, sw, wt, accum, out_dtype):
 def _held_fwd(spec, fspec, x, w, wq, sw, wt, accum, out_dtype):
     xq, sx = quantize(x, E4M3)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # carry the operands' dtypes, not their values
-    return _product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
+    return scaled_product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw)
 
 
 def _held_bwd(spec, fspec, accum, out_dtype, res, g):  # the held copies take no gradient (None: zeros)
@@ -197,10 +197,10 @@ def _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, 
 
 
 def _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, cast=None):
-    seen = jnp.stack([_amax(x), aw])
+    seen = jnp.stack([amax_of(x), aw])
     xq, sx = quantize_delayed(x, history[0], E4M3)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
-    return _product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
+    return scaled_product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
 
 
 def _delayed_held_bwd(spec, fspec, accum, out_dtype, cast, res, g):
@@ -238,7 +238,7 @@ def delayed_of(scaling) -> int | None:
     return None
 
 
-def _amax(x):
+def amax_of(x):
     return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
@@ -263,7 +263,7 @@ def quantize_delayed(x, row, dtype, fallback=None):
     return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
 
 
-def _record(history, amaxes):
+def record(history, amaxes):
     """The cotangent of a history: zeros, column 0 the step's amaxes [3]."""
     return jnp.zeros_like(history).at[:, 0].set(amaxes.astype(history.dtype))
 
@@ -282,14 +282,14 @@ def _delayed_bwd(spec, accum, out_dtype, cast, res, g):
     xq, sx, wq, sw, zx, zw, history, seen = res
     a, b, o = _split(spec)
     if cast is None:
-        ag = _amax(g)
+        ag = amax_of(g)
         gq, sg = quantize_delayed(g, history[2], E5M2, ag)
         gspec, gt = o, gq
     else:
         gq, gspec, gt, ag, sg = cast_gradient(cast, o, a, b, g, history[2])
-    dx = _product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
-    dw = _product(f"{a},{gspec}->{b}", xq, gt, sx * sg, accum, zw.dtype, PRECISE)
-    return dx, dw, _record(history, jnp.concatenate([seen, ag[None]]))
+    dx = scaled_product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
+    dw = scaled_product(f"{a},{gspec}->{b}", xq, gt, sx * sg, accum, zw.dtype, PRECISE)
+    return dx, dw, record(history, jnp.concatenate([seen, ag[None]]))
 
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)
@@ -360,7 +360,7 @@ def _ragged_delayed(lhs, rhs, group_sizes, history, accum, out_dtype):
 
 
 def _ragged_delayed_fwd(lhs, rhs, group_sizes, history, accum, out_dtype):
-    seen = jnp.stack([_amax(lhs), _amax(rhs)])
+    seen = jnp.stack([amax_of(lhs), amax_of(rhs)])
     (lq, sl), (rq, sr) = quantize_delayed(lhs, history[0], E4M3), quantize_delayed(rhs, history[1], E4M3)
     out = (_ragged(lq, rq, group_sizes, accum) / (sl * sr)).astype(out_dtype)
     return out, (lq, sl, rq, sr, group_sizes, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype), history, seen)
@@ -368,14 +368,14 @@ def _ragged_delayed_fwd(lhs, rhs, group_sizes, history, accum, out_dtype):
 
 def _ragged_delayed_bwd(accum, out_dtype, res, g):
     lq, sl, rq, sr, group_sizes, zl, zr, history, seen = res
-    ag = _amax(g)
+    ag = amax_of(g)
     gq, sg = quantize_delayed(g, history[2], E5M2, ag)
     wide = jnp.bfloat16
     _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32),
                      lq.astype(wide), rq.astype(wide))
     dl, dr = vjp(gq.astype(jnp.float32))
     return (dl.astype(jnp.float32) / (sg * sr)).astype(zl.dtype), (dr.astype(jnp.float32) / (sl * sg)).astype(zr.dtype), \
-        None, _record(history, jnp.concatenate([seen, ag[None]]))
+        None, record(history, jnp.concatenate([seen, ag[None]]))
 
 
 _ragged_delayed.defvjp(_ragged_delayed_fwd, _ragged_delayed_bwd)

@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.reference import activations
-from tessera.lower.reference.fp8 import E5M2, _amax, quantize_delayed
+from tessera.lower.reference.fp8 import E5M2, amax_of, quantize_delayed
 
 
 def cast_transpose_delayed(g, row):
     """(g_q [M, N], g_qᵀ [N, M] in e5m2, amax |g|, s) of a gradient g [M, N] with delayed scaling's history row
     `row` (fp32 [H])."""
-    amax = _amax(g)
+    amax = amax_of(g)
     q, s = quantize_delayed(g, row, E5M2, amax)
     return q, q.T, amax, s
 
