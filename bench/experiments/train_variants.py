@@ -16,11 +16,13 @@ variants:
 - "barrier before weight gradient": the weight gradient's two fp8 operands behind an optimization barrier, so the
   transposes its GEMM needs are not fused into the fusions that quantise them (lowering_variants);
 - "mlp products one by one": the MLP's gate and up as two fp8 products, each VJP quantising its own gradient after
-  JAX differentiated SwiGLU ("base" runs them as one custom VJP whose backward quantises both gradients in both
-  layouts in one pass: tessera/lower/fp8_mlp.py);
-- "gradients cast by xla": every other delayed product's output gradient quantised by XLA's fusions (an amax pass,
-  then the casts and the transpose), where "base" has the fp8_cast kernel write both layouts and the amax at once;
-- "casts by xla": both of the above: the step as built until session 47.
+  JAX differentiated SwiGLU (the form built until session 47; "base" runs them as one custom VJP whose backward
+  forms and quantises both gradients at once: tessera/lower/fp8_mlp.py);
+- "cast kernels": the fp8_cast kernels inside the step (tessera/lower/kernels/fp8_cast.py; off until measured,
+  `kernels.FP8_CAST_IN_STEPS`): SwiGLU's two gradients, and every other delayed product's output gradient, written
+  as codes in both layouts with their amaxes in one pass, where XLA's fusions take an amax pass, then the casts and
+  transposes;
+- "cast kernels mlp one by one": the kernel for every product's gradient, gate's and up's one by one.
 All but the barrier need a spec under `fp8_e4m3 @scale(delayed(H))`, the barrier any fp8 default, e.g.
 `--set 'numerics.default=fp8_e4m3 @scale(delayed(16)) @accum(fp32)'`. Variant names hold no commas (`--only`).
 
@@ -45,7 +47,7 @@ import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import (  # noqa: E402
     barrier_before_weight_gradient, every_operand_falls_back, history_only, patched)
-from tessera.lower import fp8_mlp, ops_nn  # noqa: E402
+from tessera.lower import fp8_mlp, kernels  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
 
 
@@ -134,8 +136,9 @@ VARIANTS = {
     "every operand falls back": [(fp8, "quantize_delayed", every_operand_falls_back)],
     "barrier before weight gradient": [(fp8, "scaled_product", barrier_before_weight_gradient)],
     "mlp products one by one": [(fp8_mlp, "applies", lambda *args: False)],
-    "gradients cast by xla": [(ops_nn, "_gradient_cast", lambda *args: None)],
-    "casts by xla": [(fp8_mlp, "applies", lambda *args: False), (ops_nn, "_gradient_cast", lambda *args: None)],
+    "cast kernels": [(kernels, "FP8_CAST_IN_STEPS", True)],
+    "cast kernels mlp one by one": [(kernels, "FP8_CAST_IN_STEPS", True),
+                                    (fp8_mlp, "applies", lambda *args: False)],
 }
 
 

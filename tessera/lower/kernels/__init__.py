@@ -162,9 +162,18 @@ def _fp8_gemv(spec, x, w, *, compute_dtype, out_dtype):
     return fp8_gemv.weight_only_einsum(spec, x, w, compute_dtype=compute_dtype, out_dtype=out_dtype)
 
 
+# The fp8_cast kernels run inside train steps once measured there on a GPU (compiled, the references' numbers,
+# faster than XLA's fusions of the same in the whole step: `bench.experiments.train_variants`, "cast kernels");
+# until then a step keeps the references, which the CPU runs bit for bit as the products' own quantisation.
+FP8_CAST_IN_STEPS = False
+_UNMEASURED = "not yet measured inside a train step on a GPU (kernels.FP8_CAST_IN_STEPS)"
+
+
 def _swiglu_cast_takes(dh, gate, up, rows):
     from tessera.lower.kernels import fp8_cast
 
+    if not FP8_CAST_IN_STEPS:
+        return _UNMEASURED
     config = fp8_cast.fitted(*dh.shape)
     return (config is not None and fp8_cast.supported(dh, gate, up, config=config)) \
         or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
@@ -180,6 +189,8 @@ def _swiglu_cast(dh, gate, up, rows):
 def _cast_takes(g, row):
     from tessera.lower.kernels import fp8_cast
 
+    if not FP8_CAST_IN_STEPS:
+        return _UNMEASURED
     config = fp8_cast.fitted(*g.shape)
     return (config is not None and fp8_cast.supported(g, config=config)) \
         or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
