@@ -81,11 +81,13 @@ def _unembed(ctx, op, attrs, ins, params):
     if attrs["tied"]:
         name = "embed/table" if "embed/table" in params else "table"
         table = packed_ref.dense(params[name], x.dtype)  # [vocab, embed]
+        cast = _logits_cast(ctx, name, x, have, table.shape[0], store)
         return [einsum([have, ("vocab", "embed")], out, x, table, accum=ctx.accum_dtype, store=store, fp8=fp8,
-                       fp8_history=_history(ctx, name), fp8_cast=_logits_cast(ctx, name, x, have, table.shape[0], store)).astype(dt)]
+                       fp8_history=_history(ctx, name), fp8_cast=cast).astype(dt)]
     w = packed_ref.dense(params["weight"], x.dtype)
+    cast = _logits_cast(ctx, "weight", x, have, w.shape[1], store)
     return [einsum([have, ("embed", "vocab")], out, x, w, accum=ctx.accum_dtype, store=store, fp8=fp8,
-                   fp8_history=_history(ctx, "weight"), fp8_cast=_logits_cast(ctx, "weight", x, have, w.shape[1], store)).astype(dt)]
+                   fp8_history=_history(ctx, "weight"), fp8_cast=cast).astype(dt)]
 
 
 def _logits_cast(ctx, name: str, x, have, vocab: int, store):
