@@ -32,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bench.experiments.lowering_variants import history_only, patched
 from tessera.lower.kernels import fp8_cast
 from tessera.lower.reference import fp8, fp8_cast as reference
 
@@ -39,14 +40,11 @@ E5M2 = jnp.float8_e5m2
 
 
 def _history_only(fn):
-    """`fn` with delayed scaling's fallback to the current amax turned off (the scale from the row alone)."""
+    """`fn` with delayed scaling's fallback to the current amax turned off (the scale from the row alone), while it
+    is traced."""
     def call(*args):
-        built = reference.quantize_delayed
-        reference.quantize_delayed = lambda x, row, dtype, fallback=None: built(x, row, dtype)
-        try:
+        with patched([(fp8, "quantize_delayed", history_only)]):
             return fn(*args)
-        finally:
-            reference.quantize_delayed = built
     return call
 
 

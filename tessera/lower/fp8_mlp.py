@@ -37,7 +37,7 @@ def applies(ctx, attrs, params: dict, x) -> bool:
     act = attrs["act"]
     return (ctx.fp8 is not None and fp8.delayed_of(ctx.fp8) is not None and bool(ctx.fp8_history)
             and all(n in ctx.fp8_history for n in ("gate", "up")) and ctx.shard is None
-            and getattr(ctx, "tensor", None) is None and "gate_bias" not in params
+            and ctx.tensor is None and "gate_bias" not in params
             and act.kind == "swiglu" and struct_fields(act).get("alpha") is None
             and not accum_ref.narrow(ctx.accum_dtype) and x.ndim == 3)
 

@@ -169,14 +169,18 @@ FP8_CAST_IN_STEPS = False
 _UNMEASURED = "not yet measured inside a train step on a GPU (kernels.FP8_CAST_IN_STEPS)"
 
 
-def _swiglu_cast_takes(dh, gate, up, rows):
+def _fp8_cast_takes(*operands):
     from tessera.lower.kernels import fp8_cast
 
     if not FP8_CAST_IN_STEPS:
         return _UNMEASURED
-    config = fp8_cast.fitted(*dh.shape)
-    return (config is not None and fp8_cast.supported(dh, gate, up, config=config)) \
+    config = fp8_cast.fitted(*operands[0].shape)
+    return (config is not None and fp8_cast.supported(*operands, config=config)) \
         or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
+
+
+def _swiglu_cast_takes(dh, gate, up, rows):
+    return _fp8_cast_takes(dh, gate, up)
 
 
 @_table.kernel("swiglu_grad_delayed", name="fp8_cast swiglu gradient (Pallas, Triton)", when=_swiglu_cast_takes)
@@ -187,13 +191,7 @@ def _swiglu_cast(dh, gate, up, rows):
 
 
 def _cast_takes(g, row):
-    from tessera.lower.kernels import fp8_cast
-
-    if not FP8_CAST_IN_STEPS:
-        return _UNMEASURED
-    config = fp8_cast.fitted(*g.shape)
-    return (config is not None and fp8_cast.supported(g, config=config)) \
-        or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
+    return _fp8_cast_takes(g)
 
 
 @_table.kernel("cast_transpose_delayed", name="fp8_cast (Pallas, Triton)", when=_cast_takes)

@@ -8,7 +8,7 @@ outside (a max: any order gives the same number).
 
 The scale is delayed scaling's: from the history row alone once it holds a range, which is known before the
 pass. While a row is empty (a run's first step) the scale is the gradient's own amax, which one pass cannot know
-before it writes a code: a first, reduce-only pass (`_amax_pass`) measures it then. That pass runs every step,
+before it writes a code: a first, reduce-only pass (`_amax_kernel`) measures it then. That pass runs every step,
 as a program has one graph; each of its programs reads the rows' "known" flags and returns at once where they
 hold a range, so after the first step it costs a launch of empty programs (no host round trip, unlike a
 `lax.cond`, whose predicate XLA:GPU reads back to the host).
@@ -29,8 +29,7 @@ from jax.experimental import pallas as pl
 
 from tessera.lower.kernels._vma import common, out_struct
 from tessera.lower.kernels.mxfp4_matmul import _capability
-from tessera.lower.reference.fp8 import E5M2, _pow2_scale
-from tessera.lower.reference.fp8_cast import known
+from tessera.lower.reference.fp8 import E5M2, delayed_scale, known
 
 BIG = float(jnp.finfo(E5M2).max)
 
@@ -163,8 +162,7 @@ def _quantised(grads, operands, rows, n: int, config: CastConfig):
     have = jnp.stack([known(r) for r in rows])
     first = _tile_amaxes(_amax_kernel(grads, n), operands, n, config.amax_bm, config.amax_bn,
                          jnp.all(have).astype(jnp.int32).reshape(1), config)
-    past = jnp.stack([jnp.max(r) for r in rows])
-    scales = jnp.stack([_pow2_scale(jnp.where(have[i], past[i], jnp.max(first[i])), E5M2) for i in range(n)])
+    scales = jnp.stack([delayed_scale(r, E5M2, jnp.max(a)) for r, a in zip(rows, first)])
     grid = (m // config.bm, cols // config.bn)
     tile = pl.BlockSpec((config.bm, config.bn), lambda i, j: (i, j))
     tile_t = pl.BlockSpec((config.bn, config.bm), lambda i, j: (j, i))

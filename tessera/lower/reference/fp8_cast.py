@@ -21,17 +21,16 @@ transpose, here named so a kernel can write them.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from tessera.lower.reference import activations
-from tessera.lower.reference.fp8 import E5M2, amax_of, quantize_delayed
+from tessera.lower.reference import activations, fp8
+from tessera.lower.reference.fp8 import E5M2
 
 
 def cast_transpose_delayed(g, row):
     """(g_q [M, N], g_qᵀ [N, M] in e5m2, amax |g|, s) of a gradient g [M, N] with delayed scaling's history row
     `row` (fp32 [H])."""
-    amax = amax_of(g)
-    q, s = quantize_delayed(g, row, E5M2, amax)
+    amax = fp8.amax_of(g)
+    q, s = fp8.quantize_delayed(g, row, E5M2, amax)
     return q, q.T, amax, s
 
 
@@ -50,9 +49,3 @@ def swiglu_grad_delayed(dh, gate, up, rows):
     qu, tu, au, su = cast_transpose_delayed(du, rows[1])
     return qg, tg, qu, tu, ag, au, sg, su
 
-
-def known(row):
-    """Whether a history row holds a range (delayed scaling's scale then comes from it alone): its max is positive
-    and finite."""
-    past = jnp.max(row)
-    return (past > 0) & jnp.isfinite(past)
