@@ -80,7 +80,7 @@ def _pow2(e):
 
 
 def mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: int, *, cfg: MmaConfig, rows: int,
-              k: int, n: int, steps_per_split: int, count: int):
+              k: int, n: int, steps_per_split: int, count: int, per: int = 1):
     """`mxfp4_gemv._gemv_tile` with the products on the tensor cores: a scale group's 16 code rows are two [16, block_n]
     fp16 operands (low nibbles: the even K rows, high nibbles: the odd ones), each one instruction for two
     values (`_E4M3_F16`), where the FMA route converts each value on to fp32 and multiplies it there (~10
@@ -95,7 +95,7 @@ def mma_tile(ex_ref, xw_ref, codes_ref, scales_ref, out_ref, r, ni, s, which: in
     """
     bn = cfg.block_n
     c, col_ok, kh, code_base, scale_base, x_base, lo, hi = mg._span(ex_ref, r, ni, s, bn, cfg, k, n,
-                                                                    steps_per_split)
+                                                                    steps_per_split, per)
     # the pair's x scale from all of its row (every program of the pair reads it: 4 bytes a code row)
     every = jnp.arange(1 << max(0, kh - 1).bit_length(), dtype=jnp.int32)
     xe_all, xo_all = mg._x_pair(pltriton.load(xw_ref.at[x_base + jnp.minimum(every, kh - 1)], mask=every < kh,
