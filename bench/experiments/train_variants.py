@@ -18,6 +18,8 @@ variants:
 - "mlp products one by one": the MLP's gate and up as two fp8 products, each VJP quantising its own gradient after
   JAX differentiated SwiGLU (the form built until session 47; "base" runs them as one custom VJP whose backward
   forms and quantises both gradients at once: tessera/lower/fp8_mlp.py);
+- "layers unrolled": the train step's stacked layers unrolled (lowering_variants.layers_unrolled: no stacks of the
+  residuals, which XLA:GPU fills by copies where a GEMM computed the value);
 - "xla casts": the output gradients quantised by XLA's fusions of the references (an amax pass, then the casts and
   transposes) where the step runs the fp8_cast kernels (tessera/lower/kernels/fp8_cast.py, `kernels.FP8_CAST_IN_STEPS`:
   SwiGLU's two gradients and every other delayed product's output gradient as codes in both layouts with their amaxes,
@@ -50,8 +52,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import (  # noqa: E402
-    barrier_before_weight_gradient, every_operand_falls_back, history_only, patched)
-from tessera.lower import fp8_mlp, kernels  # noqa: E402
+    barrier_before_weight_gradient, every_operand_falls_back, history_only, layers_unrolled, patched)
+from tessera.lower import fp8_mlp, interpret, kernels  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
 
 
@@ -140,6 +142,7 @@ VARIANTS = {
     "every operand falls back": [(fp8, "quantize_delayed", every_operand_falls_back)],
     "barrier before weight gradient": [(fp8, "scaled_product", barrier_before_weight_gradient)],
     "mlp products one by one": [(fp8_mlp, "applies", lambda *args: False)],
+    "layers unrolled": [(interpret, "eval_repeat", layers_unrolled)],
     "xla casts": [(kernels, "FP8_CAST_IN_STEPS", False)],
     "xla casts mlp one by one": [(kernels, "FP8_CAST_IN_STEPS", False),
                                     (fp8_mlp, "applies", lambda *args: False)],
