@@ -82,11 +82,7 @@ def layers_unrolled(op, ins, params, ctx, state, remat):
         return _EVAL_REPEAT(op, ins, params, ctx, state, remat)
     n, region, axis = op.attrs["n"], op.region, op.scope_name
     p = interpret.period(region, n)
-    stacked = interpret._stacked_paths(op, params)
-    held = interpret.held_weights(region, params, stacked, ctx, interpret.param_bindings)
-    if held:
-        params = {**params, **held}
-        stacked = interpret._stacked_paths(op, params)
+    params, stacked = interpret.with_held(op, params, ctx)
     shared = {path: v for path, v in params.items() if path not in stacked}
     phases = {}
 

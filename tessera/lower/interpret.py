@@ -236,11 +236,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
         return _last_step_grad(op, ins, params, ctx, remat), None
     n, region, axis = op.attrs["n"], op.region, op.scope_name
     p = period(region, n)
-    stacked = _stacked_paths(op, params)
-    held = held_weights(region, params, stacked, ctx, param_bindings)
-    if held:
-        params = {**params, **held}
-        stacked = _stacked_paths(op, params)
+    params, stacked = with_held(op, params, ctx)
     xs_params = {path: jax.tree.map(lambda a: a.reshape((n // p, p) + a.shape[1:]), params[path])
                  for path in stacked}  # a packed (MXFP4) parameter is a pytree of two stacked arrays
     shared = {path: v for path, v in params.items() if path not in xs_params}
@@ -268,6 +264,14 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     for name, per_step in (aux or {}).items():
         ctx.aux[name] = ctx.aux.get(name, 0) + jnp.sum(per_step)
     return list(carry), new_state
+
+
+def with_held(op: Op, params: dict, ctx: LowerCtx) -> tuple[dict, list[str]]:
+    """(params with the fp8 copies of a `repeat`'s stacked weights held before its layers (fp8_held.py), the stacked
+    paths among them, those copies included)."""
+    held = held_weights(op.region, params, _stacked_paths(op, params), ctx, param_bindings)
+    params = {**params, **held} if held else params
+    return params, _stacked_paths(op, params)
 
 
 def _named_result(x):
