@@ -8,7 +8,6 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from tessera.lower import interpret
 from tessera.lower.reference import fp8
 
 
@@ -66,39 +65,3 @@ def barrier_before_weight_gradient(spec, a_q, b_q, scale, accum, out_dtype, prec
         a_q, b_q = jax.lax.optimization_barrier((a_q, b_q))
     return _PRODUCT(spec, a_q, b_q, scale, accum, out_dtype, precision)
 
-
-_EVAL_REPEAT = interpret.eval_repeat
-
-
-def layers_unrolled(op, ins, params, ctx, state, remat):
-    """`interpret.eval_repeat` with a train step's stacked layers unrolled (fast mode; the built form is one
-    `lax.scan`): layer i reads slice i of each stacked parameter (and of its held fp8 copies) and is rematerialised
-    as the scan's body is, each layer a function jitted once per period and inlined. In the scan each residual the
-    backward keeps (under remat `dots` the products' outputs) is written into a stack [n, ...]: where the value comes
-    from a GEMM (a custom call) XLA:GPU copies it there (the Llama-1B step: 736 MiB a layer, 11.5 GiB a step,
-    session 48's HLO). Unrolled, each residual is a buffer of its own (one H100: 1.125x the fp8 step, 1.091x bf16's,
-    but bf16's peak 34.8 -> 42.7 GiB; docs/kernels-log.md). Other repeats run as built."""
-    if ctx.mode != "train" or ctx.unroll or state is not None or op.attrs.get("grad") == "last":
-        return _EVAL_REPEAT(op, ins, params, ctx, state, remat)
-    n, region, axis = op.attrs["n"], op.region, op.scope_name
-    p = interpret.period(region, n)
-    params, stacked = interpret.with_held(op, params, ctx)
-    shared = {path: v for path, v in params.items() if path not in stacked}
-    phases = {}
-
-    def phase(j):
-        if j not in phases:
-            def fn(index, carry, here):
-                inner = ctx if ctx.aux is None else ctx.replace(aux={})
-                out, _ = interpret.eval_region(region, [index, *carry], here, inner, None, layer=j, scope=axis)
-                return tuple(out), inner.aux
-            phases[j] = jax.jit(interpret._rematerialised(fn, ctx, remat))
-        return phases[j]
-
-    carry = tuple(ins)
-    for i in range(n):
-        here = {**shared, **{path: jax.tree.map(lambda a: a[i], params[path]) for path in stacked}}
-        carry, aux = phase(i % p)(jnp.int32(i), carry, here)
-        for name, value in (aux or {}).items():
-            ctx.aux[name] = ctx.aux.get(name, 0) + value
-    return list(carry), None

@@ -18,8 +18,9 @@ variants:
 - "mlp products one by one": the MLP's gate and up as two fp8 products, each VJP quantising its own gradient after
   JAX differentiated SwiGLU (the form built until session 47; "base" runs them as one custom VJP whose backward
   forms and quantises both gradients at once: tessera/lower/fp8_mlp.py);
-- "layers unrolled": the train step's stacked layers unrolled (lowering_variants.layers_unrolled: no stacks of the
-  residuals, which XLA:GPU fills by copies where a GEMM computed the value);
+- "layers scanned": the stacked layers as one `lax.scan`, the form built until session 49 (now fast mode's step on
+  one device unrolls them, tessera/lower/interpret.py `_unrolls_stacked`: no stacks of the residuals, which XLA:GPU
+  fills by copies where a GEMM computed the value);
 - "xla casts": the output gradients quantised by XLA's fusions of the references (an amax pass, then the casts and
   transposes) where the step runs the fp8_cast kernels (tessera/lower/kernels/fp8_cast.py, `kernels.FP8_CAST_IN_STEPS`:
   SwiGLU's two gradients and every other delayed product's output gradient as codes in both layouts with their amaxes,
@@ -35,7 +36,11 @@ and "history only forward" today's built form): base 264.02 ms a step (loss afte
 Measured (session 48, one H200, jax 0.11.2, the spec above with the unembedding in fp8, the kernels then a variant):
 XLA's casts 217.67 ms a step, the cast kernels 204.92 (1.062x), mlp products one by one 222.69; bf16 257.36 in the
 same call. One H100, a call later: the kernels on, the scan 220.12 ms, layers unrolled 195.67 (1.125x, peak 35.4 ->
-40.0 GiB); bf16 267.89 and unrolled 245.58 (1.091x, peak 34.8 -> 42.7 GiB).
+40.0 GiB); bf16 267.89 and unrolled 245.58 (1.091x, peak 34.8 -> 42.7 GiB). The peak was XLA's CSE merging each
+layer's remat recomputation with its forward (session 49, the memory report: SwiGLU's product and the norms' outputs
+kept for all 16 layers); with JAX's barrier on the recomputation (as built), one H100: bf16 scan 268.53 ms 34.8 GiB,
+unrolled 261.04 ms 37.5 GiB (260.15 with each layer's backward also waiting on its cotangent); fp8 scan 219.13 ms
+35.4 GiB, unrolled 203.16 ms 35.4 GiB (202.51).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import (  # noqa: E402
-    barrier_before_weight_gradient, every_operand_falls_back, history_only, layers_unrolled, patched)
+    barrier_before_weight_gradient, every_operand_falls_back, history_only, patched)
 from tessera.lower import fp8_mlp, interpret, kernels  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
 
@@ -143,7 +148,7 @@ VARIANTS = {
     "every operand falls back": [(fp8, "quantize_delayed", every_operand_falls_back)],
     "barrier before weight gradient": [(fp8, "scaled_product", barrier_before_weight_gradient)],
     "mlp products one by one": [(fp8_mlp, "applies", lambda *args: False)],
-    "layers unrolled": [(interpret, "eval_repeat", layers_unrolled)],
+    "layers scanned": [(interpret, "_unrolls_stacked", lambda *args: False)],
     "xla casts": [(kernels, "FP8_CAST_IN_STEPS", False)],
     "xla casts mlp one by one": [(kernels, "FP8_CAST_IN_STEPS", False),
                                     (fp8_mlp, "applies", lambda *args: False)],

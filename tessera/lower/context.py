@@ -62,6 +62,7 @@ class LowerCtx:
     # (tessera/lower/fp8_held.py); None elsewhere (each product quantises its weight)
     last_only: bool = False
     scan_unroll: bool = False  # `repeat` is still one lax.scan, which XLA unrolls (scientific models: see program.py)
+    unroll_layers: bool = False  # a fast-mode train step's stacked repeats run unrolled (interpret._unrolls_stacked)
     # {path: TensorType} of the graph's params: an op that declares no params but reads one written `param(...)`
     # in the model (a primitive `dot` or `add` on it) gets it as an operand of that type (interpret.py)
     param_types: Any = None

@@ -16,7 +16,8 @@ program on the CPU traced in 1.3 s instead of 8.8 and lowered in 1.2 s instead o
 layer's kernels were lowered again before (GPT-OSS-20B: 8.2 s of tracing and 19.6 s of lowering, H200).
 Deterministic training runs its canonical shards' layers unrolled too (tessera/lower/shard/layerwise.py), each
 layer rematerialised as the scan's body is and fenced (tessera/lower/fence.py): a computation of its own, as the
-scan's body was.
+scan's body was. A fast-mode train step on one device unrolls its stacked layers, each reading its slice of the
+stacks (`_unrolls_stacked` says why).
 
 A weight-shared repeat (`axis = none`) reads its one set of parameters at every step; with `grad = "last"` its
 first n - 1 steps run on stop_gradient'ed inputs and parameters and only the last keeps residuals. `loop` is
@@ -232,6 +233,8 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     # weight-shared recurrence (its one-step gradient included) or a stack left whole stays a scan
     if ctx.unroll and (ctx.mode != "train" or (op.attrs.get("axis") is not None and not _stacked_paths(op, params))):
         return _eval_unrolled(op, ins, params, ctx, state, remat)
+    if _unrolls_stacked(op, ctx, state):
+        return _eval_unrolled(op, ins, params, ctx, state, remat)
     if op.attrs.get("grad") == "last" and state is None:
         return _last_step_grad(op, ins, params, ctx, remat), None
     n, region, axis = op.attrs["n"], op.region, op.scope_name
@@ -282,9 +285,11 @@ def _named_result(x):
     return x
 
 
-def _rematerialised(fn, ctx: LowerCtx, remat: str):
+def _rematerialised(fn, ctx: LowerCtx, remat: str, prevent_cse: bool = False):
     """A train step's layer (the scan's body, or an unrolled layer) under the spec's remat policy (dots, full; none:
-    KEEP_RESULTS in fast mode), else `ctx.layer_remat`; fn itself where none applies.
+    KEEP_RESULTS in fast mode), else `ctx.layer_remat`; fn itself where none applies. `prevent_cse`: the
+    recomputation's inputs behind an optimization barrier, for a layer that is not a scan's body (there XLA would
+    merge the backward's recomputation with the forward's identical computation, keeping what remat recomputes).
 
     Deterministic mode keeps none as JAX does without a policy: its steps are bit for bit the same on every mesh
     because each computes the same values in the same fusions, and values recomputed in the backward's fusions came
@@ -294,7 +299,7 @@ def _rematerialised(fn, ctx: LowerCtx, remat: str):
     policy = REMAT_POLICIES.get(remat)
     if policy is None:
         policy = KEEP_RESULTS if remat == "none" and not ctx.deterministic else ctx.layer_remat
-    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=False)
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
 def _last_step_grad(op: Op, ins: list, params: dict, ctx: LowerCtx, remat: str) -> list:
@@ -311,14 +316,33 @@ def _last_step_grad(op: Op, ins: list, params: dict, ctx: LowerCtx, remat: str) 
     return out
 
 
+def _unrolls_stacked(op: Op, ctx: LowerCtx, state) -> bool:
+    """Whether a fast-mode train step runs this `repeat`'s layers unrolled over its stacked parameters
+    (`LowerCtx.unroll_layers`, one device): layer i reads slice i of each. In the scan each residual the backward
+    keeps is written into a stack [n, ...], and where a GEMM computed it XLA:GPU copies it there (the Llama-1B step:
+    288 copies, 736 MiB a layer); unrolled, each is a buffer of its own (one H100, session 49: fp8 219.1 -> 202.5 ms
+    a step at the scan's peak, bf16 268.5 -> 260.2 ms, peak 34.8 -> 37.5 GiB). A weight-shared repeat, a one-step
+    gradient (`grad = "last"`), a mesh's step (its per-layer gathers would all be free to run first) and a scan of
+    one step (its layers are its body's, unrolled already; GPT-OSS-20B's two layers: 115.9 ms a step as the scan,
+    122.1 unrolled, where the barrier below costs the recomputation XLA's CSE had saved) stay scans."""
+    return (ctx.unroll_layers and ctx.mode == "train" and not ctx.deterministic and ctx.shard is None
+            and state is None and op.attrs.get("axis") is not None and op.attrs.get("grad") != "last"
+            and op.attrs["n"] > period(op.region, op.attrs["n"]))
+
+
 def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list | None, remat: str = "none"):
-    """`repeat` as n unrolled layers; layer i reads `params[path][i]` for a split parameter (a list)
-    and `state[i]`, and gets its static attributes. In a train step each layer is rematerialised as the scan's
-    body is (the spec's remat policy, else `ctx.layer_remat`)."""
+    """`repeat` as n unrolled layers; layer i reads `params[path][i]` for a split parameter (a list), slice i of a
+    stacked one in a fast-mode train step (`_unrolls_stacked`), and `state[i]`, and gets its static attributes. In a
+    train step each layer is rematerialised as the scan's body is (the spec's remat policy, else `ctx.layer_remat`)."""
     n, region, axis = op.attrs["n"], op.region, op.scope_name
-    if _stacked_paths(op, params):
+    sliced = _unrolls_stacked(op, ctx, state)
+    if sliced:
+        params, stacked = with_held(op, params, ctx)
+    elif _stacked_paths(op, params):
         raise ValueError(f"an unrolled repeat needs its stacked parameters split first (split_layers): "
                          f"{_stacked_paths(op, params)[:3]}")
+    else:
+        stacked = []
     p = period(region, n)
     phases: dict[int, Any] = {}
 
@@ -326,14 +350,20 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
         # layers i and i + p have the same static attributes: one jitted function traces and lowers them
         # (kernels included) once, and XLA inlines its calls, so the program is the same as written out
         if j not in phases:
-            fn = lambda index, carry, here, st: eval_region(  # noqa: E731
-                region, [index, *carry], here, ctx, st, layer=j, scope=axis)
-            fn = _rematerialised(fn, ctx, remat)
-            # an unrolled train step is deterministic mode's: each layer (its VJP too) a computation of its own,
-            # whose arithmetic then does not depend on its neighbours, a mesh's gathers or their absence; unfenced,
+            def layer(index, carry, here, st):  # the name a jaxpr's per-layer call carries
+                inner = ctx if ctx.aux is None else ctx.replace(aux={})  # counters leave the layer as outputs
+                out, st = eval_region(region, [index, *carry], here, inner, st, layer=j, scope=axis)
+                return out, st, inner.aux
+
+            # sliced: no optimization barrier, XLA:GPU's CSE would merge the backward's recomputation with the
+            # forward's same fusions and keep what remat recomputes (bf16: 42.7 GiB where the scan peaks at 34.8)
+            fn = _rematerialised(layer, ctx, remat, prevent_cse=sliced)
+            # deterministic mode's unrolled train step: each layer (its VJP too) a computation of its own, whose
+            # arithmetic then does not depend on its neighbours, a mesh's gathers or their absence; unfenced,
             # XLA:CPU computed attention's q and k gradients a bit apart on dp=2 and one device (the scan's body
             # kept them apart as a fence does)
-            phases[j] = functools.partial(fenced, jax.jit(fn)) if ctx.mode == "train" else jax.jit(fn)
+            fenced_train = ctx.mode == "train" and not sliced
+            phases[j] = functools.partial(fenced, jax.jit(fn)) if fenced_train else jax.jit(fn)
         return phases[j]
 
     carry, new_states = list(ins), []
@@ -343,7 +373,10 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
         here = {path: (params[path][i] if split and isinstance(params[path], list) else params[path]) for path in paths}
         here.update({path + HELD: params[path + HELD][i] for path in paths  # held before a deterministic shard loop
                      if split and isinstance(params.get(path + HELD), list)})
-        carry, st = phase(i % p)(jnp.int32(i), carry, here, None if state is None else state[i])
+        here.update({path: jax.tree.map(lambda a: a[i], params[path]) for path in stacked})
+        carry, st, aux = phase(i % p)(jnp.int32(i), carry, here, None if state is None else state[i])
+        for name, value in (aux or {}).items():
+            ctx.aux[name] = ctx.aux.get(name, 0) + value
         new_states.append(st)
     return carry, (None if state is None else new_states)
 

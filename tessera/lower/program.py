@@ -242,6 +242,7 @@ class Program:
         # a model with loss entries differentiates small stacks two and three times over (PDE residuals, then the
         # parameters): XLA runs the scan unrolled, 4.5x faster a Kovasznay step on the CPU than as a loop
         kw.setdefault("scan_unroll", bool(self.graph.losses))
+        kw.setdefault("unroll_layers", not self.graph.losses)  # a language model's layers: interpret._unrolls_stacked
         kw.setdefault("param_types", {path: p.type for path, p in self.graph.params.items()})
         if self.options.canonical_tp > 1 and kw.get("mode", "train") == "train":  # deterministic tp's chunks, all
             kw.setdefault("tensor", (self.options.canonical_tp, ()))           # of them here (a mesh's step: its own)

@@ -30,8 +30,9 @@ def _exp(default=FP8, compute=None, **extra):
 
 
 def _fp8_products(prog, state, batch) -> list[tuple[int, ...]]:
-    """The weight shapes (rhs) of the forward's e4m3 x e4m3 products in the train step's jaxpr, every sub-jaxpr."""
-    out = []
+    """The weight shapes (rhs) of the forward's e4m3 x e4m3 products in the train step's jaxpr, every sub-jaxpr once
+    (the unrolled layers call one)."""
+    out, seen = [], set()
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
@@ -41,7 +42,8 @@ def _fp8_products(prog, state, batch) -> list[tuple[int, ...]]:
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (list, tuple)) else [value]:
                     sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
+                    if hasattr(sub, "eqns") and id(sub) not in seen:
+                        seen.add(id(sub))
                         walk(sub)
 
     walk(jax.make_jaxpr(prog.train_step_fn())(state, batch).jaxpr)
@@ -72,7 +74,7 @@ def test_a_rule_keeps_the_attention_projections_out_of_fp8(runs):
     """Kept in bf16, attention's q, k, v, o multiply in bf16 (no e4m3 product of their shapes), the MLP's in fp8;
     the policy the manifest and plan report says so, per parameter and per op."""
     prog, products, losses = runs["no attention"]
-    assert len(runs["fp8"][1]) == 7 and len(products) == 3  # the layers' scan body: one of each product
+    assert len(runs["fp8"][1]) == 7 and len(products) == 3  # the layer's forward: one of each product
     assert sorted(products) == [(32, 64), (32, 64), (64, 32)]  # gate, up [d, d_ff]; down [d_ff, d]
     report = prog.numerics_report()
     assert report["by_op"] == {"layers/attention": {"fp8": False, "rule": "layers/attention"}}

@@ -86,3 +86,40 @@ def test_unrolled_repeat_refuses_stacked_parameters(tiny):
     (split,), _ = eval_region(prog.graph.body, [tokens], split_layers(prog.graph.body, params),
                               LowerCtx(mode="train", unroll=True))
     np.testing.assert_allclose(np.asarray(split), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, over", [
+    ("gpt_oss_tiny.yaml", {"model.args.layers": 4}),  # MoE (its dropped-token counters leave each layer), period 2
+    ("llama_tiny.yaml", {"numerics.default": "fp8_e4m3 @scale(delayed(4)) @accum(fp32)", "model.args.layers": 3})])
+def test_a_fast_train_step_unrolls_its_stacked_layers_as_the_scan_computes(monkeypatch, spec, over):
+    """Fast mode's train step on one device runs the stacked layers unrolled (layer i reads slice i of each stacked
+    weight, of its held fp8 copy and amax history): the layers' scan gone from its jaxpr, and two steps give the
+    scan's losses and counters, and its parameters and amax histories to a rounding (XLA:CPU fuses the two forms'
+    backwards apart: after two Adam steps one weight in ~10^5 differs by ~1e-6)."""
+    from tessera.lower import interpret, program
+
+    exp = tessera.load(TINY.parent / spec, overrides={"parallel.deterministic": False, "parallel.remat": "dots",
+                                                      "task.batch": 2, "task.seq_len": 16, **over})
+    tokens = np.random.default_rng(0).integers(1, 64, (2, 16), dtype=np.int32)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": np.ones((2, 16), np.float32)}
+    runs = {}
+    for form in ("unrolled", "scan"):
+        if form == "scan":
+            monkeypatch.setattr(interpret, "_unrolls_stacked", lambda *args: False)
+        program._PROGRAMS.clear()
+        prog = tessera.compile(exp)
+        state = prog.init_train_state(prog.init(0))
+        scans = str(jax.make_jaxpr(prog.train_step_fn())(state, batch)).count(" scan[")
+        metrics = []
+        for _ in range(2):
+            state, m = prog.train_step(state, batch)
+            metrics.append({k: float(v) for k, v in m.items() if np.ndim(v) == 0})
+        runs[form] = scans, metrics, {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(state)}
+    monkeypatch.undo()
+    program._PROGRAMS.clear()
+    assert runs["unrolled"][0] == runs["scan"][0] - 2  # the layers' and its transpose (MoE routing has its own)
+    assert runs["unrolled"][1] == runs["scan"][1]
+    assert any("amax_history" in path for path in runs["scan"][2]) == ("fp8" in str(over))
+    for path, want in runs["scan"][2].items():
+        np.testing.assert_allclose(np.asarray(runs["unrolled"][2][path], np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-6, atol=1e-5, err_msg=path)  # Adam's steps ~1e-3
