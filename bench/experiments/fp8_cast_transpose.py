@@ -49,22 +49,23 @@ def _history_only(fn):
 
 
 def inputs(m: int, f: int, seed: int = 0, first: bool = False):
-    """dh, gate, up (bf16 [m, f], gradients at a mean loss's scale) and gradient rows [2, 16] (empty if `first`, else
-    holding ranges near the gradients' own)."""
+    """dh, gate, up (bf16 [m, f], gradients at a mean loss's scale), gradient rows [2, 16] (empty if `first`, else
+    holding ranges near the gradients' own) and h's scale."""
     k = jax.random.split(jax.random.key(seed), 3)
     gate = jax.random.normal(k[0], (m, f), jnp.bfloat16)
     up = jax.random.normal(k[1], (m, f), jnp.bfloat16)
     dh = (1e-4 * jax.random.normal(k[2], (m, f), jnp.float32)).astype(jnp.bfloat16)
     rows = jnp.zeros((2, 16), jnp.float32)
-    return dh, gate, up, rows if first else rows.at[:, 3].set(jnp.asarray([3e-4, 5e-4]))
+    h_scale = jnp.float32(2.0 ** 6)  # the down product's input scale: SwiGLU's output coded again, transposed
+    return dh, gate, up, rows if first else rows.at[:, 3].set(jnp.asarray([3e-4, 5e-4])), h_scale
 
 
 def compare(got, want) -> dict:
     """Each coded output's mismatches against `want`'s (count, largest distance in e5m2 steps), keyed by position
-    (SwiGLU's: gate, gate.T, up, up.T), and the amaxes (got, want)."""
+    (SwiGLU's: gate, gate.T, up, up.T, then h.T in e4m3), and the amaxes (got, want)."""
     out, amax = {}, []
     for i, (a, b) in enumerate(zip(got, want)):
-        if a.dtype == E5M2:
+        if a.dtype in (E5M2, jnp.float8_e4m3fn):
             ia = jax.lax.bitcast_convert_type(a, jnp.uint8).astype(jnp.int32)
             ib = jax.lax.bitcast_convert_type(b, jnp.uint8).astype(jnp.int32)
             out[i] = (int(jnp.sum(ia != ib)), int(jnp.max(jnp.abs(ia - ib))))
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--logits", default="16384x128256", help="M x N of the plain cast-transpose table ('' skips)")
     args = ap.parse_args(argv)
     _table(args, "SwiGLU's gradient", lambda first: inputs(args.m, args.f, first=first),
-           3 * 2 * args.m * args.f + 4 * args.m * args.f, reference.swiglu_grad_delayed,
+           3 * 2 * args.m * args.f + 5 * args.m * args.f, reference.swiglu_grad_delayed,
            fp8_cast.swiglu_grad_delayed)
     if args.logits:
         m, n = (int(v) for v in args.logits.split("x"))

@@ -397,15 +397,18 @@ def _mlp(ctx, op, attrs, ins, params):
             y = plus_bias(y, p["down_bias"])
         return [align(y.astype(_dtype(op)), BSE, have)]
     cols = stored_dtype(x.dtype, ctx.accum_dtype)
-    if fp8_mlp.applies(ctx, attrs, p, x):  # delayed fp8: SwiGLU's backward and its gradients' casts in one pass
-        h = fp8_mlp.gate_up(ctx, op_scope(op), x, p["gate"], p["up"], cols)
-    else:
-        g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
-        u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")
-        if "gate_bias" in p:
-            g, u = plus_bias(g, p["gate_bias"]), plus_bias(u, p["up_bias"])
-        h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     rows = stored_dtype(_dtype(op), ctx.accum_dtype, partial=ctx.shard is not None)
+    if fp8_mlp.applies(ctx, attrs, p, x):  # delayed fp8: SwiGLU's backward and its codes' casts in one pass
+        h_shape = x.shape[:2] + p["gate"].shape[-1:]
+        cast = _gradient_cast(ctx, "down", fp8_ref.gradient_matrix("bsf,fe->bse", h_shape, p["down"].shape), rows,
+                              _history(ctx, "down"))
+        y = fp8_mlp.mlp(ctx, op_scope(op), x, p["gate"], p["up"], p["down"], cols, rows, cast)
+        return [align(y.astype(_dtype(op)), BSE, have)]
+    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
+    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")
+    if "gate_bias" in p:
+        g, u = plus_bias(g, p["gate_bias"]), plus_bias(u, p["up_bias"])
+    h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))
     y = _weight_product(ctx, "bsf,fe->bse", h, p["down"], rows, "down")
     if ctx.shard is not None:  # row-parallel down: partial sums over this device's mlp columns
         y = ctx.shard.reduce_out(y, "mlp")

@@ -1,5 +1,5 @@
-"""The MLP's gate, up and SwiGLU as one custom VJP under delayed fp8 scaling (tessera/lower/fp8_mlp.py): a tiny Llama
-trains through it bit for bit as through the two products one by one (the form it replaces), the first step
+"""The MLP's gate, up, SwiGLU and down as one custom VJP under delayed fp8 scaling (tessera/lower/fp8_mlp.py): a tiny
+Llama trains through it bit for bit as through the three products one by one (the form it replaces), the first step
 (empty gradient histories: scales from the gradients' amaxes) included; it applies where it should and nowhere
 else. (The kernel that computes its backward on a GPU against the reference it calls here:
 tests/lower/kernels/test_fp8_cast.py.)"""
@@ -22,11 +22,11 @@ DELAYED = "fp8_e4m3 @scale(delayed(4)) @accum(fp32)"
 
 
 def _train(monkeypatch, fused: bool, policy: str = DELAYED, steps: int = 3, **extra):
-    """(losses, final state on the host, the calls of fp8_mlp.gate_up while tracing) of a tiny Llama learning one
+    """(losses, final state on the host, the calls of fp8_mlp.mlp while tracing) of a tiny Llama learning one
     batch."""
     calls = []
-    built = fp8_mlp.gate_up
-    monkeypatch.setattr(fp8_mlp, "gate_up", lambda *a, **k: calls.append(a[1]) or built(*a, **k))
+    built = fp8_mlp.mlp
+    monkeypatch.setattr(fp8_mlp, "mlp", lambda *a, **k: calls.append(a[1]) or built(*a, **k))
     if not fused:
         monkeypatch.setattr(fp8_mlp, "applies", lambda *a: False)
     over = {"numerics.default": policy, "task.batch": 4, "task.seq_len": 16, "task.optimizer.lr": 1e-2,
@@ -48,7 +48,7 @@ def _train(monkeypatch, fused: bool, policy: str = DELAYED, steps: int = 3, **ex
 def test_the_fused_mlp_trains_as_the_products_one_by_one_bit_for_bit(monkeypatch):
     fused, s_fused, calls = _train(monkeypatch, fused=True)
     one_by_one, s_one, none = _train(monkeypatch, fused=False)
-    assert calls == ["layers/mlp"] and none == []  # traced once: the layers' scan body
+    assert calls == ["layers/mlp"] and none == []  # traced once: the unrolled layer
     np.testing.assert_array_equal(fused, one_by_one)
     assert fused[-1] < fused[0]
     for a, b in zip(jax.tree.leaves(s_fused), jax.tree.leaves(s_one)):  # parameters, moments, amax histories

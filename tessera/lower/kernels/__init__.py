@@ -8,7 +8,7 @@
 | mxfp4_matmul (Triton backend) | ragged_dot(lhs, rhs: MXFP4, group_sizes, *, preferred_element_type, config), matmul(x, w, *, config), pair_dot(lhs, rhs: MXFP4 or a tuple of them, experts, *, preferred_element_type, config) | supported(...), supported_pairs(...) |
 | mxfp4_gemv (Triton backend) | the matrix-vector kernel behind mxfp4_matmul.pair_dot and moe_pairs at decode | (through them) |
 | moe_pairs (Triton backend) | pairs_ffn(x, weights, experts, *, gate, up, down, biases, act, config): decode's experts after the routing | supported(...) |
-| fp8_cast (Triton backend) | swiglu_grad_delayed(dh, gate, up, rows, *, config), cast_transpose_delayed(g, row, *, config): gradients to e5m2 codes in both layouts with their amaxes, in one pass | supported(...), fitted(...) |
+| fp8_cast (Triton backend) | swiglu_grad_delayed(dh, gate, up, rows, h_scale, *, config), cast_transpose_delayed(g, row, *, config): gradients to e5m2 codes in both layouts with their amaxes, in one pass | supported(...), fitted(...) |
 | fp8_gemv (Triton backend) | weight_only_einsum(spec, x, w: FP8Blocks, *, out_dtype, config): one token times block-scaled fp8 weights | supported(...) |
 | moe_route (Triton backend) | route_blocks(blocks, bias, top_k, *, config): a decode step's routing after the router's product | supported(...) |
 
@@ -180,15 +180,15 @@ def _fp8_cast_takes(*operands):
         or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
 
 
-def _swiglu_cast_takes(dh, gate, up, rows):
+def _swiglu_cast_takes(dh, gate, up, rows, h_scale):
     return _fp8_cast_takes(dh, gate, up)
 
 
 @_table.kernel("swiglu_grad_delayed", name="fp8_cast swiglu gradient (Pallas, Triton)", when=_swiglu_cast_takes)
-def _swiglu_cast(dh, gate, up, rows):
+def _swiglu_cast(dh, gate, up, rows, h_scale):
     from tessera.lower.kernels import fp8_cast
 
-    return fp8_cast.swiglu_grad_delayed(dh, gate, up, rows, config=fp8_cast.fitted(*dh.shape))
+    return fp8_cast.swiglu_grad_delayed(dh, gate, up, rows, h_scale, config=fp8_cast.fitted(*dh.shape, fp8_cast.SWIGLU))
 
 
 def _cast_takes(g, row):

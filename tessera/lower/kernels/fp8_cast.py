@@ -2,9 +2,10 @@
 
 The kernels of `reference.fp8_cast` (the module says what they compute and why): `cast_transpose_delayed` for a
 materialised gradient [M, N], `swiglu_grad_delayed` for the gradients of gate and up formed from SwiGLU's
-output gradient in the same pass. One program per [bm, bn] tile reads its inputs once and writes the codes, the
-transposed codes (the [bn, bm] tile at (j, i)) and the tile's amax of each gradient; the amaxes are reduced
-outside (a max: any order gives the same number).
+output gradient in the same pass (and SwiGLU's output again, as the down product's e4m3 codes transposed). One
+program per [bm, bn] tile reads its inputs once and writes the codes, the transposed codes (the [bn, bm] tile at
+(j, i)) and the tile's amax of each gradient; the amaxes are reduced outside (a max: any order gives the same
+number).
 
 The scale is delayed scaling's: from the history row alone once it holds a range, which is known before the
 pass. While a row is empty (a run's first step) the scale is the gradient's own amax, which one pass cannot know
@@ -29,9 +30,10 @@ from jax.experimental import pallas as pl
 
 from tessera.lower.kernels._vma import common, out_struct
 from tessera.lower.kernels.mxfp4_matmul import _capability
-from tessera.lower.reference.fp8 import E5M2, delayed_scale, known
+from tessera.lower.reference.fp8 import E4M3, E5M2, delayed_scale, known
 
 BIG = float(jnp.finfo(E5M2).max)
+BIG_E4M3 = float(jnp.finfo(E4M3).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,10 @@ class CastConfig:
 
 
 DEFAULT = CastConfig()
+# SwiGLU's pass writes five tiles (two gradients' codes both ways, h's transposed): at the Llama-1B shape (16384 x
+# 8192, one H100, session 49) 32 x 128 took 718 us, 32 x 64 735, 64 x 64 761, 64 x 128 841, 128 x 64 866, 16 x 128
+# 927, 128 x 128 3,892 (spilling)
+SWIGLU = CastConfig(bm=32)
 
 
 def fitted(m: int, n: int, config: CastConfig = DEFAULT) -> CastConfig | None:
@@ -101,20 +107,33 @@ def _swiglu_grads(dh_ref, g_ref, u_ref):
     return dg.astype(wide).astype(jnp.float32), du.astype(wide).astype(jnp.float32)
 
 
+def _swiglu(dh_ref, g_ref, u_ref):
+    """h = swiglu(gate, up) of one tile (reference/activations.py: in fp32, rounded to gate's dtype once), fp32."""
+    g = g_ref[...].astype(jnp.float32)
+    h = g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)
+    return h.astype(g_ref.dtype).astype(jnp.float32)
+
+
 def _plain(x_ref):
     return (x_ref[...].astype(jnp.float32),)
 
 
-def _writing_kernel(grads, n: int):
-    """The writing pass over one tile: refs (scales, *inputs, then per gradient its codes and codes.T, then per
-    gradient its tile amax)."""
+def _writing_kernel(grads, n: int, value=None):
+    """The writing pass over one tile: refs (scales, [value's scale,] *inputs, then per gradient its codes and
+    codes.T, then per gradient its tile amax[, then value's e4m3 codes.T])."""
+    extra = value is not None
+
     def kernel(s_ref, *refs):
-        outs = refs[len(refs) - 3 * n:]
-        for i, v in enumerate(grads(*refs[:len(refs) - 3 * n])):
+        v_scale, refs = (refs[0], refs[1:]) if extra else (None, refs)
+        count = 3 * n + extra
+        ins, outs = refs[:len(refs) - count], refs[len(refs) - count:]
+        for i, v in enumerate(grads(*ins)):
             q = _codes(v, s_ref[i])
             outs[2 * i][...] = q
             outs[2 * i + 1][...] = q.T
             outs[2 * n + i][...] = jnp.max(jnp.abs(v)).reshape(1, 1)
+        if extra:
+            outs[3 * n][...] = jnp.clip(value(*ins) * v_scale[0], -BIG_E4M3, BIG_E4M3).astype(E4M3).T
     return kernel
 
 
@@ -155,8 +174,9 @@ def _tile_amaxes(kernel, operands, n: int, bm: int, bn: int, extra, config: Cast
     )(extra, *operands)
 
 
-def _quantised(grads, operands, rows, n: int, config: CastConfig):
-    """(codes, codes.T) per gradient, then the amaxes, then the scales: the two passes."""
+def _quantised(grads, operands, rows, n: int, config: CastConfig, value=None, value_scale=None):
+    """(codes, codes.T) per gradient[, then `value`'s e4m3 codes.T at `value_scale`], then the amaxes, then the
+    scales: the two passes."""
     operands = common(*operands)
     m, cols = operands[0].shape
     have = jnp.stack([known(r) for r in rows])
@@ -168,13 +188,16 @@ def _quantised(grads, operands, rows, n: int, config: CastConfig):
     tile_t = pl.BlockSpec((config.bn, config.bm), lambda i, j: (j, i))
     one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
     pair = [out_struct((m, cols), E5M2, *operands), out_struct((cols, m), E5M2, *operands)]
+    extra = [] if value is None else [jnp.asarray(value_scale, jnp.float32).reshape(1)]
     out = pl.pallas_call(
-        _writing_kernel(grads, n), grid=grid,
-        in_specs=[pl.BlockSpec((n,), lambda i, j: (0,))] + [tile] * len(operands),
-        out_specs=[tile, tile_t] * n + [one] * n,
-        out_shape=pair * n + [out_struct(grid, jnp.float32, *operands)] * n, **_compiler(config),
-    )(scales, *operands)
-    return out[:2 * n], [jnp.max(a) for a in out[2 * n:]], scales
+        _writing_kernel(grads, n, value), grid=grid,
+        in_specs=[pl.BlockSpec((n,), lambda i, j: (0,))] + [pl.BlockSpec((1,), lambda i, j: (0,))] * len(extra)
+        + [tile] * len(operands),
+        out_specs=[tile, tile_t] * n + [one] * n + [tile_t] * len(extra),
+        out_shape=pair * n + [out_struct(grid, jnp.float32, *operands)] * n
+        + [out_struct((cols, m), E4M3, *operands)] * len(extra), **_compiler(config),
+    )(scales, *extra, *operands)
+    return out[:2 * n] + out[3 * n:], [jnp.max(a) for a in out[2 * n:3 * n]], scales
 
 
 def cast_transpose_delayed(g, row, *, config: CastConfig = DEFAULT):
@@ -183,7 +206,8 @@ def cast_transpose_delayed(g, row, *, config: CastConfig = DEFAULT):
     return q, t, amax, s[0]
 
 
-def swiglu_grad_delayed(dh, gate, up, rows, *, config: CastConfig = DEFAULT):
+def swiglu_grad_delayed(dh, gate, up, rows, h_scale, *, config: CastConfig = DEFAULT):
     """`reference.fp8_cast.swiglu_grad_delayed` in one pass (two on a first step)."""
-    (qg, tg, qu, tu), (ag, au), s = _quantised(_swiglu_grads, (dh, gate, up), [rows[0], rows[1]], 2, config)
-    return qg, tg, qu, tu, ag, au, s[0], s[1]
+    (qg, tg, qu, tu, ht), (ag, au), s = _quantised(_swiglu_grads, (dh, gate, up), [rows[0], rows[1]], 2, config,
+                                                   _swiglu, h_scale)
+    return qg, tg, qu, tu, ag, au, s[0], s[1], ht

@@ -9,9 +9,11 @@ the history either way. These are the references of the lowering table's primiti
 that a kernel may compute in one pass (tessera/lower/kernels/fp8_cast.py):
 
 - `cast_transpose_delayed(g, row)`: a materialised gradient [M, N];
-- `swiglu_grad_delayed(dh, gate, up, rows)`: the gradients of gate and up through SwiGLU (h = silu(gate) · up)
-  from h's gradient dh, each quantised so: the MLP's backward (tessera/lower/fp8_mlp.py), where XLA's one fusion
-  of SwiGLU's backward, both casts and both transposes took ~2.5x its bytes' time.
+- `swiglu_grad_delayed(dh, gate, up, rows, h_scale)`: the gradients of gate and up through SwiGLU
+  (h = silu(gate) · up) from h's gradient dh, each quantised so, and h's own e4m3 codes transposed (what the down
+  product's weight gradient reads): the MLP's backward (tessera/lower/fp8_mlp.py), where XLA's one fusion of
+  SwiGLU's backward, both casts and both transposes took ~2.5x its bytes' time, and its fusion recomputing h's
+  codes transposed 730 us a layer (the Llama-1B step, one H100, session 49's profile).
 
 Each returns codes [M, N] (e5m2), codes.T, amax (fp32 scalar) and scale (fp32 scalar) per gradient: the numbers
 of the products' own quantisation (reference/fp8.py) bit for bit; the transposed codes are what XLA would
@@ -21,9 +23,10 @@ transpose, here named so a kernel can write them.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from tessera.lower.reference import activations, fp8
-from tessera.lower.reference.fp8 import E5M2
+from tessera.lower.reference.fp8 import E4M3, E5M2
 
 
 def cast_transpose_delayed(g, row):
@@ -41,11 +44,24 @@ def swiglu_grad(dh, gate, up):
     return vjp(dh.astype(gate.dtype))
 
 
-def swiglu_grad_delayed(dh, gate, up, rows):
-    """SwiGLU's gradients quantised: dh, gate, up [M, F] and rows fp32 [2, H] (gate's and up's gradient rows) ->
-    (gate codes [M, F], their transpose, up codes, their transpose, amax |d gate|, amax |d up|, s gate, s up)."""
+def swiglu_grad_delayed(dh, gate, up, rows, h_scale):
+    """SwiGLU's gradients quantised: dh, gate, up [M, F], rows fp32 [2, H] (gate's and up's gradient rows) and
+    h_scale (the down product's input scale, fp32) -> (gate codes [M, F], their transpose, up codes, their transpose,
+    amax |d gate|, amax |d up|, s gate, s up, h's e4m3 codes transposed [F, M]): h = swiglu(gate, up) again, coded as
+    the down product's forward coded it (`fp8.quantize_delayed`), in the layout its weight gradient reads."""
     dg, du = swiglu_grad(dh, gate, up)
     qg, tg, ag, sg = cast_transpose_delayed(dg, rows[0])
     qu, tu, au, su = cast_transpose_delayed(du, rows[1])
-    return qg, tg, qu, tu, ag, au, sg, su
+    big = float(jnp.finfo(E4M3).max)  # quantize_delayed's codes at a scale known already
+    hq = jnp.clip(swiglu_rounded(gate, up) * h_scale, -big, big).astype(E4M3)
+    return qg, tg, qu, tu, ag, au, sg, su, hq.T
+
+
+def swiglu_rounded(gate, up):
+    """swiglu(gate, up) as fp32 values rounded to gate's dtype, as `activations.swiglu` returns them, whatever XLA's
+    `xla_allow_excess_precision` (on, it may skip that rounding where an fp32 use follows in the same fusion, so
+    h's amax and codes would differ between the forward and a recomputation fused otherwise)."""
+    info = jnp.finfo(gate.dtype)
+    h = activations.swiglu(gate, up).astype(jnp.float32)
+    return jax.lax.reduce_precision(h, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 

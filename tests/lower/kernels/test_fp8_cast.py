@@ -39,14 +39,21 @@ def test_swiglu_gradients_are_the_references_codes_both_ways(first):
     dh, gate, up = _swiglu_inputs(seed=3 if first else 4)
     # a history range below the gradients' amax (saturating codes) for gate, above it for up
     rows = _rows(first, [2e-4, 3e-3])
-    got = jax.jit(lambda *a: swiglu_grad_delayed(*a, config=CONFIG))(dh, gate, up, rows)
-    want = jax.jit(ref.swiglu_grad_delayed)(dh, gate, up, rows)
+    h_scale = jnp.float32(2.0 ** 6)  # h's codes saturate where |h| >= 7 (38 of the 8192 here)
+    got = jax.jit(lambda *a: swiglu_grad_delayed(*a, config=CONFIG))(dh, gate, up, rows, h_scale)
+    want = jax.jit(ref.swiglu_grad_delayed)(dh, gate, up, rows, h_scale)
     for i in range(4):  # gate, gate.T, up, up.T: exact on the CPU, where nothing contracts a multiply-add
         assert got[i].shape == want[i].shape and got[i].dtype == jnp.float8_e5m2
         np.testing.assert_array_equal(_codes(got[i]), _codes(want[i]))
     np.testing.assert_array_equal(_codes(got[1]), _codes(got[0]).T)
-    for a, w in zip(got[4:], want[4:]):  # amaxes, scales
+    for a, w in zip(got[4:8], want[4:8]):  # amaxes, scales
         assert float(a) == float(w) > 0
+    # h = swiglu(gate, up) again, as the down product's forward codes it (e4m3, its scale), transposed [F, M]
+    assert got[8].shape == (128, 64) and got[8].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(_codes(got[8]), _codes(want[8]))
+    h = np.asarray(ref.swiglu_rounded(gate, up))
+    big = np.abs(h) * 64 >= 448
+    assert big.sum() > 10 and np.all(np.asarray(got[8].T, np.float32)[big] == np.sign(h[big]) * 448)
     if first:  # the scales from the gradients' own amaxes: the largest code just under e5m2's max
         assert 28672 <= float(want[4]) * float(want[6]) <= 57344
     else:
