@@ -32,8 +32,8 @@ from tessera.ir.registry import struct_fields
 from tessera.lower import table
 from tessera.lower.fp8_held import held_of
 from tessera.lower.reference import accum as accum_ref, fp8
-from tessera.lower.reference.fp8_cast import swiglu_rounded
 from tessera.lower.reference.fp8 import E4M3, E5M2, PRECISE
+from tessera.lower.reference.fp8_cast import swiglu_rounded
 
 PRIMITIVE = "swiglu_grad_delayed"
 

@@ -320,8 +320,8 @@ def _unrolls_stacked(op: Op, ctx: LowerCtx, state) -> bool:
     """Whether a fast-mode train step runs this `repeat`'s layers unrolled over its stacked parameters
     (`LowerCtx.unroll_layers`, one device): layer i reads slice i of each. In the scan each residual the backward
     keeps is written into a stack [n, ...], and where a GEMM computed it XLA:GPU copies it there (the Llama-1B step:
-    288 copies, 736 MiB a layer); unrolled, each is a buffer of its own (one H100, session 49: fp8 219.1 -> 202.5 ms
-    a step at the scan's peak, bf16 268.5 -> 260.2 ms, peak 34.8 -> 37.5 GiB). A weight-shared repeat, a one-step
+    288 copies, 736 MiB a layer); unrolled, each is a buffer of its own (one H100, session 49: fp8 219.1 -> 203.2 ms
+    a step at the scan's peak, bf16 268.5 -> 261.0 ms, peak 34.8 -> 37.5 GiB). A weight-shared repeat, a one-step
     gradient (`grad = "last"`), a mesh's step (its per-layer gathers would all be free to run first) and a scan of
     one step (its layers are its body's, unrolled already; GPT-OSS-20B's two layers: 115.9 ms a step as the scan,
     122.1 unrolled, where the barrier below costs the recomputation XLA's CSE had saved) stay scans."""
@@ -355,8 +355,9 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
                 out, st = eval_region(region, [index, *carry], here, inner, st, layer=j, scope=axis)
                 return out, st, inner.aux
 
-            # sliced: no optimization barrier, XLA:GPU's CSE would merge the backward's recomputation with the
-            # forward's same fusions and keep what remat recomputes (bf16: 42.7 GiB where the scan peaks at 34.8)
+            # sliced, the recomputation goes behind JAX's optimization barrier: without it XLA:GPU's CSE merged the
+            # backward's recomputation with the forward's same fusions and kept what remat recomputes (the Llama-1B
+            # step in bf16: 42.7 GiB where the scan peaks at 34.8)
             fn = _rematerialised(layer, ctx, remat, prevent_cse=sliced)
             # deterministic mode's unrolled train step: each layer (its VJP too) a computation of its own, whose
             # arithmetic then does not depend on its neighbours, a mesh's gathers or their absence; unfenced,
