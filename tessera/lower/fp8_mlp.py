@@ -32,7 +32,7 @@ from tessera.ir.registry import struct_fields
 from tessera.lower import table
 from tessera.lower.fp8_held import held_of
 from tessera.lower.reference import accum as accum_ref, fp8
-from tessera.lower.reference.fp8 import E4M3, E5M2, PRECISE
+from tessera.lower.reference.fp8 import E4M3, PRECISE
 from tessera.lower.reference.fp8_cast import swiglu_rounded
 
 PRIMITIVE = "swiglu_grad_delayed"
@@ -97,12 +97,7 @@ def _mlp_bwd(dtypes, grad_fn, cast, fspecs, res, dy):
     accum = dtypes[0]
     xq, sx, wqg, swg, wqu, swu, wqd, swd, sh, g, u, histories, seen, zx, zw = res
     history_g, history_u, history_d = histories
-    if cast is None:  # the down product's own quantisation of its output gradient (the reference)
-        ad = fp8.amax_of(dy)
-        qd, sd = fp8.quantize_delayed(dy, history_d[2], E5M2, ad)
-        dspec, td = "bse", qd
-    else:
-        qd, dspec, td, ad, sd = fp8.cast_gradient(cast, "bse", "bsf", "fe", dy, history_d[2])
+    qd, dspec, td, ad, sd = fp8.cast_gradient(cast, "bse", "bsf", "fe", dy, history_d[2])
     dh = fp8.scaled_product("bse,fe->bsf", qd, wqd, sd * swd, accum, zx.dtype, PRECISE)
     b, s, f = dh.shape
     flat = (b * s, f)

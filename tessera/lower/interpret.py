@@ -239,7 +239,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
         return _last_step_grad(op, ins, params, ctx, remat), None
     n, region, axis = op.attrs["n"], op.region, op.scope_name
     p = period(region, n)
-    params, stacked = with_held(op, params, ctx)
+    params, stacked = _with_held(op, params, ctx)
     xs_params = {path: jax.tree.map(lambda a: a.reshape((n // p, p) + a.shape[1:]), params[path])
                  for path in stacked}  # a packed (MXFP4) parameter is a pytree of two stacked arrays
     shared = {path: v for path, v in params.items() if path not in xs_params}
@@ -269,7 +269,7 @@ def eval_repeat(op: Op, ins: list, params: dict, ctx: LowerCtx, state: State | N
     return list(carry), new_state
 
 
-def with_held(op: Op, params: dict, ctx: LowerCtx) -> tuple[dict, list[str]]:
+def _with_held(op: Op, params: dict, ctx: LowerCtx) -> tuple[dict, list[str]]:
     """(params with the fp8 copies of a `repeat`'s stacked weights held before its layers (fp8_held.py), the stacked
     paths among them, those copies included)."""
     held = held_weights(op.region, params, _stacked_paths(op, params), ctx, param_bindings)
@@ -337,7 +337,7 @@ def _eval_unrolled(op: Op, ins: list, params: dict, ctx: LowerCtx, state: list |
     n, region, axis = op.attrs["n"], op.region, op.scope_name
     sliced = _unrolls_stacked(op, ctx, state)
     if sliced:
-        params, stacked = with_held(op, params, ctx)
+        params, stacked = _with_held(op, params, ctx)
     elif _stacked_paths(op, params):
         raise ValueError(f"an unrolled repeat needs its stacked parameters split first (split_layers): "
                          f"{_stacked_paths(op, params)[:3]}")

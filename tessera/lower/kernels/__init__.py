@@ -170,18 +170,18 @@ FP8_CAST_IN_STEPS = True
 _TURNED_OFF = "turned off (kernels.FP8_CAST_IN_STEPS)"
 
 
-def _fp8_cast_takes(*operands):
+def _fp8_cast_takes(*operands, swiglu: bool = False):
     from tessera.lower.kernels import fp8_cast
 
     if not FP8_CAST_IN_STEPS:
         return _TURNED_OFF
-    config = fp8_cast.fitted(*operands[0].shape)
+    config = fp8_cast.fitted(*operands[0].shape, fp8_cast.SWIGLU if swiglu else fp8_cast.DEFAULT)  # as it runs
     return (config is not None and fp8_cast.supported(*operands, config=config)) \
         or "shapes or dtypes outside fp8_cast (whole tiles of 16 or more, on Hopper)"
 
 
 def _swiglu_cast_takes(dh, gate, up, rows, h_scale):
-    return _fp8_cast_takes(dh, gate, up)
+    return _fp8_cast_takes(dh, gate, up, swiglu=True)
 
 
 @_table.kernel("swiglu_grad_delayed", name="fp8_cast swiglu gradient (Pallas, Triton)", when=_swiglu_cast_takes)

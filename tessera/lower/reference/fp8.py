@@ -291,12 +291,7 @@ def _delayed_fwd(spec, x, w, history, accum, out_dtype, cast):  # the held weigh
 def _delayed_bwd(spec, accum, out_dtype, cast, res, g):
     xq, sx, wq, sw, zx, zw, history, seen = res
     a, b, o = _split(spec)
-    if cast is None:
-        ag = amax_of(g)
-        gq, sg = quantize_delayed(g, history[2], E5M2, ag)
-        gspec, gt = o, gq
-    else:
-        gq, gspec, gt, ag, sg = cast_gradient(cast, o, a, b, g, history[2])
+    gq, gspec, gt, ag, sg = cast_gradient(cast, o, a, b, g, history[2])
     dx = scaled_product(f"{o},{b}->{a}", gq, wq, sg * sw, accum, zx.dtype, PRECISE)
     dw = scaled_product(f"{a},{gspec}->{b}", xq, gt, sx * sg, accum, zw.dtype, PRECISE)
     return dx, dw, record(history, jnp.concatenate([seen, ag[None]]))
@@ -309,7 +304,12 @@ def cast_gradient(cast, o: str, a: str, b: str, g, row):
     """A product's output gradient g (letters `o` of its einsum `a,b->o`) quantised by `cast` (an implementation of
     `cast_transpose_delayed`) over its matrix [tokens, outputs]: the tokens are o's leading letters, those it shares
     with the activation `a` and not the weight `b`. Returns (codes shaped as g, the transposed codes' letters
-    (outputs, then tokens), those codes, amax, scale). `gradient_matrix` says where this applies."""
+    (outputs, then tokens), those codes, amax, scale). `gradient_matrix` says where this applies. `cast` None: the
+    codes quantised here, as they are (their letters `o`; the weight gradient's GEMM transposes them)."""
+    if cast is None:
+        amax = amax_of(g)
+        q, s = quantize_delayed(g, row, E5M2, amax)
+        return q, o, q, amax, s
     tokens = len(o) - len(o.lstrip(a.translate({ord(c): None for c in b})))
     m = math.prod(g.shape[:tokens])
     q, t, amax, s = cast(g.reshape(m, -1), row)
