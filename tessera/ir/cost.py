@@ -253,12 +253,14 @@ def graph_flops_per_token(graph: Graph, exp) -> float:
 
 # ---- activations saved for backward ---------------------------------------------------------------------
 
-def saved_tensors(op: Op, sizes: dict) -> list[tuple[TensorType, bool]]:
-    """Tensors `op` keeps for backward at `sizes`: its results plus a composite's internals (`OpDef.saved`)."""
+def saved_tensors(op: Op, sizes: dict, internals: str = "all") -> list[tuple[TensorType, bool]]:
+    """Tensors `op` keeps for backward at `sizes`, each with whether it is a contraction's output: its results plus a
+    composite's internals (`OpDef.saved`): all of them, or (`internals="contractions"`) only its products."""
     opdef = get_op(op.name)
     out = [(concrete(r.type, sizes), opdef.contraction) for r in op.results]
     if opdef.saved is not None:
-        out += opdef.saved(concrete(op.values[0].type, sizes), op.attrs)
+        out += [x for x in opdef.saved(concrete(op.values[0].type, sizes), op.attrs)
+                if internals == "all" or x[1]]
     return out
 
 
@@ -267,22 +269,25 @@ def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t:
     """Bytes of activations held for backward: per layer under `remat`, the block inputs, the rest of the graph
     (its body, or `region`: a loss entry's).
 
-    none: every saved tensor of every layer. dots: only contraction outputs of each layer. full: each
-    layer's input only, plus one layer's full set while that layer's backward recomputes it.
+    none: each op's results and products, what the lowering's policy keeps (tessera/lower/interpret.py
+    KEEP_RESULTS): a composite's other internals (the MLP's activation, an fp32 upcast, a norm's statistics) are
+    recomputed by its backward. dots: only contraction outputs of each layer. full: each layer's input only, plus one
+    layer's full set while that layer's backward recomputes it.
     """
     def size(items):
         return sum(nbytes(t, per_device(t)) for t, _ in items)
 
-    outside, blocks = 0.0, []  # blocks: (runs kept, all saved, contraction outputs, inputs) of each region op
+    outside, blocks, whole = 0.0, [], 0.0  # blocks: (runs kept, kept under none, contraction outputs, inputs)
     for op in (region or graph.body).ops:
         if op.region is None:
             outside += size(saved_tensors(op, sizes))
             continue
         carry = sum(nbytes(t, per_device(t)) for t in (concrete(v.type, sizes) for v in op.values))
-        items = [x for o, _, _ in walk_counted(op.region) for x in saved_tensors(o, sizes)]
+        items = [x for o, _, _ in walk_counted(op.region) for x in saved_tensors(o, sizes, "contractions")]
         blocks.append((_kept(op), size(items), size([x for x in items if x[1]]), carry))
+        whole = max(whole, size([x for o, _, _ in walk_counted(op.region) for x in saved_tensors(o, sizes)]))
     per = [{"none": a, "dots": d + c, "full": c}[remat] for _, a, d, c in blocks]
-    peak_extra = max((a for _, a, _, _ in blocks), default=0.0) if remat == "full" else 0.0
+    peak_extra = whole if remat == "full" else 0.0
     if len(blocks) == 1:  # a language model's layer stack: per layer, times its layers
         layers, per_layer = blocks[0][0], per[0]
     else:  # several region ops (a loss entry's network and its derivatives): each at its own count
