@@ -80,7 +80,7 @@ FP8_COMPUTE = "fp8_e4m3 @scale(per_tensor)"  # products with weights in fp8 (tes
 # delayed(H) compute: the same products, scaled from an amax history carried in the train state
 # (tessera/lower/fp8_delayed.py): each fp8 weight read by one product a step (see _delayed_fp8_problems)
 # per_block(N) compute: the same products as per_tensor, each weight's contracted size and kept size whole numbers
-# of N (tessera/lower/reference/fp8.py: block_einsum, ragged_dot)
+# of N (tessera/lower/reference/fp8_per_block.py: block_einsum, ragged_blocked)
 
 
 def _fp8_weights(graph: Graph):

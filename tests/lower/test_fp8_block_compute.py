@@ -1,5 +1,5 @@
 """fp8 compute with per-block scaling (`numerics.default: fp8_e4m3 @scale(per_block(N))`, DeepSeek-V3 style;
-tessera/lower/reference/fp8.py: block_einsum): activations in 1×N blocks along the contraction, weights in N×N
+tessera/lower/reference/fp8_per_block.py): activations in 1×N blocks along the contraction, weights in N×N
 blocks, power-of-two scales, each block's product in fp32 summed over K blocks in order; the backward's e5m2
 gradient in 1×N blocks along the output features. Forward and both gradients, dense and the experts' grouped
 product, match a numpy model of that arithmetic; per-block beats per-tensor where one block holds an outlier; a tiny Llama trains close to bf16;
@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tessera.lower.reference import fp8
+from tessera.lower.reference import fp8, fp8_per_block
 from tessera.spec import load_experiment
 from tests.lower.shard.make_snapshots import ROOT
 from tests.lower.test_fp8_compute import ARGS, _train
@@ -93,8 +93,8 @@ def test_scales_are_powers_of_two_bringing_each_block_just_under_the_format_max(
     x, w, _ = _data(1)
     x[2, 40] = 0.0
     x[3, 32:] = 0.0  # an all-zero block gets scale 1
-    xq, sx = fp8.quantize_rows(jnp.asarray(x), 32, jnp.float8_e4m3fn)
-    wq, sw = fp8.quantize_tiles(jnp.asarray(w), 32, jnp.float8_e4m3fn)
+    xq, sx = fp8_per_block.quantize_rows(jnp.asarray(x), 32, jnp.float8_e4m3fn)
+    wq, sw = fp8_per_block.quantize_tiles(jnp.asarray(w), 32, jnp.float8_e4m3fn)
     for s in (np.asarray(sx), np.asarray(sw)):
         assert np.array_equal(np.exp2(np.round(np.log2(s))), s)
     assert float(sx[3, 1]) == 1.0
