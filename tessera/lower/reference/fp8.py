@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from tessera.lower.reference import accum as accum_ref
 from tessera.lower.reference.fp8_per_block import block_einsum, block_of, ragged_blocked
-from tessera.lower.reference.fp8_scale import E4M3, E5M2, pow2_scale, quantize, split_spec
+from tessera.lower.reference.fp8_scale import E4M3, E5M2, codes, pow2_scale, quantize, split_spec
 
 
 
@@ -246,8 +246,7 @@ def quantize_delayed(x, row, dtype, fallback=None):
     0.26-0.29 with it. The weights' rows start from the initial weights' amaxes (`fp8_delayed.carrying`), so a
     step-1 weight scales as per_tensor's; a step-1 input scales by 1."""
     s = delayed_scale(row, dtype, fallback)
-    big = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype), s
+    return codes(x, s, dtype), s
 
 
 def known(row):

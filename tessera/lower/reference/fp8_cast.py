@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera.lower.reference import activations, fp8
-from tessera.lower.reference.fp8 import E4M3, E5M2
+from tessera.lower.reference.fp8_scale import E4M3, E5M2, codes
 
 
 def cast_transpose_delayed(g, row):
@@ -52,8 +52,7 @@ def swiglu_grad_delayed(dh, gate, up, rows, h_scale):
     dg, du = swiglu_grad(dh, gate, up)
     qg, tg, ag, sg = cast_transpose_delayed(dg, rows[0])
     qu, tu, au, su = cast_transpose_delayed(du, rows[1])
-    big = float(jnp.finfo(E4M3).max)  # quantize_delayed's codes at a scale known already
-    hq = jnp.clip(swiglu_rounded(gate, up) * h_scale, -big, big).astype(E4M3)
+    hq = codes(swiglu_rounded(gate, up), h_scale, E4M3)  # the codes quantize_delayed gave it, at its scale
     return qg, tg, qu, tu, ag, au, sg, su, hq.T
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera.lower.reference.fp8_scale import E4M3, E5M2, pow2_scale, split_spec
+from tessera.lower.reference.fp8_scale import E4M3, E5M2, codes, pow2_scale, split_spec
 
 
 # ---- per-block scaling: `numerics.default: fp8_e4m3 @scale(per_block(N))` (DeepSeek-V3 style) ------------------
@@ -52,8 +52,7 @@ def quantize_rows(x, n: int, dtype):
     m, k = x.shape
     xb = x.astype(jnp.float32).reshape(m, k // n, n)
     s = pow2_scale(jnp.max(jnp.abs(xb), axis=-1), dtype)
-    big = float(jnp.finfo(dtype).max)
-    return jnp.clip(xb * s[..., None], -big, big).astype(dtype).reshape(m, k), s
+    return codes(xb, s[..., None], dtype).reshape(m, k), s
 
 
 def quantize_tiles(w, n: int, dtype):
@@ -61,8 +60,7 @@ def quantize_tiles(w, n: int, dtype):
     k, f = w.shape
     wb = w.astype(jnp.float32).reshape(k // n, n, f // n, n)
     s = pow2_scale(jnp.max(jnp.abs(wb), axis=(1, 3)), dtype)
-    big = float(jnp.finfo(dtype).max)
-    return jnp.clip(wb * s[:, None, :, None], -big, big).astype(dtype).reshape(k, f), s
+    return codes(wb, s[:, None, :, None], dtype).reshape(k, f), s
 
 
 def _blocked_product(aq, sa, bq, sb, n: int):
@@ -162,8 +160,7 @@ def _ragged_quantize(lhs, rhs, n: int):
     g, k, f = rhs.shape
     rb = rhs.astype(jnp.float32).reshape(g, k // n, n, f // n, n)
     sr = pow2_scale(jnp.max(jnp.abs(rb), axis=(2, 4)), E4M3)
-    big = float(jnp.finfo(E4M3).max)
-    rq = jnp.clip(rb * sr[:, :, None, :, None], -big, big).astype(E4M3).reshape(g, k, f)
+    rq = codes(rb, sr[:, :, None, :, None], E4M3).reshape(g, k, f)
     rd = rq.astype(jnp.float32) * _expand(1.0 / sr, n, (1, 2))  # exact: powers of two
     return lq, sl, rd
 

@@ -25,13 +25,18 @@ def pow2_scale(amax, dtype):
     return jnp.where(ok, s, 1.0)
 
 
+def codes(x, s, dtype):
+    """x · s in fp32 rounded to fp8 `dtype`, saturating at its largest value: the codes of x at scale s (s one
+    scale, or scales that broadcast against x)."""
+    big = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype)
+
+
 def quantize(x, dtype):
     """(x_q in fp8 `dtype`, s): x scaled by the power of two s that brings amax|x| just under the format's
     largest value, rounded to fp8 (saturating); x ≈ x_q / s. An all-zero x gets s = 1."""
-    xf = x.astype(jnp.float32)
-    big = float(jnp.finfo(dtype).max)
-    s = pow2_scale(jnp.max(jnp.abs(xf)), dtype)
-    return jnp.clip(xf * s, -big, big).astype(dtype), s
+    s = pow2_scale(jnp.max(jnp.abs(x.astype(jnp.float32))), dtype)
+    return codes(x, s, dtype), s
 
 
 def split_spec(spec: str) -> tuple[str, str, str]:
