@@ -26,10 +26,40 @@ def gelu(x: jax.Array, *, approximate: bool = False) -> jax.Array:
     return jax.nn.gelu(x.astype(wide(x.dtype)), approximate=approximate).astype(x.dtype)
 
 
+@jax.custom_vjp
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up, gate and up [..., F]."""
+    """silu(gate) * up, gate and up [..., F].
+
+    Its gradient keeps gate and up only, recomputing the sigmoid: differentiated as written, JAX kept four fp32
+    values of [..., F] (gate and up widened, the sigmoid, silu), which a layer run without a remat policy holds to
+    its backward (deterministic mode under `remat: none`: Llama-1B's step on one H100 peaked 4.8 GiB, 11 %, above
+    its plan). The backward computes JAX's own VJP of the expression above, in its order of operations."""
     g = gate.astype(wide(gate.dtype))
     return (g * jax.nn.sigmoid(g) * up.astype(g.dtype)).astype(gate.dtype)
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dh):
+    gate, up = res
+    g = gate.astype(wide(gate.dtype))
+    u, d = up.astype(g.dtype), dh.astype(g.dtype)
+    sig = jax.nn.sigmoid(g)
+    m = d * u
+    dg = m * sig + (g * m) * (sig * (1.0 - sig))
+    return _summed_to(dg, gate).astype(gate.dtype), _summed_to((g * sig) * d, up).astype(up.dtype)
+
+
+def _summed_to(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x [...] summed over the dims `like` was broadcast along to meet it (an operand's gradient)."""
+    lead = x.ndim - like.ndim
+    dims = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(like.shape) if n == 1 and x.shape[lead + i] != 1)
+    return jnp.sum(x, axis=dims).reshape(like.shape) if dims else x
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float | None) -> jax.Array:
