@@ -271,7 +271,7 @@ def activation_bytes(graph: Graph, sizes: dict, remat: str, per_device=lambda t:
 
     none: each op's results and products, what the lowering's policy keeps in fast mode (tessera/lower/interpret.py
     KEEP_RESULTS): a composite's other internals (the MLP's activation, an fp32 upcast, a norm's statistics) are
-    recomputed by its backward. Deterministic mode keeps JAX's own residuals, more than this (docs/plan.md).
+    recomputed by its backward. Deterministic mode keeps JAX's own residuals, near this (docs/plan.md).
     dots: only contraction outputs of each layer. full: each layer's input only, plus one layer's full set while
     that layer's backward recomputes it.
     """
