@@ -146,6 +146,25 @@ def test_cross_entropy_gradient_from_kept_statistics_is_autodiffs_under_jit(dtyp
     assert jaxpr.count("reduce_max") == 1 and jaxpr.count("exp") == 2  # the forward's max; exp once each way
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_swiglu_keeps_gate_and_up_and_its_gradient_is_autodiffs(dtype):
+    """SwiGLU's VJP holds its two inputs only (autodiff of the same expression held fp32 copies, the sigmoid and
+    silu besides: what a layer without a remat policy keeps to its backward), and its gradients, compiled, are the
+    bits of autodiff's."""
+    def plain(gate, up):
+        g = gate.astype(jnp.float32)
+        return (g * jax.nn.sigmoid(g) * up.astype(g.dtype)).astype(gate.dtype)
+
+    gate, up, dh = (jnp.asarray(RNG.standard_normal((16, 96)) * 3, dtype) for _ in range(3))
+    held = [x for x in jax.tree_util.tree_leaves(jax.vjp(activations.swiglu, gate, up)[1]) if x.size > 1]
+    assert [(x.shape, x.dtype) for x in held] == [(gate.shape, dtype)] * 2
+    autodiff = [x for x in jax.tree_util.tree_leaves(jax.vjp(plain, gate, up)[1]) if x.size > 1]
+    assert sum(x.nbytes for x in autodiff) > 2 * sum(x.nbytes for x in held)
+    want = jax.jit(lambda *a: jax.vjp(plain, *a[:2])[1](a[2]))(gate, up, dh)
+    got = jax.jit(lambda *a: jax.vjp(activations.swiglu, *a[:2])[1](a[2]))(gate, up, dh)
+    assert all(g.dtype == dtype and g.tobytes() == w.tobytes() for g, w in zip(got, want))
+
+
 def _away_from(x, points, margin=0.05):
     # nudge values off the kinks (clamp limits) so finite differences are smooth
     for p in points:
