@@ -148,9 +148,9 @@ def test_cross_entropy_gradient_from_kept_statistics_is_autodiffs_under_jit(dtyp
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_swiglu_keeps_gate_and_up_and_its_gradient_is_autodiffs(dtype):
-    """SwiGLU's VJP holds its two inputs only (autodiff of the same expression held fp32 copies, the sigmoid and
-    silu besides: what a layer without a remat policy keeps to its backward), and its gradients, compiled, are the
-    bits of autodiff's."""
+    """SwiGLU's VJP holds its two inputs only (autodiff of the same expression held five fp32 values: the inputs
+    widened, the sigmoid, its derivative and silu, what a layer without a remat policy keeps to its backward), and its
+    gradients, compiled, are the bits of autodiff's."""
     def plain(gate, up):
         g = gate.astype(jnp.float32)
         return (g * jax.nn.sigmoid(g) * up.astype(g.dtype)).astype(gate.dtype)
