@@ -30,10 +30,9 @@ from jax.experimental import pallas as pl
 
 from tessera.lower.kernels._vma import common, out_struct
 from tessera.lower.kernels.mxfp4_matmul import _capability
-from tessera.lower.reference.fp8 import E4M3, E5M2, delayed_scale, known
+from tessera.lower.reference.fp8 import delayed_scale, known
+from tessera.lower.reference.fp8_scale import E4M3, E5M2, codes
 
-BIG = float(jnp.finfo(E5M2).max)
-BIG_E4M3 = float(jnp.finfo(E4M3).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +89,6 @@ def supported(*operands, config: CastConfig = DEFAULT) -> bool:
                                                                                              config.amax_bn))
 
 
-def _codes(x, s):
-    return jnp.clip(x * s, -BIG, BIG).astype(E5M2)
-
-
 def _swiglu_grads(dh_ref, g_ref, u_ref):
     """d gate, d up of one tile in fp32, each rounded to gate's dtype (JAX's VJP's order of operations)."""
     g = g_ref[...].astype(jnp.float32)
@@ -128,12 +123,12 @@ def _writing_kernel(grads, n: int, value=None):
         count = 3 * n + extra
         ins, outs = refs[:len(refs) - count], refs[len(refs) - count:]
         for i, v in enumerate(grads(*ins)):
-            q = _codes(v, s_ref[i])
+            q = codes(v, s_ref[i], E5M2)
             outs[2 * i][...] = q
             outs[2 * i + 1][...] = q.T
             outs[2 * n + i][...] = jnp.max(jnp.abs(v)).reshape(1, 1)
         if extra:
-            outs[3 * n][...] = jnp.clip(value(*ins) * v_scale[0], -BIG_E4M3, BIG_E4M3).astype(E4M3).T
+            outs[3 * n][...] = codes(value(*ins), v_scale[0], E4M3).T
     return kernel
 
 
