@@ -114,24 +114,18 @@ def supported(spec: str, x, w, *, compute_dtype=None, out_dtype=None, config: Fp
 # Four e4m3 code bytes (one register) -> their four values in fp32: Hopper's cvt.rn.f16x2.e4m3x2 makes two
 # fp16 values an instruction (exact: e4m3 is a subset of fp16), then cvt.f32.f16. One result a value: Pallas
 # lowers an inline-asm op with several outputs only as one (see mxfp4_gemv).
-_E4M3_PTX = """{
-.reg .b16 p0, p1, a0, a1, a2, a3;
-.reg .b32 h01, h23;
-.reg .f32 f0, f1, f2, f3;
-mov.b32 {p0, p1}, $4;
-cvt.rn.f16x2.e4m3x2 h01, p0;
-cvt.rn.f16x2.e4m3x2 h23, p1;
-mov.b32 {a0, a1}, h01;
-mov.b32 {a2, a3}, h23;
-cvt.f32.f16 f0, a0;
-cvt.f32.f16 f1, a1;
-cvt.f32.f16 f2, a2;
-cvt.f32.f16 f3, a3;
-mov.b32 $0, f0;
-mov.b32 $1, f1;
-mov.b32 $2, f2;
-mov.b32 $3, f3;
-}"""
+def e4m3_ptx(src: str = "$4", *, prelude: str = "", regs: str = "") -> str:
+    """The PTX taking the four e4m3 bytes of register `src` to $0-$3 in fp32; `prelude` (declaring `regs`)
+    computes `src` first (mxfp4_gemv places E2M1 nibbles as e4m3 bytes)."""
+    lines = ["{", *([regs] if regs else []), ".reg .b16 p0, p1, a0, a1, a2, a3;", ".reg .b32 h01, h23;",
+             ".reg .f32 f0, f1, f2, f3;", *([prelude] if prelude else []), f"mov.b32 {{p0, p1}}, {src};",
+             "cvt.rn.f16x2.e4m3x2 h01, p0;", "cvt.rn.f16x2.e4m3x2 h23, p1;", "mov.b32 {a0, a1}, h01;",
+             "mov.b32 {a2, a3}, h23;", *(f"cvt.f32.f16 f{i}, a{i};" for i in range(4)),
+             *(f"mov.b32 ${i}, f{i};" for i in range(4)), "}"]
+    return "\n".join(lines)
+
+
+_E4M3_PTX = e4m3_ptx()
 
 
 def e4m3_f32(codes, *, ptx: bool):

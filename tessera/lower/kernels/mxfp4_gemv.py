@@ -5,7 +5,7 @@ for unsorted pairs (decode of one token: `reference.moe.moe_pairs`), with no til
 program per (pair, block_n columns, K split) walks its K range a scale group (16 code rows) at a time,
 each code row one vector of block_n bytes (8 a thread at the default 1024 columns over 4 warps); four code
 bytes at a time become E4M3 bytes (masks and a shift) that `cvt.rn.f16x2.e4m3x2` turns into values two an
-instruction (`_E4M3_PTX`, exact); x's (even, odd) bf16 pair is one 32-bit load; the 16 rows' products are
+instruction (`fp8_gemv.e4m3_ptx`, exact); x's (even, odd) bf16 pair is one 32-bit load; the 16 rows' products are
 summed per column and scaled once by the group's scale row, read once. Split-K partials are fp32, summed
 outside in a fixed order (deterministic). The grouped kernel (one row a run) masks 15 of its 16 dot rows
 and reads each scale byte once per code row. Several matrices of one shape (an expert's gate and up) share
@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from tessera.lower.kernels._vma import common, out_struct
+from tessera.lower.kernels.fp8_gemv import e4m3_ptx
 from tessera.lower.kernels.mxfp4_matmul import FP16_SHIFT, _capability, _e2m1_to_f32, _scale_f32, _steps
 from tessera.lower.reference import mxfp4 as ref
 
@@ -55,7 +56,7 @@ from tessera.lower.reference import mxfp4 as ref
 class GemvConfig:
     """One program per (pair, block_n columns, K split); a K step is `groups` scale groups (16 code rows
     each), its loads issued `ahead` steps early. dequant "e4m3": inline PTX makes four bytes' nibbles E4M3
-    bytes, converted two an instruction (`_E4M3_PTX`; compute capability 8.9+); "pair": inline PTX turns
+    bytes, converted two an instruction (`fp8_gemv.e4m3_ptx`; compute capability 8.9+); "pair": inline PTX turns
     a code byte into its two values as one fp16 pair (`_PAIR_PTX`; below 8.9). The interpreter takes jnp
     ops for both. splits=0: enough K splits for ~`programs` programs. `pair_config` gives the default."""
     block_n: int = 256
@@ -96,30 +97,9 @@ def pair_config(r: int, k: int, n: int, *, interpret: bool = False) -> GemvConfi
 # Four code bytes (one register) -> the four values of one nibble in fp32, times 2^-6. A nibble
 # s e1 e0 m placed in a byte as s 0 0 e1 e0 m 0 0 is the E4M3 pattern of its E2M1 value times 2^-6
 # (the code 0.5 an E4M3 subnormal), so all four bytes are placed with two masks and a shift, and
-# Hopper's cvt.rn.f16x2.e4m3x2 (two values an instruction) and cvt.f32.f16 make them fp32, exact.
+# `fp8_gemv.e4m3_ptx` (cvt.rn.f16x2.e4m3x2, two values an instruction, then cvt.f32.f16) makes them fp32, exact.
 # One sequence per nibble: Pallas lowers an inline-asm op with two results wrongly (jax 0.11.2:
 # "2 outvars do not match 1 outvals").
-_E4M3_PTX = """{{
-.reg .b32 m, s, q;
-.reg .b16 p0, p1, a0, a1, a2, a3;
-.reg .b32 h01, h23;
-.reg .f32 f0, f1, f2, f3;
-{place}
-or.b32 q, m, s;
-mov.b32 {{p0, p1}}, q;
-cvt.rn.f16x2.e4m3x2 h01, p0;
-cvt.rn.f16x2.e4m3x2 h23, p1;
-mov.b32 {{a0, a1}}, h01;
-mov.b32 {{a2, a3}}, h23;
-cvt.f32.f16 f0, a0;
-cvt.f32.f16 f1, a1;
-cvt.f32.f16 f2, a2;
-cvt.f32.f16 f3, a3;
-mov.b32 $0, f0;
-mov.b32 $1, f1;
-mov.b32 $2, f2;
-mov.b32 $3, f3;
-}}"""
 # low nibble: magnitude bits 0-2 -> 2-4, sign bit 3 -> 7; high nibble: magnitude 4-6 -> 2-4, sign in place
 _PLACE_LO = """and.b32 m, {x}, 0x07070707;
 shl.b32 m, m, 2;
@@ -128,8 +108,8 @@ shl.b32 s, s, 4;"""
 _PLACE_HI = """shr.b32 m, {x}, 2;
 and.b32 m, m, 0x1C1C1C1C;
 and.b32 s, {x}, 0x80808080;"""
-_E4M3_LO = _E4M3_PTX.format(place=_PLACE_LO.format(x="$4"))
-_E4M3_HI = _E4M3_PTX.format(place=_PLACE_HI.format(x="$4"))
+_E4M3_LO, _E4M3_HI = (e4m3_ptx("q", prelude=place.format(x="$4") + "\nor.b32 q, m, s;", regs=".reg .b32 m, s, q;")
+                      for place in (_PLACE_LO, _PLACE_HI))
 E4M3_SHIFT = 64.0  # the E4M3 values are the E2M1 values times 2^-6
 
 # One code byte b -> its low nibble's value in the low fp16 half and its high nibble's in the high half,
@@ -158,7 +138,7 @@ def pair_halves(codes, *, ptx: bool):
 
 
 def nibbles_e4m3(codes, *, ptx: bool):
-    """uint8 code bytes -> (low-nibble, high-nibble) values times 2^-6 in fp32 (`_E4M3_PTX`; off the GPU
+    """uint8 code bytes -> (low-nibble, high-nibble) values times 2^-6 in fp32 (`_E4M3_LO`, `_E4M3_HI`; off the GPU
     the same values from jnp ops)."""
     if ptx:
         out = jax.ShapeDtypeStruct(codes.shape, jnp.int32)
