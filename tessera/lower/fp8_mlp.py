@@ -84,12 +84,11 @@ def _mlp_fwd(x, wg, wu, wd, held, histories, dtypes, grad_fn, cast, fspecs):
     xq, sx = fp8.quantize_delayed(x, history_g[0], E4M3)
     g = fp8.scaled_product(fspecs[0] or "bse,ef->bsf", xq, wtg, sx * swg, accum, cols).astype(x.dtype)
     u = fp8.scaled_product(fspecs[1] or "bse,ef->bsf", xq, wtu, sx * swu, accum, cols).astype(x.dtype)
-    h = swiglu_rounded(g, u)  # fp32 holding x's dtype's values
-    ah = fp8.amax_of(h)
+    h = swiglu_rounded(g, u)  # fp32 holding x's dtype's values; its amax comes from the backward's pass (grad_fn)
     hq, sh = fp8.quantize_delayed(h, history_d[0], E4M3)  # the backward codes h again (grad_fn), transposed
     y = fp8.scaled_product(fspecs[2] or "bsf,fe->bse", hq, wtd, sh * swd, accum, rows)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), wg.dtype)  # the operands' dtypes, not their values
-    seen = jnp.stack([ax, awg, awu, ah, awd])
+    seen = jnp.stack([ax, awg, awu, awd])
     return y, (xq, sx, wqg, swg, wqu, swu, wqd, swd, sh, g, u, histories, seen, zx, zw)
 
 
@@ -101,7 +100,7 @@ def _mlp_bwd(dtypes, grad_fn, cast, fspecs, res, dy):
     dh = fp8.scaled_product("bse,fe->bsf", qd, wqd, sd * swd, accum, zx.dtype, PRECISE)
     b, s, f = dh.shape
     flat = (b * s, f)
-    qg, tg, qu, tu, ag, au, sg, su, ht = grad_fn(dh.reshape(flat), g.reshape(flat), u.reshape(flat),
+    qg, tg, qu, tu, ag, au, sg, su, ht, ah = grad_fn(dh.reshape(flat), g.reshape(flat), u.reshape(flat),
                                                  jnp.stack([history_g[2], history_u[2]]), sh)
     dwd = fp8.scaled_product(f"fbs,{dspec}->fe", ht.reshape(f, b, s), td, sh * sd, accum, zw.dtype, PRECISE)
     qg, qu = qg.reshape(b, s, f), qu.reshape(b, s, f)
@@ -112,7 +111,7 @@ def _mlp_bwd(dtypes, grad_fn, cast, fspecs, res, dy):
     dwu = fp8.scaled_product("bse,fbs->ef", xq, tu, sx * su, accum, zw.dtype, PRECISE)
     records = (fp8.record(history_g, jnp.stack([seen[0], seen[1], ag])),
                fp8.record(history_u, jnp.stack([seen[0], seen[2], au])),
-               fp8.record(history_d, jnp.stack([seen[3], seen[4], ad])))
+               fp8.record(history_d, jnp.stack([ah, seen[3], ad])))
     return dx, dwg, dwu, dwd, None, records  # the held copies take no gradient (None: zeros)
 
 

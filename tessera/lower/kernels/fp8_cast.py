@@ -115,12 +115,12 @@ def _plain(x_ref):
 
 def _writing_kernel(grads, n: int, value=None):
     """The writing pass over one tile: refs (scales, [value's scale,] *inputs, then per gradient its codes and
-    codes.T, then per gradient its tile amax[, then value's e4m3 codes.T])."""
+    codes.T, then per gradient its tile amax[, then value's e4m3 codes.T and its tile amax])."""
     extra = value is not None
 
     def kernel(s_ref, *refs):
         v_scale, refs = (refs[0], refs[1:]) if extra else (None, refs)
-        count = 3 * n + extra
+        count = 3 * n + 2 * extra
         ins, outs = refs[:len(refs) - count], refs[len(refs) - count:]
         for i, v in enumerate(grads(*ins)):
             q = codes(v, s_ref[i], E5M2)
@@ -128,7 +128,9 @@ def _writing_kernel(grads, n: int, value=None):
             outs[2 * i + 1][...] = q.T
             outs[2 * n + i][...] = jnp.max(jnp.abs(v)).reshape(1, 1)
         if extra:
-            outs[3 * n][...] = codes(value(*ins), v_scale[0], E4M3).T
+            h = value(*ins)
+            outs[3 * n][...] = codes(h, v_scale[0], E4M3).T
+            outs[3 * n + 1][...] = jnp.max(jnp.abs(h)).reshape(1, 1)
     return kernel
 
 
@@ -170,8 +172,8 @@ def _tile_amaxes(kernel, operands, n: int, bm: int, bn: int, extra, config: Cast
 
 
 def _quantised(grads, operands, rows, n: int, config: CastConfig, value=None, value_scale=None):
-    """(codes, codes.T) per gradient[, then `value`'s e4m3 codes.T at `value_scale`], then the amaxes, then the
-    scales: the two passes."""
+    """(codes, codes.T) per gradient[, then `value`'s e4m3 codes.T at `value_scale`], then the amaxes[, then value's
+    last], then the scales: the two passes."""
     operands = common(*operands)
     m, cols = operands[0].shape
     have = jnp.stack([known(r) for r in rows])
@@ -188,11 +190,12 @@ def _quantised(grads, operands, rows, n: int, config: CastConfig, value=None, va
         _writing_kernel(grads, n, value), grid=grid,
         in_specs=[pl.BlockSpec((n,), lambda i, j: (0,))] + [pl.BlockSpec((1,), lambda i, j: (0,))] * len(extra)
         + [tile] * len(operands),
-        out_specs=[tile, tile_t] * n + [one] * n + [tile_t] * len(extra),
+        out_specs=[tile, tile_t] * n + [one] * n + [tile_t, one] * len(extra),
         out_shape=pair * n + [out_struct(grid, jnp.float32, *operands)] * n
-        + [out_struct((cols, m), E4M3, *operands)] * len(extra), **_compiler(config),
+        + [out_struct((cols, m), E4M3, *operands), out_struct(grid, jnp.float32, *operands)] * len(extra),
+        **_compiler(config),
     )(scales, *extra, *operands)
-    return out[:2 * n] + out[3 * n:], [jnp.max(a) for a in out[2 * n:3 * n]], scales
+    return out[:2 * n] + out[3 * n:3 * n + 1], [jnp.max(a) for a in out[2 * n:3 * n] + out[3 * n + 1:]], scales
 
 
 def cast_transpose_delayed(g, row, *, config: CastConfig = DEFAULT):
@@ -203,6 +206,6 @@ def cast_transpose_delayed(g, row, *, config: CastConfig = DEFAULT):
 
 def swiglu_grad_delayed(dh, gate, up, rows, h_scale, *, config: CastConfig = DEFAULT):
     """`reference.fp8_cast.swiglu_grad_delayed` in one pass (two on a first step)."""
-    (qg, tg, qu, tu, ht), (ag, au), s = _quantised(_swiglu_grads, (dh, gate, up), [rows[0], rows[1]], 2, config,
-                                                   _swiglu, h_scale)
-    return qg, tg, qu, tu, ag, au, s[0], s[1], ht
+    (qg, tg, qu, tu, ht), (ag, au, ah), s = _quantised(_swiglu_grads, (dh, gate, up), [rows[0], rows[1]], 2, config,
+                                                       _swiglu, h_scale)
+    return qg, tg, qu, tu, ag, au, s[0], s[1], ht, ah

@@ -49,11 +49,12 @@ def test_swiglu_gradients_are_the_references_codes_both_ways(first):
     for a, w in zip(got[4:8], want[4:8]):  # amaxes, scales
         assert float(a) == float(w) > 0
     # h = swiglu(gate, up) again, as the down product's forward codes it (e4m3, its scale), transposed [F, M]
-    assert got[8].shape == (128, 64) and got[8].dtype == jnp.float8_e4m3fn
+    assert got[8].shape == (128, 64) and got[8].dtype == jnp.float8_e4m3fn and len(got) == len(want) == 10
     np.testing.assert_array_equal(_codes(got[8]), _codes(want[8]))
     h = np.asarray(ref.swiglu_rounded(gate, up))
     big = np.abs(h) * 64 >= 448
     assert big.sum() > 10 and np.all(np.asarray(got[8].T, np.float32)[big] == np.sign(h[big]) * 448)
+    assert float(got[9]) == float(want[9]) == np.abs(h).max() > 7  # h's amax, for the down product's input history
     if first:  # the scales from the gradients' own amaxes: the largest code just under e5m2's max
         assert 28672 <= float(want[4]) * float(want[6]) <= 57344
     else:
