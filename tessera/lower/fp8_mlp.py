@@ -11,7 +11,8 @@ session 45's profile) that was a pass for the amaxes and one multi-output fusion
 bytes' time. Here the backward asks for both gradients' codes in both layouts, their amaxes and scales at once.
 The down product's weight gradient reads h's codes token-minor too; under remat XLA recomputed them from gate's and
 up's outputs and transposed them in a fusion of its own (730 us a layer, session 49's profile of that step): here
-the same pass codes h again, transposed, at the scale its forward used.
+the same pass codes h again, transposed, at the scale its forward used, and measures h's amax for the history (the
+forward no longer does: under remat its recomputation in the backward was a reduce over gate and up of its own).
 
 The numbers are the built products' (the CPU runs both bit for bit: tests/lower/test_fp8_mlp.py): the forward
 quantises x once, by gate's input row (up's records the same amaxes, x's, every step, so the two rows are equal),

@@ -2,10 +2,10 @@
 
 The kernels of `reference.fp8_cast` (the module says what they compute and why): `cast_transpose_delayed` for a
 materialised gradient [M, N], `swiglu_grad_delayed` for the gradients of gate and up formed from SwiGLU's
-output gradient in the same pass (and SwiGLU's output again, as the down product's e4m3 codes transposed). One
-program per [bm, bn] tile reads its inputs once and writes the codes, the transposed codes (the [bn, bm] tile at
-(j, i)) and the tile's amax of each gradient; the amaxes are reduced outside (a max: any order gives the same
-number).
+output gradient in the same pass (and SwiGLU's output again, as the down product's e4m3 codes transposed, with its
+amax). One program per [bm, bn] tile reads its inputs once and writes the codes, the transposed codes (the [bn, bm]
+tile at (j, i)) and the tile's amax of each gradient; the amaxes are reduced outside (a max: any order gives the
+same number).
 
 The scale is delayed scaling's: from the history row alone once it holds a range, which is known before the
 pass. While a row is empty (a run's first step) the scale is the gradient's own amax, which one pass cannot know
