@@ -262,10 +262,21 @@ def _gradient_cast(ctx, name: str, matrix, dtype, history):
     return None if choice.startswith(table.REFERENCE_NAME) else fn
 
 
-def _weight_product(ctx, spec: str, x, w, store, name: str):
+def _shared_row(ctx, names: tuple[str, ...]):
+    """Under delayed fp8 scaling, the input row of the first of the products `names` of one x (q, k and v; gate and
+    up) when each has a history of one shape: their input rows record the same amaxes (x's) every step, so scaling x
+    by the first's for all of them changes no number, and XLA merges their equal casts of x (the forward's and the
+    backward's recomputed, transposed ones). Else None: each its own row."""
+    rows = [_history(ctx, n) for n in names]
+    if any(r is None for r in rows) or len({r.shape for r in rows}) != 1:
+        return None
+    return rows[0][0]
+
+
+def _weight_product(ctx, spec: str, x, w, store, name: str, x_row=None):
     """x ⊗ w for the op's weight `name`: in fp8 under an fp8 policy (reference/fp8.py), a block-scaled fp8 weight
     still held as such (one token: `_one_token`) read once in a fused multiply-reduce, else accumulating in
-    ctx.accum_dtype."""
+    ctx.accum_dtype. `x_row`: `_shared_row`'s."""
     if isinstance(w, FP8Blocks):
         return table.dispatch(ctx, "weight_only_einsum", f"{name} (held fp8 blocks, one token)", spec, x, w,
                               compute_dtype=x.dtype, out_dtype=store)
@@ -273,14 +284,14 @@ def _weight_product(ctx, spec: str, x, w, store, name: str):
         history = _history(ctx, name)
         cast = _gradient_cast(ctx, name, fp8_ref.gradient_matrix(spec, x.shape, w.shape), store, history)
         return fp8_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store, scaling=ctx.fp8,
-                              history=history, held=held_of(ctx, name, w.dtype), cast=cast)
+                              history=history, held=held_of(ctx, name, w.dtype), cast=cast, x_row=x_row)
     return accum_ref.einsum(spec, x, w, accum=ctx.accum_dtype, preferred_element_type=store)
 
 
-def _project(ctx, x, w, b, name: str):
+def _project(ctx, x, w, b, name: str, x_row=None):
     # x [B, S, E] @ w [E, H, D] (+ b [H, D]) -> [B, S, H, D]
     w = w if isinstance(w, FP8Blocks) else w.astype(x.dtype)
-    y = _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name)
+    y = _weight_product(ctx, "bse,ehd->bshd", x, w, stored_dtype(x.dtype, ctx.accum_dtype), name, x_row)
     if b is not None:
         y = plus_bias(y, b)
     return y.astype(x.dtype)
@@ -332,9 +343,8 @@ def _attention(ctx, op, attrs, ins, params, cache):
         q, k, v = (det_tensor.unchunked(_chunked_columns(ctx, xs, p[n], p.get(f"{n}_bias"), 1, "kbse,kehd->kbshd",
                                                          n), 2) for n in ("q", "k", "v"))
     else:
-        q = _project(ctx, x, p["q"], p.get("q_bias"), "q")
-        k = _project(ctx, x, p["k"], p.get("k_bias"), "k")
-        v = _project(ctx, x, p["v"], p.get("v_bias"), "v")
+        row = _shared_row(ctx, ("q", "k", "v"))
+        q, k, v = (_project(ctx, x, p[n], p.get(f"{n}_bias"), n, row) for n in ("q", "k", "v"))
     if attrs["rope"] is not None:
         q, k = apply_rope(ctx, attrs["rope"], q), apply_rope(ctx, attrs["rope"], k)
     pos = _positions(ctx, x.shape[0], x.shape[1])
@@ -404,8 +414,9 @@ def _mlp(ctx, op, attrs, ins, params):
                               _history(ctx, "down"))
         y = fp8_mlp.mlp(ctx, op_scope(op), x, p["gate"], p["up"], p["down"], cols, rows, cast)
         return [align(y.astype(_dtype(op)), BSE, have)]
-    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate")
-    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up")
+    row = _shared_row(ctx, ("gate", "up"))
+    g = _weight_product(ctx, "bse,ef->bsf", x, p["gate"], cols, "gate", row)
+    u = _weight_product(ctx, "bse,ef->bsf", x, p["up"], cols, "up", row)
     if "gate_bias" in p:
         g, u = plus_bias(g, p["gate_bias"]), plus_bias(u, p["up_bias"])
     h = _act(attrs["act"], g.astype(x.dtype), u.astype(x.dtype))

@@ -6,6 +6,8 @@ resumes bit-identically; a tiny Llama trains within 1 % of bf16; what would not 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -302,6 +304,28 @@ def test_weights_held_before_the_scan_take_the_same_steps(runs, monkeypatch):
     # kernels: reference (on the CPU what auto picks) makes it a program of its own: programs are cached on the spec
     _, states, losses = _train(DELAYED, 2, runs["delayed"][1][0].params, **{"kernels": "reference"})
     assert _equal(states, runs["delayed"][1][:3]) and np.array_equal(losses, runs["delayed"][2][:2])
+
+
+def test_q_k_v_scale_their_one_input_by_one_row(runs, monkeypatch):
+    """q, k and v read one x, whose amaxes their input rows record alike (above): x is scaled by q's row for all three
+    (ops_nn._shared_row), so that XLA casts it once where it cast it three times (counted in fast mode's step, whose
+    layers are unrolled: in the forward and in the backward's recomputation); the steps are those of each product
+    scaling x by its own row, bit for bit."""
+    from tessera.lower import ops_nn
+
+    params = runs["delayed"][1][0].params
+
+    def casts(**extra) -> int:  # e4m3 values of x's shape [batch 4, seq 16, d_model 32] in fast mode's compiled step
+        prog, (state,), _ = _train(DELAYED, 0, params, **{"parallel.deterministic": False, **extra})
+        text = jax.jit(prog.train_step_fn()).lower(placed(prog, state), prog.global_batch(_batch())).compile()
+        return len(re.findall(r"= f8e4m3fn\[4,16,32\]", text.as_text()))
+
+    shared = casts()  # traced before the patch below
+    monkeypatch.setattr(ops_nn, "_shared_row", lambda ctx, names: None)
+    _, states, losses = _train(DELAYED, 2, params, **{"kernels": "reference"})  # a program of its own (as above)
+    assert _equal(states, runs["delayed"][1][:3]) and np.array_equal(losses, runs["delayed"][2][:2])
+    apart = casts(kernels="reference")
+    assert 0 < shared and 2 * shared <= apart, (shared, apart)
 
 
 def test_a_checkpoint_resumes_the_histories_bit_identically(runs, tmp_path):

@@ -88,7 +88,7 @@ _einsum.defvjp(_fwd, _bwd)
 
 
 def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str | None = "per_tensor",
-           history=None, held=None, cast=None):
+           history=None, held=None, cast=None, x_row=None):
     """x (activations) ⊗ w (a weight) as the module doc says; the result in preferred_element_type (default x's).
     `scaling` (LowerCtx.fp8): "per_tensor", "per_block(N)" for the blocked products below, or "delayed(H)" with
     `history` this product's amax history (fp32 [3, H]: delayed scaling below; without one, as per_tensor).
@@ -96,7 +96,10 @@ def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str 
     without the product reading w itself; its gradient still goes to w. A fourth element (w_q with its contracted
     dims last, `hold`'s `lead`) is what the forward product then reads. `cast`: under delayed scaling, an
     implementation of `reference.fp8_cast.cast_transpose_delayed` (a kernel) the backward quantises the output
-    gradient with, writing the transposed codes the weight gradient reads; None: quantised here (the same codes)."""
+    gradient with, writing the transposed codes the weight gradient reads; None: quantised here (the same codes).
+    `x_row`: under delayed scaling, the row x is scaled from in place of history[0]: another product's input row
+    recording the same amaxes (the same x, every step), so that the products of one x cast it once (XLA merges equal
+    casts, in the forward and in the backward's recomputation); this product's amaxes still go to its own history."""
     n = block_of(scaling)
     if n is not None:
         return block_einsum(spec, x, w, n, preferred_element_type=preferred_element_type)
@@ -104,15 +107,19 @@ def einsum(spec: str, x, w, *, accum, preferred_element_type=None, scaling: str 
     delayed = history is not None and delayed_of(scaling) is not None
     if cast is not None and (not delayed or gradient_matrix(spec, x.shape, w.shape) is None):
         cast = None
+    if delayed:
+        x_row = history[0] if x_row is None else jax.lax.stop_gradient(x_row)
+        if x_row.shape != history.shape[1:]:
+            raise ValueError(f"x's row {x_row.shape} is not a row of the history {history.shape}")
     if held is not None:
         wq, sw, aw = held[:3]
         spec = spec.replace(" ", "")
         fspec, wt = forward_operand(spec, held)
         if delayed:
-            return _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, jnp.dtype(accum), out, cast)
+            return _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, x_row, jnp.dtype(accum), out, cast)
         return _einsum_held(spec, fspec, x, w, wq, sw, wt, jnp.dtype(accum), out)
     if delayed:
-        return _delayed(spec.replace(" ", ""), x, w, history, jnp.dtype(accum), out, cast)
+        return _delayed(spec.replace(" ", ""), x, w, history, x_row, jnp.dtype(accum), out, cast)
     return _einsum(spec.replace(" ", ""), x, w, jnp.dtype(accum), out)
 
 
@@ -180,22 +187,23 @@ def _held_bwd(spec, fspec, accum, out_dtype, res, g):  # the held copies take no
 _einsum_held.defvjp(_held_fwd, _held_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 9, 10, 11))
-def _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, cast):
-    return _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, cast)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 10, 11, 12))
+def _delayed_held(spec, fspec, x, w, wq, sw, aw, wt, history, x_row, accum, out_dtype, cast):
+    return _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, x_row, accum, out_dtype, cast)[0]
 
 
-def _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, accum, out_dtype, cast=None):
+def _delayed_held_fwd(spec, fspec, x, w, wq, sw, aw, wt, history, x_row, accum, out_dtype, cast=None):
     seen = jnp.stack([amax_of(x), aw])
-    xq, sx = quantize_delayed(x, history[0], E4M3)
+    xq, sx = quantize_delayed(x, x_row, E4M3)
     zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
     return scaled_product(fspec or spec, xq, wt, sx * sw, accum, out_dtype), (xq, sx, wq, sw, zx, zw, history, seen)
 
 
 def _delayed_held_bwd(spec, fspec, accum, out_dtype, cast, res, g):
     dx, dw, dh = _delayed_bwd(spec, accum, out_dtype, cast, res, g)
-    wq, sw = res[2], res[3]
-    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(sw), jnp.zeros((), jnp.float32), None, dh
+    wq, sw, history = res[2], res[3], res[6]
+    zeros = jnp.zeros_like
+    return dx, dw, zeros(wq), zeros(sw), jnp.zeros((), jnp.float32), None, dh, zeros(history[0])
 
 
 _delayed_held.defvjp(_delayed_held_fwd, _delayed_held_bwd)
@@ -266,14 +274,14 @@ def record(history, amaxes):
     return jnp.zeros_like(history).at[:, 0].set(amaxes.astype(history.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
-def _delayed(spec, x, w, history, accum, out_dtype, cast):
-    return _delayed_fwd(spec, x, w, history, accum, out_dtype, cast)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6, 7))
+def _delayed(spec, x, w, history, x_row, accum, out_dtype, cast):
+    return _delayed_fwd(spec, x, w, history, x_row, accum, out_dtype, cast)[0]
 
 
-def _delayed_fwd(spec, x, w, history, accum, out_dtype, cast):  # the held weight's forward (above)
+def _delayed_fwd(spec, x, w, history, x_row, accum, out_dtype, cast):  # the held weight's forward (above)
     wq, sw, aw = hold(w, w.dtype, history)
-    return _delayed_held_fwd(spec, "", x, w, wq, sw, aw, wq, history, accum, out_dtype)
+    return _delayed_held_fwd(spec, "", x, w, wq, sw, aw, wq, history, x_row, accum, out_dtype)
 
 
 def _delayed_bwd(spec, accum, out_dtype, cast, res, g):
@@ -285,7 +293,11 @@ def _delayed_bwd(spec, accum, out_dtype, cast, res, g):
     return dx, dw, record(history, jnp.concatenate([seen, ag[None]]))
 
 
-_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+def _delayed_plain_bwd(spec, accum, out_dtype, cast, res, g):  # x's row takes no gradient
+    return *_delayed_bwd(spec, accum, out_dtype, cast, res, g), jnp.zeros_like(res[6][0])
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_plain_bwd)
 
 
 def cast_gradient(cast, o: str, a: str, b: str, g, row):
