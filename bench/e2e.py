@@ -239,7 +239,35 @@ def measure(names: list[str], peers: dict[str, list[dict]] | None = None, sets: 
         row["peers"] = (peers or {}).get(name, [])
         for peer in row["peers"]:
             print(show_peer(peer, row), flush=True)
+    for line in against_base(rows):
+        print(line, flush=True)
     return rows
+
+
+SPEEDS = {"train": ("train_step_ms", "train step", True), "decode": ("decode_tok_s", "decode", False),
+          "prefill": ("prefill_tok_s", "prefill", False)}  # kind: (the figure, its name, whether lower is faster)
+
+
+def against_base(rows: list[dict]) -> list[str]:
+    """Each row that is a variant of another row measured in the same run (its name that row's and more: `llama-1b
+    train fp8 delayed` of `llama-1b train`, `20b decode b1 fp8 attn` of `20b decode b1`) set against it: the speed
+    ratio goes into the row as `vs_base` ({"row", "speedup"}: above 1 is faster) and a line for it is returned. Only
+    rows of one call compare: another machine of the same kind differs by a few percent (bench/RESULTS.md)."""
+    done = {r["row"]: r for r in rows if "error" not in r}
+    lines = []
+    for name, row in done.items():
+        bases = [b for b in done if name.startswith(b + " ") and done[b].get("kind") == row.get("kind")]
+        key, what, lower = SPEEDS.get(row.get("kind"), (None, None, None))
+        if not bases or key is None:
+            continue
+        base = max(bases, key=len)
+        mine, theirs = row.get(key), done[base].get(key)
+        if not mine or not theirs:
+            continue
+        speedup = theirs / mine if lower else mine / theirs
+        row["vs_base"] = {"row": base, "speedup": speedup}
+        lines.append(f"# {name}: {what} {speedup:.3f}x the speed of {base}")
+    return lines
 
 
 def measure_here(names: list[str], sets: list[str] = ()) -> list[dict]:

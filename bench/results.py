@@ -88,6 +88,8 @@ def e2e_rows(rows: list[dict], prov: dict) -> list[dict]:
     for r in rows:
         base = dict(case=r["row"], **prov)
         published = f"published: {r['peer']}" if r.get("peer", "-") != "-" else ""
+        vs = r.get("vs_base")  # bench.e2e.against_base: a variant against its base row of the same run
+        against = f"{vs['speedup']:.3f}x the speed of {vs['row']} (same run)" if vs else ""
         if "error" in r:
             out.append(dict(base, impl="tessera run", ms=None, rate=None, unit="", ratio=None,
                             note="; ".join(x for x in (f"FAILED: {r['error'][:160]}", published) if x)))
@@ -102,7 +104,8 @@ def e2e_rows(rows: list[dict], prov: dict) -> list[dict]:
                     out.append(dict(base, impl=f"tessera run, {phase.replace('_', ' ')}", ms=r[phase + "_ms"],
                                     rate=None if mfu is None else 100 * mfu, unit="% MFU",
                                     ratio=best / r["train_step_ms"] if best and phase == "train_step" else None,
-                                    note="; ".join(x for x in (mem, published) if x) if phase == "forward" else ""))
+                                    note="; ".join(x for x in (mem, published) if x) if phase == "forward"
+                                    else against))
             flops, peak = r.get("train_step_flops_per_token"), r.get("peak_flops")
             for p in r.get("peers", []):
                 if "error" in p:
@@ -117,7 +120,7 @@ def e2e_rows(rows: list[dict], prov: dict) -> list[dict]:
             continue
         first = r.get("first_token_s")
         detail = [f"first token {first * 1e3:.1f} ms" if first is not None else "",
-                  f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else "", mem, published]
+                  f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else "", mem, against, published]
         if r.get("kind") == "prefill":
             out.append(dict(base, impl="tessera run, prefill", ms=None if first is None else first * 1e3,
                             rate=r["prefill_tok_s"], unit="tok/s", ratio=None,

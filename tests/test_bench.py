@@ -275,6 +275,33 @@ def test_results_write_one_table_per_suite_each_row_naming_device_jax_and_commit
     assert results.note_of(final) == "" and final.startswith(results.HEADER + "\n## ")
 
 
+def test_e2e_sets_each_variant_against_its_base_row_of_the_same_run():
+    """A row whose name is another row's and more (fp8 of bf16, fp8 attention weights of bf16 decode) gets its speed
+    against the longest such row of the same kind in the run; rows with no base, of another kind or failed get none;
+    bench.results writes the ratio into the train step's or decode's note."""
+    from bench import e2e, results
+
+    rows = [{"row": "llama-1b train", "kind": "train", "train_step_ms": 250.0, "forward_ms": 70.0, "peer": "-"},
+            {"row": "llama-1b train fp8", "kind": "train", "train_step_ms": 200.0, "peer": "-"},
+            {"row": "llama-1b train fp8 delayed", "kind": "train", "train_step_ms": 160.0, "peer": "-"},
+            {"row": "20b decode b1", "kind": "decode", "decode_tok_s": 400.0, "peer": "-"},
+            {"row": "20b decode b1 fp8 attn", "kind": "decode", "decode_tok_s": 404.0, "batch": 1, "peer": "-"},
+            {"row": "20b decode b8", "kind": "decode", "decode_tok_s": 1600.0, "peer": "-"},
+            {"row": "20b-layers train", "kind": "train", "error": "out of memory", "peer": "-"},
+            {"row": "20b-layers train deterministic", "kind": "train", "train_step_ms": 130.0, "peer": "-"}]
+    lines = e2e.against_base(rows)
+    assert lines == ["# llama-1b train fp8: train step 1.250x the speed of llama-1b train",
+                     "# llama-1b train fp8 delayed: train step 1.250x the speed of llama-1b train fp8",
+                     "# 20b decode b1 fp8 attn: decode 1.010x the speed of 20b decode b1"]
+    assert rows[2]["vs_base"] == {"row": "llama-1b train fp8", "speedup": 1.25}
+    assert [r["row"] for r in rows if "vs_base" in r] == ["llama-1b train fp8", "llama-1b train fp8 delayed",
+                                                          "20b decode b1 fp8 attn"]
+    table = results.e2e_rows([rows[1], rows[4]], PROV)
+    assert table[0]["impl"] == "tessera run, train step" and \
+        table[0]["note"] == "1.250x the speed of llama-1b train (same run)"
+    assert "1.010x the speed of 20b decode b1 (same run)" in table[1]["note"]
+
+
 def test_results_commit_is_the_short_hash_and_says_dirty(tmp_path, monkeypatch):
     import subprocess
 
