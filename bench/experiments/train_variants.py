@@ -25,7 +25,9 @@ variants:
   transposes) where the step runs the fp8_cast kernels (tessera/lower/kernels/fp8_cast.py, `kernels.FP8_CAST_IN_STEPS`:
   SwiGLU's two gradients and every other delayed product's output gradient as codes in both layouts with their amaxes,
   one pass);
-- "xla casts mlp one by one": both, the form of session 45.
+- "xla casts mlp one by one": both, the form of session 45;
+- "x rows apart": q, k and v (and gate and up, where the MLP is not fused) each scaling x by its own input row, the
+  form built until session 51 (now by q's: equal rows, one cast of x that XLA shares; `ops_nn._shared_row`).
 All but the barrier need a spec under `fp8_e4m3 @scale(delayed(H))`, the barrier any fp8 default, e.g.
 `--set 'numerics.default=fp8_e4m3 @scale(delayed(16)) @accum(fp32)'`. Variant names hold no commas (`--only`).
 
@@ -59,7 +61,7 @@ import numpy as np  # noqa: E402
 
 from bench.experiments.lowering_variants import (  # noqa: E402
     barrier_before_weight_gradient, every_operand_falls_back, history_only, patched)
-from tessera.lower import fp8_mlp, interpret, kernels  # noqa: E402
+from tessera.lower import fp8_mlp, interpret, kernels, ops_nn  # noqa: E402
 from tessera.lower.reference import fp8  # noqa: E402
 
 
@@ -152,6 +154,7 @@ VARIANTS = {
     "xla casts": [(kernels, "FP8_CAST_IN_STEPS", False)],
     "xla casts mlp one by one": [(kernels, "FP8_CAST_IN_STEPS", False),
                                     (fp8_mlp, "applies", lambda *args: False)],
+    "x rows apart": [(ops_nn, "_shared_row", lambda *args: None)],
 }
 
 
