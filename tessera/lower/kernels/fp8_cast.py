@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from tessera.lower.kernels._vma import common, out_struct
 from tessera.lower.kernels.mxfp4_matmul import _capability
+from tessera.lower.reference import activations
 from tessera.lower.reference.fp8 import delayed_scale, known
 from tessera.lower.reference.fp8_scale import E4M3, E5M2, codes
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,21 +90,15 @@ def supported(*operands, config: CastConfig = DEFAULT) -> bool:
 
 def _swiglu_grads(dh_ref, g_ref, u_ref):
     """d gate, d up of one tile in fp32, each rounded to gate's dtype (JAX's VJP's order of operations)."""
-    g = g_ref[...].astype(jnp.float32)
-    u = u_ref[...].astype(jnp.float32)
-    dh = dh_ref[...].astype(jnp.float32)
-    sig = jax.nn.sigmoid(g)
-    m = dh * u
-    dg = m * sig + (g * m) * (sig * (1.0 - sig))
-    du = (g * sig) * dh
+    dg, du = activations.swiglu_grads_wide(g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32),
+                                           dh_ref[...].astype(jnp.float32))
     wide = g_ref.dtype
     return dg.astype(wide).astype(jnp.float32), du.astype(wide).astype(jnp.float32)
 
 
 def _swiglu(dh_ref, g_ref, u_ref):
     """h = swiglu(gate, up) of one tile (reference/activations.py: in fp32, rounded to gate's dtype once), fp32."""
-    g = g_ref[...].astype(jnp.float32)
-    h = g * jax.nn.sigmoid(g) * u_ref[...].astype(jnp.float32)
+    h = activations.swiglu_wide(g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32))
     return h.astype(g_ref.dtype).astype(jnp.float32)
 
 

@@ -35,7 +35,20 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     its backward (deterministic mode under `remat: none`: Llama-1B's step on one H100 peaked 4.8 GiB, 11 %, above
     its plan). The backward computes JAX's own VJP of the expression above, in its order of operations."""
     g = gate.astype(wide(gate.dtype))
-    return (g * jax.nn.sigmoid(g) * up.astype(g.dtype)).astype(gate.dtype)
+    return swiglu_wide(g, up.astype(g.dtype)).astype(gate.dtype)
+
+
+def swiglu_wide(g, u):
+    """silu(g) · u of operands already widened: `swiglu`'s arithmetic (a kernel's tile computes it too)."""
+    return g * jax.nn.sigmoid(g) * u
+
+
+def swiglu_grads_wide(g, u, d):
+    """(d gate, d up) of `swiglu_wide(g, u)` for its output gradient d, all widened: JAX's own VJP of that expression,
+    in its order of operations (`swiglu`'s backward, and fp8_cast's kernel tile)."""
+    sig = jax.nn.sigmoid(g)
+    m = d * u
+    return m * sig + (g * m) * (sig * (1.0 - sig)), (g * sig) * d
 
 
 def _swiglu_fwd(gate, up):
@@ -45,11 +58,8 @@ def _swiglu_fwd(gate, up):
 def _swiglu_bwd(res, dh):
     gate, up = res
     g = gate.astype(wide(gate.dtype))
-    u, d = up.astype(g.dtype), dh.astype(g.dtype)
-    sig = jax.nn.sigmoid(g)
-    m = d * u
-    dg = m * sig + (g * m) * (sig * (1.0 - sig))
-    return _summed_to(dg, gate).astype(gate.dtype), _summed_to((g * sig) * d, up).astype(up.dtype)
+    dg, du = swiglu_grads_wide(g, up.astype(g.dtype), dh.astype(g.dtype))
+    return _summed_to(dg, gate).astype(gate.dtype), _summed_to(du, up).astype(up.dtype)
 
 
 def _summed_to(x: jax.Array, like: jax.Array) -> jax.Array:
