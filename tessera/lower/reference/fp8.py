@@ -32,10 +32,7 @@ import jax.numpy as jnp
 
 from tessera.lower.reference import accum as accum_ref
 from tessera.lower.reference.fp8_per_block import block_einsum, block_of, ragged_blocked
-from tessera.lower.reference.fp8_scale import E4M3, E5M2, codes, pow2_scale, quantize, split_spec
-
-
-
+from tessera.lower.reference.fp8_scale import E4M3, E5M2, amax_of, codes, pow2_scale, quantize, split_spec
 
 
 # XLA:GPU runs an fp8 × fp8 dot at DEFAULT precision with cuBLASLt's "fast accumulation" (Hopper's fp8 tensor-core
@@ -233,10 +230,6 @@ def delayed_of(scaling) -> int | None:
     if isinstance(scaling, str) and scaling.startswith("delayed(") and scaling.endswith(")"):
         return int(scaling[len("delayed("):-1])
     return None
-
-
-def amax_of(x):
-    return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
 def quantize_delayed(x, row, dtype, fallback=None):

@@ -32,10 +32,15 @@ def codes(x, s, dtype):
     return jnp.clip(x.astype(jnp.float32) * s, -big, big).astype(dtype)
 
 
+def amax_of(x):
+    """max |x| in fp32: the range a per-tensor scale and an amax history take."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
 def quantize(x, dtype):
     """(x_q in fp8 `dtype`, s): x scaled by the power of two s that brings amax|x| just under the format's
     largest value, rounded to fp8 (saturating); x ≈ x_q / s. An all-zero x gets s = 1."""
-    s = pow2_scale(jnp.max(jnp.abs(x.astype(jnp.float32))), dtype)
+    s = pow2_scale(amax_of(x), dtype)
     return codes(x, s, dtype), s
 
 
